@@ -1,0 +1,174 @@
+"""model.py against HF transformers: logits, KV-cache decoding, rope, configs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from checkpoint import build_model, read_checkpoint_info
+from model import MODEL_REGISTRY, ModelArgs, Transformer, rope_frequencies
+
+from conftest import save_tiny_hf_checkpoint, tiny_hf_config
+
+
+def load_fp32(path):
+    return build_model(read_checkpoint_info(path), "cpu", torch.float32)
+
+
+def full_forward(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    model.setup_caches(ids.shape[0], ids.shape[1])
+    return model(ids, torch.arange(ids.shape[1]))
+
+
+def test_converted_logits_match_hf(hf_variant_checkpoint):
+    variant, _, hf_model, path = hf_variant_checkpoint
+    model = load_fp32(path)
+    torch.manual_seed(1)
+    ids = torch.randint(0, hf_model.config.vocab_size, (2, 40))
+    with torch.no_grad():
+        ours = full_forward(model, ids)
+        ref = hf_model(ids).logits.float()
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-4, variant
+
+
+def test_llama3_rope_beyond_original_length_matches_hf(tmp_path):
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path, "llama3_rope")
+    model = load_fp32(convert_hf_checkpoint(hf_dir, dtype="float32"))
+    ids = torch.randint(0, 512, (1, 300))  # far past original_max_position_embeddings=32
+    with torch.no_grad():
+        diff = (full_forward(model, ids) - hf_model(ids).logits.float()).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_incremental_decoding_matches_full_forward(tiny_checkpoint):
+    path, _ = tiny_checkpoint
+    model = load_fp32(path)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        full = full_forward(model, ids)
+        model.setup_caches(2, 64)  # a cache longer than the sequence: unused slots must be masked
+        prefix = 8
+        steps = [model(ids[:, :prefix], torch.arange(prefix))]
+        for pos in range(prefix, ids.shape[1]):
+            steps.append(model(ids[:, pos:pos + 1], torch.tensor([pos])))
+    incremental = torch.cat(steps, dim=1)
+    assert (incremental - full).abs().max().item() <= 1e-4
+
+
+def test_last_token_only_returns_the_last_position(tiny_checkpoint):
+    model = load_fp32(tiny_checkpoint[0])
+    ids = torch.randint(0, 512, (1, 10))
+    with torch.no_grad():
+        full = full_forward(model, ids)
+        model.setup_caches(1, 10)
+        last = model(ids, torch.arange(10), last_token_only=True)
+    assert last.shape == (1, 1, 512)
+    torch.testing.assert_close(last[:, 0], full[:, -1])
+
+
+def test_forward_without_cache_is_a_clear_error():
+    model = Transformer(ModelArgs.from_name("debug-tiny"))
+    with pytest.raises(RuntimeError, match="setup_caches"):
+        model(torch.zeros(1, 3, dtype=torch.long), torch.arange(3))
+
+
+def test_cache_longer_than_context_is_refused():
+    model = Transformer(ModelArgs.from_name("debug-tiny"))
+    with pytest.raises(ValueError, match="context"):
+        model.setup_caches(1, 10_000)
+
+
+def test_from_name_unknown_lists_known_names():
+    with pytest.raises(ValueError, match="Llama-2-7B") as info:
+        ModelArgs.from_name("Llama-9-1T")
+    assert "Llama-9-1T" in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_REGISTRY))
+def test_registry_entries_are_valid(name):
+    args = ModelArgs.from_name(name)
+    assert args.n_head % args.n_kv_heads == 0 and args.head_dim % 2 == 0
+
+
+def test_registry_7b_parameter_count():
+    args = ModelArgs.from_name("Llama-2-7B")
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert sum(p.numel() for p in model.parameters()) == 6_738_415_616
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(num_key_value_heads=1), dict(n_kv_heads=1)),
+        (dict(head_dim=24), dict(head_dim=24)),
+        (dict(rope_theta=123.0), dict(rope_base=123.0)),
+        (dict(rms_norm_eps=1e-6), dict(norm_eps=1e-6)),
+        (dict(tie_word_embeddings=True), dict(tie_word_embeddings=True)),
+        (dict(max_position_embeddings=777), dict(block_size=777)),
+    ],
+)
+def test_from_hf_config_fields(overrides, expected):
+    args = ModelArgs.from_hf_config(tiny_hf_config(num_attention_heads=4, **overrides).to_dict())
+    for key, value in expected.items():
+        assert getattr(args, key) == value
+
+
+def test_from_hf_config_reads_transformers4_style_rope_scaling():
+    config = tiny_hf_config(num_attention_heads=4).to_dict()
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    args = ModelArgs.from_hf_config(config)
+    assert args.rope_base == 500000.0 and args.rope_scaling.factor == 8.0
+
+
+def test_from_hf_config_rejects_other_architectures():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        ModelArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+
+
+def test_from_hf_config_rejects_unsupported_rope():
+    config = tiny_hf_config(num_attention_heads=4).to_dict()
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="yarn"):
+        ModelArgs.from_hf_config(config)
+
+
+def test_mistral_sliding_window_caps_context():
+    config = tiny_hf_config(num_attention_heads=4, max_position_embeddings=32768).to_dict()
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096)
+    assert ModelArgs.from_hf_config(config).block_size == 4096
+
+
+def test_model_args_validation():
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        ModelArgs(dim=64, n_head=4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="positive integer"):
+        ModelArgs(dim=0)
+
+
+def test_rope_llama3_scaling_keeps_high_frequencies_and_slows_low_ones():
+    plain = rope_frequencies(ModelArgs.from_name("Llama-3-8B"))
+    scaled = rope_frequencies(ModelArgs.from_name("Llama-3.1-8B"))
+    assert plain.dtype == torch.float32 and plain.shape == (64,)
+    torch.testing.assert_close(scaled[:10], plain[:10])  # short wavelengths untouched
+    torch.testing.assert_close(scaled[-5:], plain[-5:] / 8.0)  # long wavelengths divided by the factor
+    assert torch.all(scaled <= plain + 1e-12)
+
+
+def test_rope_table_is_fp32_and_matches_cos_sin():
+    from model import rope_table
+
+    args = ModelArgs.from_name("debug-tiny")
+    table = rope_table(args, 50)
+    assert table.shape == (50, 2, args.head_dim // 2) and table.dtype == torch.float32
+    pos, i = 37, 3
+    angle = 37 * (1.0 / (args.rope_base ** (2 * i / args.head_dim)))
+    assert math.isclose(table[pos, 0, i].item(), math.cos(angle), abs_tol=1e-5)
+    assert math.isclose(table[pos, 1, i].item(), math.sin(angle), abs_tol=1e-5)
