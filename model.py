@@ -340,8 +340,11 @@ class Transformer(nn.Module):
         """Activations run in the dtype of the norms (quantized weights are int8, so not those)."""
         return self.norm.weight.dtype
 
-    def forward(self, idx: Tensor, input_pos: Tensor, last_token_only: bool = False) -> Tensor:
-        """idx (B, T) token ids at positions input_pos (T,). Returns logits (B, T, vocab), or (B, 1, vocab)."""
+    def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None) -> Tensor:
+        """idx (B, T) token ids at positions input_pos (T,). Returns logits (B, T, vocab).
+
+        logits_at (L,) picks the sequence indices whose logits are computed (B, L, vocab); prefill only needs one.
+        """
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         # Each query attends to cached positions up to its own; built per call, so no (S, S) buffer.
@@ -351,6 +354,6 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)  # (B, T, dim)
         for layer in self.layers:
             x = layer(x, rope, mask, input_pos)
-        if last_token_only:
-            x = x[:, -1:]
+        if logits_at is not None:
+            x = x.index_select(1, logits_at)  # (B, L, dim)
         return self.output(self.norm(x))  # (B, T, vocab)

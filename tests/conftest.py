@@ -15,6 +15,204 @@ def pytest_collection_modifyitems(config, items):
 
 
 # --- model and checkpoint fixtures (owner: model/checkpoint) ---
+import json
+from pathlib import Path
+
+# Tiny HF Llama configs, one per feature the converter and model must handle.
+HF_VARIANTS: dict[str, dict] = {
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4),
+    "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
+    "mqa": dict(num_attention_heads=4, num_key_value_heads=1),
+    "llama3_rope": dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "tied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "head_dim": dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24),
+    "sharded": dict(num_attention_heads=4, num_key_value_heads=2),
+    "bin": dict(num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def tiny_hf_config(**overrides):
+    from transformers import LlamaConfig
+
+    base = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=160, vocab_size=512,
+                max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    base.update(overrides)
+    return LlamaConfig(**base)
+
+
+def save_tiny_hf_checkpoint(out_dir: Path, variant: str = "gqa", seed: int = 0, **overrides):
+    """Save a random LlamaForCausalLM in HF layout; returns (out_dir, fp32 HF model in eval mode)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(**{**HF_VARIANTS[variant], **overrides})
+    model = LlamaForCausalLM(config).eval()
+    # Random norms too, so a wrong norm mapping cannot hide behind all-ones weights.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if variant == "bin":
+        config.save_pretrained(out_dir)
+        torch.save(model.state_dict(), out_dir / "pytorch_model.bin")
+    elif variant == "sharded":
+        model.save_pretrained(out_dir, max_shard_size="100KB")
+    else:
+        model.save_pretrained(out_dir)
+    return out_dir, model
+
+
+@pytest.fixture(scope="session", params=sorted(HF_VARIANTS))
+def hf_variant_checkpoint(request, tmp_path_factory):
+    """(variant, HF dir, HF model, converted fp32 Redline file) for every variant."""
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path_factory.mktemp(f"hf-{request.param}"), request.param)
+    path = convert_hf_checkpoint(hf_dir, dtype="float32")
+    return request.param, hf_dir, hf_model, path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A converted fp32 tiny GQA checkpoint with its HF reference model: (path, hf_model)."""
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf-tiny"), "gqa")
+    return convert_hf_checkpoint(hf_dir, dtype="float32"), hf_model
+
 
 
 # --- tokenizer fixtures (owner: tokenizer) ---
+
+# Sample text for the tokenizer fixtures: English, code with indentation, and multi-byte characters.
+_TOKENIZER_SAMPLE_LINES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A tokenizer turns text into ids, and ids back into the same text.",
+    "Llama models read tokens, predict the next one, and stop at the end of a turn.",
+    "héllo wörld, ça va? naïve café, jalapeño, Straße, smörgåsbord.",
+    "日本語のテキストも正しく扱えます。東京、大阪、京都。",
+    "Emoji too: 🚀 launch, 🦙 llama, 🔥 fire, 👍🏽 thumbs up.",
+    "Ελληνικά, русский текст, עברית, العربية, हिन्दी.",
+    "def fibonacci(n: int) -> int:",
+    "    if n < 2:",
+    "        return n",
+    "    return fibonacci(n - 1) + fibonacci(n - 2)",
+    "for i in range(10):",
+    "    print(f\"{i}: {fibonacci(i)}\")",
+    "class Cache:",
+    "    def __init__(self, size=128):",
+    "        self.data = {}  # key -> value",
+    "if (x != NULL && y >= 0) { return x[y]; } else { return -1; }",
+    "numbers 0123456789, 3.14159, 2**10 == 1024, 1e-5",
+    "The model has 32 layers, 4096 dimensions and 32000 tokens in its vocabulary.",
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_sample_text() -> str:
+    """A few KB of mixed English, Python/C code and non-ASCII text, used to train the tiny tokenizers."""
+    return "\n".join(_TOKENIZER_SAMPLE_LINES * 4) + "\n"
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer_dir(tmp_path_factory, tokenizer_sample_text):
+    """A directory with a tiny SentencePiece BPE `tokenizer.model` (512 pieces, byte fallback,
+    Llama-2-style settings: unk=0, bos=1, eos=2, identity normalisation, whitespace kept)."""
+    import sentencepiece as spm
+
+    directory = tmp_path_factory.mktemp("sp_tokenizer")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(tokenizer_sample_text.splitlines()),
+        model_prefix=str(directory / "tokenizer"),
+        model_type="bpe",
+        vocab_size=512,
+        hard_vocab_limit=False,
+        byte_fallback=True,
+        character_coverage=0.995,  # the rarest characters (the emoji) go through byte fallback
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=True,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return directory
+
+
+def _train_byte_bpe_ranks(text: str, num_merges: int) -> dict[bytes, int]:
+    """Tiktoken-style mergeable ranks: the 256 single bytes (rank = byte value), then `num_merges`
+    merges of the most frequent adjacent pair, each ranked after both of its parts."""
+    import re
+    from collections import Counter
+
+    ranks = {bytes([b]): b for b in range(256)}
+    words = Counter(re.findall(r" ?\w+| ?[^\w\s]+|\s+", text))
+    seqs = {tuple(bytes([c]) for c in word.encode("utf-8")): n for word, n in words.items()}
+    for _ in range(num_merges):
+        pairs: Counter = Counter()
+        for seq, n in seqs.items():
+            for pair in zip(seq, seq[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        (left, right), _ = pairs.most_common(1)[0]
+        ranks.setdefault(left + right, len(ranks))
+        merged_seqs = {}
+        for seq, n in seqs.items():
+            out, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and seq[i] == left and seq[i + 1] == right:
+                    out.append(left + right)
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            merged_seqs[tuple(out)] = merged_seqs.get(tuple(out), 0) + n
+        seqs = merged_seqs
+    return ranks
+
+
+@pytest.fixture(scope="session")
+def tiktoken_tokenizer_dir(tmp_path_factory, tokenizer_sample_text):
+    """A directory with a tiny tiktoken-format (Llama 3 style) `tokenizer.model`: the 256 single
+    bytes plus 64 merges learned from the sample text, one `<base64 token> <rank>` per line."""
+    import base64
+
+    directory = tmp_path_factory.mktemp("tiktoken_tokenizer")
+    ranks = _train_byte_bpe_ranks(tokenizer_sample_text, num_merges=64)
+    lines = [f"{base64.b64encode(token).decode('ascii')} {rank}\n" for token, rank in ranks.items()]
+    (directory / "tokenizer.model").write_text("".join(lines), encoding="ascii")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory, tokenizer_sample_text):
+    """A directory with a tiny byte-level BPE `tokenizer.json` (special tokens `<s>` = 0 and
+    `</s>` = 1) and a `tokenizer_config.json` naming them as BOS (a string) and EOS (a dict)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory = tmp_path_factory.mktemp("hf_tokenizer")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(tokenizer_sample_text.splitlines(keepends=True), trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return directory

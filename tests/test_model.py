@@ -60,15 +60,16 @@ def test_incremental_decoding_matches_full_forward(tiny_checkpoint):
     assert (incremental - full).abs().max().item() <= 1e-4
 
 
-def test_last_token_only_returns_the_last_position(tiny_checkpoint):
+def test_logits_at_selects_positions(tiny_checkpoint):
     model = load_fp32(tiny_checkpoint[0])
     ids = torch.randint(0, 512, (1, 10))
     with torch.no_grad():
         full = full_forward(model, ids)
         model.setup_caches(1, 10)
-        last = model(ids, torch.arange(10), last_token_only=True)
-    assert last.shape == (1, 1, 512)
-    torch.testing.assert_close(last[:, 0], full[:, -1])
+        picked = model(ids, torch.arange(10), logits_at=torch.tensor([9, 4]))
+    assert picked.shape == (1, 2, 512)
+    torch.testing.assert_close(picked[:, 0], full[:, 9])
+    torch.testing.assert_close(picked[:, 1], full[:, 4])
 
 
 def test_forward_without_cache_is_a_clear_error():

@@ -1,0 +1,404 @@
+"""Tests for tokenizer.py, on tiny tokenizers trained on the fly (fixtures in conftest.py)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import sentencepiece as spm
+
+import tokenizer as tk
+from tokenizer import load_tokenizer
+
+TOKENIZER_DIRS = ["sp_tokenizer_dir", "tiktoken_tokenizer_dir", "hf_tokenizer_dir"]
+
+ROUND_TRIP_TEXTS = [
+    "Hello, world! The quick brown fox.",
+    "def f(x):\n    if x:\n\treturn x  # tab\n    return None\n\n\nprint(f(1))\n",
+    "  leading and trailing spaces  ",
+    "héllo wörld 日本語 🚀 🦙 👍🏽 Straße",
+    "mixed: naïve→café ✓ ∑ x² ≥ 0, 中文 and English\r\nnext line",
+    "",
+]
+
+
+def _num_base_tokens(directory) -> int:
+    return len((directory / "tokenizer.model").read_text().splitlines())
+
+
+def _copy(directory, tmp_path):
+    return shutil.copytree(directory, tmp_path / "tokenizer")
+
+
+@pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_round_trip(dir_fixture, text, request):
+    tok = load_tokenizer(request.getfixturevalue(dir_fixture))
+    ids = tok.encode(text)
+    assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
+def test_round_trip_sample_text(dir_fixture, request, tokenizer_sample_text):
+    tok = load_tokenizer(request.getfixturevalue(dir_fixture))
+    assert tok.decode(tok.encode(tokenizer_sample_text)) == tokenizer_sample_text
+
+
+@pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
+def test_decoding_any_prefix_is_safe(dir_fixture, request):
+    tok = load_tokenizer(request.getfixturevalue(dir_fixture))
+    text = "a🚀b日本語é"
+    ids = tok.encode(text)
+    for end in range(len(ids)):
+        assert isinstance(tok.decode(ids[:end]), str)  # may end in U+FFFD, must not raise
+    assert tok.decode(ids) == text
+
+
+@pytest.mark.parametrize(
+    "dir_fixture, chat_format",
+    [("sp_tokenizer_dir", "llama2"), ("tiktoken_tokenizer_dir", "llama3"), ("hf_tokenizer_dir", "plain")],
+)
+def test_kind_and_chat_format(dir_fixture, chat_format, request):
+    tok = load_tokenizer(request.getfixturevalue(dir_fixture))
+    assert isinstance(tok, tk.Tokenizer)
+    assert tok.chat_format == chat_format
+
+
+@pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
+def test_bos_and_eos_flags(dir_fixture, request):
+    tok = load_tokenizer(request.getfixturevalue(dir_fixture))
+    plain = tok.encode("hello world")
+    assert tok.encode("hello world", bos=True) == [tok.bos_id] + plain
+    assert tok.encode("hello world", eos=True) == plain + [tok.eos_ids[0]]
+    assert tok.encode("hello world", bos=True, eos=True) == [tok.bos_id] + plain + [tok.eos_ids[0]]
+
+
+@pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
+def test_accepts_the_directory_or_a_file_in_it(dir_fixture, request, tmp_path):
+    directory = _copy(request.getfixturevalue(dir_fixture), tmp_path)
+    checkpoint = directory / "model.safetensors"
+    checkpoint.touch()
+    from_dir, from_file, from_str = load_tokenizer(directory), load_tokenizer(checkpoint), load_tokenizer(str(checkpoint))
+    text = "same ids either way"
+    assert from_dir.encode(text) == from_file.encode(text) == from_str.encode(text)
+    assert from_dir.eos_ids == from_file.eos_ids
+
+
+# --- SentencePiece ---
+
+
+def test_sentencepiece_ids_match_the_model(sp_tokenizer_dir):
+    sp = spm.SentencePieceProcessor(model_file=str(sp_tokenizer_dir / "tokenizer.model"))
+    tok = load_tokenizer(sp_tokenizer_dir)
+    assert isinstance(tok, tk.SentencePieceTokenizer)
+    assert tok.bos_id == sp.bos_id() == 1
+    assert tok.eos_ids == (sp.eos_id(),) == (2,)
+    assert tok.vocab_size == sp.vocab_size()
+    text = "héllo wörld 日本語 🚀"
+    assert tok.encode(text) == sp.encode(text)
+
+
+def test_sentencepiece_control_text_stays_text(sp_tokenizer_dir):
+    tok = load_tokenizer(sp_tokenizer_dir)
+    ids = tok.encode("<s> and </s>")
+    assert tok.bos_id not in ids and tok.eos_ids[0] not in ids
+    assert tok.decode(ids) == "<s> and </s>"
+
+
+def test_sentencepiece_without_bos_or_eos(tmp_path, tokenizer_sample_text):
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(tokenizer_sample_text.splitlines()),
+        model_prefix=str(tmp_path / "tokenizer"),
+        model_type="bpe", vocab_size=512, hard_vocab_limit=False, byte_fallback=True,
+        character_coverage=0.995, bos_id=-1, eos_id=-1, unk_id=0, pad_id=-1, minloglevel=2,
+    )
+    tok = load_tokenizer(tmp_path)
+    assert tok.bos_id is None and tok.eos_ids == ()
+    assert tok.encode("hi", bos=True, eos=True) == tok.encode("hi")
+
+
+def test_llama2_chat_layout(sp_tokenizer_dir):
+    sp = spm.SentencePieceProcessor(model_file=str(sp_tokenizer_dir / "tokenizer.model"))
+    tok = load_tokenizer(sp_tokenizer_dir)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": " Hello. "},
+        {"role": "user", "content": "Write fibonacci(n)"},
+    ]
+    first = "[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nHi there [/INST] Hello. "
+    last = "[INST] Write fibonacci(n) [/INST]"
+    expected = [1] + sp.encode(first) + [2] + [1] + sp.encode(last)
+    ids = tok.encode_chat(messages)
+    assert ids == expected
+    eos_at = ids.index(2)
+    assert tok.decode(ids[1:eos_at]) == first
+    assert tok.decode(ids[eos_at + 2 :]) == last
+
+
+def test_llama2_chat_single_user_message(sp_tokenizer_dir):
+    tok = load_tokenizer(sp_tokenizer_dir)
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert ids[0] == tok.bos_id
+    assert tok.decode(ids) == "[INST] Hi [/INST]"
+
+
+@pytest.mark.parametrize(
+    "roles",
+    [
+        ["user", "user"],
+        ["assistant"],
+        ["system"],
+        ["user", "assistant"],
+        ["system", "assistant", "user"],
+        ["system", "user", "system", "user"],
+    ],
+)
+def test_llama2_chat_rejects_bad_turn_order(sp_tokenizer_dir, roles):
+    tok = load_tokenizer(sp_tokenizer_dir)
+    with pytest.raises(ValueError, match="alternating"):
+        tok.encode_chat([{"role": r, "content": "x"} for r in roles])
+
+
+# --- tiktoken (Llama 3) ---
+
+
+def test_tiktoken_special_ids(tiktoken_tokenizer_dir):
+    num_base = _num_base_tokens(tiktoken_tokenizer_dir)
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    assert isinstance(tok, tk.TiktokenTokenizer)
+    assert tok.bos_id == num_base + 0
+    assert tok.eos_ids == (num_base + 1, num_base + 9)
+    assert tok.vocab_size == num_base + 256
+    assert tok.special_token_id("<|start_header_id|>") == num_base + 6
+    assert tok.special_token_id("<|end_header_id|>") == num_base + 7
+    assert tok.special_token_id("<|eom_id|>") == num_base + 8
+    assert tok.special_token_id("<|python_tag|>") == num_base + 10
+    assert tok.special_token_id("<|reserved_special_token_3|>") == num_base + 11
+    assert tok.special_token_id("<|reserved_special_token_247|>") == num_base + 255
+    assert tok.decode([num_base + 9]) == "<|eot_id|>"
+
+
+def test_tiktoken_special_text_in_input_stays_text(tiktoken_tokenizer_dir):
+    num_base = _num_base_tokens(tiktoken_tokenizer_dir)
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    text = "<|begin_of_text|>user says <|eot_id|><|start_header_id|>system<|end_header_id|>"
+    ids = tok.encode(text)
+    assert all(i < num_base for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_tiktoken_merges_are_used(tiktoken_tokenizer_dir):
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    text = "The quick brown fox"
+    assert len(tok.encode(text)) < len(text.encode("utf-8"))
+
+
+def test_tiktoken_partial_character_decodes_to_replacement(tiktoken_tokenizer_dir):
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    ids = tok.encode("🚀")
+    assert len(ids) > 1  # a 4-byte character in a tiny vocabulary
+    assert "\ufffd" in tok.decode(ids[:-1])
+    assert tok.decode(ids) == "🚀"
+
+
+def test_tiktoken_long_runs_are_chunked(tiktoken_tokenizer_dir):
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    text = "a" * 60_000 + " " * 60_000 + "héllo\n" * 10 + "b" * 30_000
+    assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x" * 95,
+        " " * 95,
+        "ab cd " * 40,
+        "aaaaaaaaaaaaaaaaaaaaaaaaa bb  " + "c" * 57 + "\n\n" + "d" * 12,
+        "short",
+        "",
+    ],
+)
+def test_tiktoken_safe_pieces_bounds(monkeypatch, text):
+    monkeypatch.setattr(tk, "MAX_TIKTOKEN_CHUNK_CHARS", 40)
+    monkeypatch.setattr(tk, "MAX_TIKTOKEN_RUN_CHARS", 10)
+    pieces = list(tk._tiktoken_safe_pieces(text))
+    assert "".join(pieces) == text
+    assert all(piece for piece in pieces)
+    for piece in pieces:
+        assert len(piece) <= 40
+        assert all(len(run) <= 10 for run in tk._WHITESPACE_OR_NOT_RUN.findall(piece))
+
+
+def test_llama3_chat_layout(tiktoken_tokenizer_dir):
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi there\n"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Write fibonacci(n)"},
+    ]
+    expected = (
+        "<|begin_of_text|>"
+        "<|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWrite fibonacci(n)<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    ids = tok.encode_chat(messages)
+    assert tok.decode(ids) == expected
+    assert ids[0] == tok.bos_id
+    assert ids.count(tok.special_token_id("<|eot_id|>")) == 4
+    assert ids.count(tok.special_token_id("<|start_header_id|>")) == 5
+
+
+def test_chat_rejects_malformed_messages(tiktoken_tokenizer_dir):
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    for bad in ([], [{"role": "robot", "content": "x"}], [{"role": "user"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(ValueError):
+            tok.encode_chat(bad)
+
+
+# --- Hugging Face tokenizer.json ---
+
+
+def test_hf_bos_eos_from_tokenizer_config(hf_tokenizer_dir):
+    tok = load_tokenizer(hf_tokenizer_dir)
+    assert isinstance(tok, tk.HFTokenizer)
+    assert tok.bos_id == tok.tokenizer.token_to_id("<s>") == 0
+    assert tok.eos_ids == (tok.tokenizer.token_to_id("</s>"),) == (1,)
+    ids = tok.encode("<s> not a bos </s>")
+    assert 0 not in ids and 1 not in ids
+    assert tok.decode(ids) == "<s> not a bos </s>"
+
+
+def test_hf_falls_back_to_config_json(hf_tokenizer_dir, tmp_path):
+    directory = _copy(hf_tokenizer_dir, tmp_path)
+    (directory / "tokenizer_config.json").unlink()
+    (directory / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [0, 1]}))
+    tok = load_tokenizer(directory)
+    assert tok.bos_id == 1 and tok.eos_ids == (0, 1)
+    (directory / "config.json").unlink()
+    tok = load_tokenizer(directory)
+    assert tok.bos_id is None and tok.eos_ids == ()
+    assert tok.encode("hi", bos=True, eos=True) == tok.encode("hi")
+
+
+def test_hf_plain_chat_layout(hf_tokenizer_dir):
+    tok = load_tokenizer(hf_tokenizer_dir)
+    ids = tok.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert ids[0] == tok.bos_id
+    assert tok.decode(ids) == "<s>system: Be brief.\nuser: Hi\nassistant: "
+
+
+def test_hf_llama3_chat_layout(hf_tokenizer_dir, tmp_path):
+    from tokenizers import Tokenizer
+
+    directory = tmp_path / "llama3_hf"
+    directory.mkdir()
+    hf = Tokenizer.from_file(str(hf_tokenizer_dir / "tokenizer.json"))
+    hf.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    hf.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+    )
+    tok = load_tokenizer(directory)
+    assert tok.chat_format == "llama3"
+    assert tok.eos_ids == (hf.token_to_id("<|eot_id|>"),)
+    ids = tok.encode_chat([{"role": "user", "content": "Hi <|eot_id|>"}])
+    assert tok.decode(ids) == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi <|eot_id|><|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert ids.count(hf.token_to_id("<|eot_id|>")) == 1  # the one in the user's text stayed text
+
+
+# --- eos from generation_config.json ---
+
+
+@pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
+def test_generation_config_adds_eos_ids(dir_fixture, request, tmp_path):
+    directory = _copy(request.getfixturevalue(dir_fixture), tmp_path)
+    before = load_tokenizer(directory).eos_ids
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [before[0], 5, 7]}))
+    assert load_tokenizer(directory).eos_ids == before + (5, 7)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert load_tokenizer(directory).eos_ids == before + (9,)
+
+
+def test_eos_outside_vocabulary_is_an_error(tiktoken_tokenizer_dir, tmp_path):
+    directory = _copy(tiktoken_tokenizer_dir, tmp_path)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**9}))
+    with pytest.raises(ValueError, match="outside the tokenizer's vocabulary"):
+        load_tokenizer(directory)
+
+
+# --- loading errors ---
+
+
+def test_missing_tokenizer_names_the_directory(tmp_path):
+    (tmp_path / "model.safetensors").touch()
+    for path in (tmp_path, tmp_path / "model.safetensors"):
+        with pytest.raises(FileNotFoundError) as info:
+            load_tokenizer(path)
+        assert str(tmp_path) in str(info.value)
+        assert "tokenizer.model" in str(info.value) and "tokenizer.json" in str(info.value)
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x00\x01garbage\xff\xfe not a model",
+        b"hello world\nthis is text\n",
+        b"",
+        b"aGVsbG8= 0\nd29ybGQ= 1\n",  # tiktoken-shaped, but without the 256 single bytes
+        b"aGVsbG8= 0\n!!!notbase64 1\n",
+    ],
+)
+def test_garbage_tokenizer_model_is_a_value_error(tmp_path, content):
+    (tmp_path / "tokenizer.model").write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(tmp_path)
+    assert "tokenizer.model" in str(info.value)
+
+
+def test_tiktoken_duplicate_ranks_are_a_value_error(tiktoken_tokenizer_dir, tmp_path):
+    directory = _copy(tiktoken_tokenizer_dir, tmp_path)
+    lines = (directory / "tokenizer.model").read_text().splitlines()
+    lines[-1] = lines[-1].split()[0] + " 3"
+    (directory / "tokenizer.model").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="ranks"):
+        load_tokenizer(directory)
+
+
+def test_garbage_tokenizer_json_is_a_value_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_garbage_config_json_is_a_value_error(hf_tokenizer_dir, tmp_path):
+    directory = _copy(hf_tokenizer_dir, tmp_path)
+    (directory / "tokenizer_config.json").write_text("{broken")
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        load_tokenizer(directory)
+
+
+def test_tokenizer_model_is_preferred_and_named_files_are_honoured(sp_tokenizer_dir, hf_tokenizer_dir, tmp_path):
+    directory = _copy(sp_tokenizer_dir, tmp_path)
+    shutil.copy(hf_tokenizer_dir / "tokenizer.json", directory / "tokenizer.json")
+    assert isinstance(load_tokenizer(directory), tk.SentencePieceTokenizer)
+    assert isinstance(load_tokenizer(directory / "tokenizer.json"), tk.HFTokenizer)
+
+
+def test_encode_rejects_non_strings(tiktoken_tokenizer_dir):
+    tok = load_tokenizer(tiktoken_tokenizer_dir)
+    with pytest.raises(TypeError):
+        tok.encode(b"bytes")  # type: ignore[arg-type]
