@@ -86,6 +86,25 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 
+@pytest.fixture(scope="session")
+def tiny_llm_checkpoint(tmp_path_factory, sp_tokenizer_dir):
+    """A converted fp32 tiny model with a SentencePiece tokenizer beside it: (path, hf_model).
+
+    The model's vocabulary equals the tokenizer's, so every sampled id decodes.
+    """
+    import shutil
+
+    import sentencepiece as spm
+
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    vocab = spm.SentencePieceProcessor(model_file=str(sp_tokenizer_dir / "tokenizer.model")).vocab_size()
+    hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf-llm"), "gqa", vocab_size=vocab)
+    shutil.copy(sp_tokenizer_dir / "tokenizer.model", hf_dir / "tokenizer.model")
+    hf_model.generation_config.eos_token_id = None  # compare fixed-length continuations
+    return convert_hf_checkpoint(hf_dir, dtype="float32"), hf_model
+
+
 # --- tokenizer fixtures (owner: tokenizer) ---
 
 # Sample text for the tokenizer fixtures: English, code with indentation, and multi-byte characters.
