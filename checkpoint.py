@@ -94,7 +94,7 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
         raise FileNotFoundError(f"checkpoint {path} does not exist; convert one with scripts/convert_hf_checkpoint.py")
     if path.is_file():
         return path
-    candidates = [p for p in sorted(path.glob(f"*{CHECKPOINT_SUFFIX}")) if _is_redline_file(p)]
+    candidates = [p for p in sorted(path.glob(f"*{CHECKPOINT_SUFFIX}")) if is_redline_file(p)]
     if len(candidates) == 1:
         return candidates[0]
     if not candidates:
@@ -105,7 +105,9 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     raise ValueError(f"{path} holds several Redline checkpoints ({names}); pass the file you want")
 
 
-def _is_redline_file(path: Path) -> bool:
+def is_redline_file(path: Path) -> bool:
+    if path.suffix != CHECKPOINT_SUFFIX:
+        return False
     try:
         with safe_open(str(path), "pt") as f:
             return "redline_format" in (f.metadata() or {})

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, save_checkpoint
+from checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, is_redline_file, save_checkpoint
 from model import ModelArgs
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
@@ -57,7 +57,8 @@ def read_hf_config(checkpoint_dir: Path) -> ModelArgs:
 def hf_weight_files(checkpoint_dir: Path) -> list[Path]:
     """Safetensors shards if present, else pytorch_model*.bin shards."""
     for pattern in ("model*.safetensors", "pytorch_model*.bin"):
-        files = sorted(p for p in checkpoint_dir.glob(pattern) if not p.name.startswith("."))
+        # Skip hidden temp files and an earlier conversion's output, which may sit in the same folder.
+        files = sorted(p for p in checkpoint_dir.glob(pattern) if not p.name.startswith(".") and not is_redline_file(p))
         if files:
             return files
     raise FileNotFoundError(

@@ -40,6 +40,13 @@ def test_cli_writes_one_file_with_metadata(hf_dir, capsys):
     assert not [p for p in hf_dir.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_reconverting_ignores_the_earlier_output(hf_dir, capsys):
+    assert run_cli(capsys, "--checkpoint_dir", str(hf_dir))[0] == 0
+    code, out, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--dtype", "float32")
+    assert code == 0, err
+    assert read_checkpoint_info(out.strip()).dtype == torch.float32
+
+
 def test_cli_out_and_dtype(hf_dir, tmp_path, capsys):
     out_file = tmp_path / "sub" / "m.safetensors"
     code, out, _ = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(out_file), "--dtype", "float16")

@@ -1,0 +1,145 @@
+"""quantize.py: int8 weight-only round trip, error bounds, file size, loading, CLI errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from checkpoint import build_model, load_tensors, read_checkpoint_info
+from generate import LLM
+from quantize import Int8Linear, main, quantize_, quantize_checkpoint, quantize_int8
+
+# The bounds this scheme promises (README: "int8 weight-only").
+MAX_LAYER_REL_ERROR = 0.01
+MIN_TOP1_AGREEMENT = 0.95
+MAX_SIZE_RATIO = 0.55
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tiny_llm_checkpoint, tmp_path_factory):
+    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    src = tiny_llm_checkpoint[0].parent
+    return convert_hf_checkpoint(src, tmp_path_factory.mktemp("bf16") / "model.safetensors", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(bf16_checkpoint, tmp_path_factory):
+    return quantize_checkpoint(bf16_checkpoint, "int8", tmp_path_factory.mktemp("int8") / "model.int8.safetensors")
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def test_quantize_int8_is_symmetric_per_channel():
+    w = torch.randn(64, 300) * torch.linspace(0.1, 3, 64).unsqueeze(1)
+    q, scales = quantize_int8(w)
+    assert q.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (64,)
+    assert q.abs().max().item() == 127 and (q.abs().amax(dim=1) == 127).all()
+    assert (q.float() * scales.unsqueeze(1) - w).abs().max() <= scales.max() / 2 + 1e-6
+
+
+def test_round_trip_restores_identical_tensors(bf16_checkpoint, int8_checkpoint):
+    original = load_tensors(read_checkpoint_info(bf16_checkpoint))
+    info = read_checkpoint_info(int8_checkpoint)
+    saved = load_tensors(info)
+    assert info.scheme == "int8" and info.quantization["not_quantized"] == ["tok_embeddings"]
+    for name in ("layers.0.attention.wqkv", "layers.1.feed_forward.w2", "output"):
+        q, scales = quantize_int8(original[f"{name}.weight"])
+        assert torch.equal(saved[f"{name}.weight"], q)
+        assert torch.equal(saved[f"{name}.scales"], scales)
+    assert saved["tok_embeddings.weight"].dtype == torch.bfloat16
+    model = build_model(info, "cpu")
+    layer = model.layers[0].attention.wqkv
+    assert isinstance(layer, Int8Linear)
+    assert torch.equal(layer.weight, saved["layers.0.attention.wqkv.weight"])
+    assert torch.equal(layer.scales, saved["layers.0.attention.wqkv.scales"])
+
+
+def test_per_layer_relative_error_is_within_one_percent(bf16_checkpoint, int8_checkpoint):
+    ref_model = build_model(read_checkpoint_info(bf16_checkpoint), "cpu", torch.float32)
+    q_model = build_model(read_checkpoint_info(int8_checkpoint), "cpu", torch.float32)
+    torch.manual_seed(0)
+    checked = 0
+    for (name, ref), (_, q) in zip(ref_model.named_modules(), q_model.named_modules()):
+        if isinstance(q, Int8Linear):
+            x = torch.randn(16, q.in_features)
+            err = rel_error(q(x), F.linear(x, ref.weight))
+            assert err <= MAX_LAYER_REL_ERROR, (name, err)
+            checked += 1
+    assert checked == 2 * 4 + 1
+
+
+def test_teacher_forced_top1_agreement(bf16_checkpoint, int8_checkpoint):
+    bf16 = build_model(read_checkpoint_info(bf16_checkpoint), "cpu")
+    int8 = build_model(read_checkpoint_info(int8_checkpoint), "cpu")
+    torch.manual_seed(3)
+    ids = torch.randint(3, bf16.args.vocab_size, (2, 96))  # 192 teacher-forced positions
+    with torch.no_grad():
+        agree = []
+        for m in (bf16, int8):
+            m.setup_caches(2, 96)
+            agree.append(m(ids, torch.arange(96)).argmax(-1))
+    agreement = (agree[0] == agree[1]).float().mean().item()
+    assert agreement >= MIN_TOP1_AGREEMENT, agreement
+
+
+def test_file_is_at_most_55_percent_of_bf16(bf16_checkpoint, int8_checkpoint):
+    info = read_checkpoint_info(bf16_checkpoint)
+    emb_bytes = info.args.vocab_size * info.args.dim * 2  # the embedding stays bf16 in both files
+    ratio = (int8_checkpoint.stat().st_size - emb_bytes) / (bf16_checkpoint.stat().st_size - emb_bytes)
+    assert ratio <= MAX_SIZE_RATIO, ratio
+
+
+def test_llm_loads_int8_without_flags_and_quantizes_on_load(bf16_checkpoint, int8_checkpoint, tiny_llm_checkpoint):
+    import shutil
+
+    for path in (bf16_checkpoint, int8_checkpoint):  # the tokenizer sits beside the checkpoint
+        shutil.copy(tiny_llm_checkpoint[0].parent / "tokenizer.model", path.parent / "tokenizer.model")
+    from_file = LLM.load(int8_checkpoint, device="cpu")
+    on_load = LLM.load(bf16_checkpoint, device="cpu", quantize="int8")
+    assert isinstance(from_file.model.layers[0].feed_forward.w13, Int8Linear)
+    a = from_file.generate("def f(x):", max_new_tokens=16, ignore_eos=True)
+    b = on_load.generate("def f(x):", max_new_tokens=16, ignore_eos=True)
+    assert a.token_ids == b.token_ids
+    assert a.stats.model_bytes_per_token < 0.6 * LLM.load(bf16_checkpoint, device="cpu").bytes_per_token
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM.load(int8_checkpoint, device="cpu", quantize="int8")
+
+
+def test_quantize_in_memory_rejects_bad_mode_and_double_quantization(bf16_checkpoint):
+    model = build_model(read_checkpoint_info(bf16_checkpoint), "cpu")
+    with pytest.raises(ValueError, match="int4"):
+        quantize_(model, "int4")
+    quantize_(model, "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_(model, "int8")
+
+
+def test_cli_writes_atomically_and_reports_sizes(bf16_checkpoint, tmp_path, capsys):
+    out = tmp_path / "q.safetensors"
+    assert main(["--checkpoint_path", str(bf16_checkpoint), "--mode", "int8", "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    assert str(out) in stdout and "MB ->" in stdout
+    with safe_open(str(out), "pt") as f:
+        assert json.loads(f.metadata()["quantization"])["scheme"] == "int8"
+    assert [p.name for p in tmp_path.iterdir()] == ["q.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "argv_for, message",
+    [
+        (lambda ck, q: ["--checkpoint_path", str(ck), "--mode", "int3"], "unknown --mode 'int3'"),
+        (lambda ck, q: ["--checkpoint_path", str(q), "--mode", "int8"], "already quantized"),
+        (lambda ck, q: ["--checkpoint_path", str(ck.parent / "missing.safetensors"), "--mode", "int8"], "does not exist"),
+        (lambda ck, q: ["--checkpoint_path", str(ck), "--mode", "int8", "--out", str(ck)], "overwrite"),
+    ],
+)
+def test_cli_errors_are_one_line(bf16_checkpoint, int8_checkpoint, capsys, argv_for, message):
+    code = main(argv_for(bf16_checkpoint, int8_checkpoint))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err
