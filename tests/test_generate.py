@@ -243,3 +243,29 @@ def test_gpu_compiled_greedy_equals_eager(tiny_llm_checkpoint):
             a = compiled.generate(prompt, max_new_tokens=48, ignore_eos=True).token_ids
             assert a == eager.generate(prompt, max_new_tokens=48, ignore_eos=True).token_ids
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_cli_profile_writes_a_trace_that_trace_summary_reads(tiny_llm_checkpoint, tmp_path, capsys):
+    import gzip
+    import json
+    import re
+
+    from scripts.trace_summary import main as summary_main
+
+    trace = tmp_path / "run.json.gz"
+    code, _, err = cli(capsys, "--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt", "def f(x):",
+                       "--max_new_tokens", "30", "--temperature", "0", "--device", "cpu",
+                       "--profile", str(trace), "--profile_steps", "6")
+    assert code == 0 and f"trace written to {trace}" in err
+    printed = float(re.search(r"decode ([0-9.]+) tok/s", err).group(1))
+    data = json.loads(gzip.decompress(trace.read_bytes()))
+    names = [e.get("name") for e in data["traceEvents"]]
+    assert names.count("redline.prefill") == 1 and names.count("redline.decode_step") == 6
+    counters = [e for e in data["traceEvents"] if e.get("ph") == "C" and e.get("name") == "tokens/sec"]
+    assert len(counters) == 6 and all(e["args"]["tokens/sec"] > 0 for e in counters)
+    stats = data["redline"]["stats"]
+    assert stats["new_tokens"] == 30 and stats["device"] == "cpu" and stats["quantization"] == "none"
+    assert f"{stats['decode_tok_s']:.2f}" == f"{printed:.2f}"
+    assert summary_main([str(trace), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tok_s"] == pytest.approx(stats["decode_tok_s"]) and summary["steps"] == 6
