@@ -212,7 +212,7 @@ class LLM:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, device: torch.device, compile: bool,
                  compile_prefill: bool = False, info: CheckpointInfo | None = None) -> None:
-        self.model = model
+        self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile
@@ -278,12 +278,14 @@ class LLM:
         if not self.compile or key in self._warm:
             return 0.0
         start = time.perf_counter()
-        token = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
-        pos = torch.zeros(1, dtype=torch.long, device=self.device)
-        # Garbage written at position 0 is harmless: every position is rewritten before it is read.
-        for _ in range(3):  # the first call compiles, later ones record and replay the graph
-            self._mark_step()
-            self._decode_fn(self.model, token, pos, *sampling)
+        # Same grad mode and tensor kind as generation, or the real call would recompile.
+        with torch.inference_mode():
+            token = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
+            pos = torch.zeros(1, dtype=torch.long, device=self.device)
+            # Garbage written at position 0 is harmless: every position is rewritten before it is read.
+            for _ in range(3):  # the first call compiles, later ones record and replay the graph
+                self._mark_step()
+                self._decode_fn(self.model, token, pos, *sampling)
         sync(self.device)
         self._warm.add(key)
         return time.perf_counter() - start

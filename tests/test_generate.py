@@ -221,7 +221,7 @@ def test_compiled_decode_never_recompiles_on_cpu(tiny_llm_checkpoint, llm):
     counters.clear()
     first = compiled.generate("a", max_new_tokens=20, ignore_eos=True)
     graphs_after_first = counters["stats"]["unique_graphs"]
-    assert graphs_after_first >= 1 and first.stats.compile_s > 0
+    assert graphs_after_first == 1 and first.stats.compile_s > 0  # warm-up and generation share one graph
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in ["def main():\n    return", "x" * 40]:
             result = compiled.generate(prompt, max_new_tokens=20, ignore_eos=True)
