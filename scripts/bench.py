@@ -112,6 +112,8 @@ class BenchConfig:
     probe_new_tokens: int = 8
     seed: int = 0
     ttft_probe: bool = False
+    profile_dir: Path | None = None  # write one Perfetto trace per batch-1 configuration here
+    profile_steps: int = 16
     start_time: float | None = None  # the parent's time.time() when it started a --ttft-probe child
     argv: tuple[str, ...] = ()
 
@@ -138,6 +140,8 @@ class BenchConfig:
             raise ValueError(f"--new-tokens must be >= 2 (decode speed needs two tokens), got {self.new_tokens}")
         if self.runs < 1:
             raise ValueError(f"--runs must be a positive integer, got {self.runs}")
+        if self.profile_steps < 1 or (self.profile_dir is not None and self.profile_steps >= self.new_tokens):
+            raise ValueError(f"--profile-steps must be between 1 and --new-tokens - 1, got {self.profile_steps}")
         if self.probe_new_tokens < 1:
             raise ValueError(f"--probe-new-tokens must be a positive integer, got {self.probe_new_tokens}")
         if not self.bandwidth_gib > 0:
@@ -209,6 +213,9 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--bandwidth-gib", type=float, default=4.0, help="size of the tensor read to measure bandwidth")
     p.add_argument("--probe-new-tokens", type=int, default=8, help="tokens the --compile-time children generate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", dest="profile_dir", type=Path, default=None,
+                   help="folder: also trace one generation per batch-1 configuration (Perfetto .json.gz)")
+    p.add_argument("--profile-steps", type=int, default=16, help="decode steps recorded in each trace")
     p.add_argument("--ttft-probe", action="store_true", help="internal: child process of --compile-time")
     p.add_argument("--start-time", type=float, default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(list(argv))
@@ -221,7 +228,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         device=device, dtype=ns.dtype, json_path=ns.json_path, plot_path=ns.plot_path,
         merge=tuple(Path(p) for p in _split(ns.merge)), bandwidth_gib=ns.bandwidth_gib,
         probe_new_tokens=ns.probe_new_tokens, seed=ns.seed, ttft_probe=ns.ttft_probe, start_time=ns.start_time,
-        argv=tuple(argv),
+        profile_dir=ns.profile_dir, profile_steps=ns.profile_steps, argv=tuple(argv),
     )
 
 
@@ -286,6 +293,8 @@ class RedlineRecord:
     compile_s: float  # decode compile + graph capture, kept out of every rate
     warmup_s: float  # wall time of the warm-up generation
     prefill: list[PrefillRecord] = field(default_factory=list)
+    profile_path: str | None = None  # --profile: a trace of one more generation
+    profile_decode_tok_s: float | None = None  # that generation's decode rate (profiler overhead = vs decode_tok_s)
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_tok_s < 0 or self.bytes_per_token <= 0:
@@ -583,6 +592,9 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
                                    f"{name} {quant} batch {batch}: ")
         del llm_cp
 
+    trace_path, trace_rate = profile_generation(cfg, llm, decode_prompts, f"{name}-{quant}", log) \
+        if cfg.profile_dir is not None and batch == 1 else (None, None)
+
     bytes_step = llm.bytes_per_token
     limit = batch * bandwidth * 1e9 / bytes_step if bandwidth else None
     return RedlineRecord(
@@ -595,8 +607,22 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
         limit_with_kv_tok_s=batch * bandwidth * 1e9 / (bytes_step + kv) if bandwidth else None,
         peak_memory_bytes=peak, peak_memory_warmup_bytes=warm.peak_bytes,
         overhead_bytes=peak - weights - kv if peak is not None else None,
-        compile_s=compile_s, warmup_s=warm.wall_s, prefill=prefill,
+        compile_s=compile_s, warmup_s=warm.wall_s, prefill=prefill, profile_path=trace_path,
+        profile_decode_tok_s=trace_rate,
     )
+
+
+def profile_generation(cfg: BenchConfig, llm: generate.LLM, prompts: Tensor, label: str,
+                       log: Any) -> tuple[str, float]:
+    """One more generation under the profiler; returns the trace path and that run's decode tok/s."""
+    from profiling import ProfileConfig
+
+    path = cfg.profile_dir / f"{label}.json.gz"
+    result = llm.generate(prompts[0].tolist(), max_new_tokens=cfg.new_tokens, ignore_eos=True,
+                          profile=ProfileConfig(path=path, record_steps=cfg.profile_steps))
+    log(f"{label}: trace {path} ({path.stat().st_size / 1e6:.2f} MB), decode {result.stats.decode_tok_s:.1f} tok/s "
+        "while profiled")
+    return str(path), result.stats.decode_tok_s
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -38,7 +38,8 @@ def full_run(tmp_path_factory):
     """One run over two quant modes, two batch sizes and the HF comparison: (rc, stdout, report, folder)."""
     folder = tmp_path_factory.mktemp("bench")
     argv = TINY + ["--new-tokens", "16", "--runs", "3", "--quant", "none,int8", "--batch-size", "1,2",
-                   "--compare", "hf", "--json", str(folder / "out.json")]
+                   "--compare", "hf", "--json", str(folder / "out.json"), "--profile", str(folder / "traces"),
+                   "--profile-steps", "4"]
     if HAS_MATPLOTLIB:
         argv += ["--plot", str(folder / "out.png")]
     rc, stdout = run_main(argv)
@@ -72,6 +73,17 @@ def test_one_record_per_model_quant_batch_with_sane_numbers(full_run):
     env = report["env"]
     assert env["torch_version"] == torch.__version__ and env["device_type"] == "cpu"
     assert "--model debug-tiny" in env["command"] and "--batch-size 1,2" in env["command"]
+
+
+def test_profile_writes_one_trace_per_batch1_configuration(full_run):
+    _, _, report, folder = full_run
+    from scripts.trace_summary import summarize_trace
+
+    traced = [r for r in report["records"] if r["profile_path"]]
+    assert {(r["quant"], r["batch_size"]) for r in traced} == {("none", 1), ("int8", 1)}
+    for record in traced:
+        summary = summarize_trace(record["profile_path"])
+        assert summary.steps == 4 and summary.tok_s == pytest.approx(record["profile_decode_tok_s"])
 
 
 def test_hf_comparison_times_both_modes_and_reports_ratios(full_run):
