@@ -7,9 +7,12 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: setup demo test convert-demo
 
 # torch first (the CPU wheel where no torch is installed), so the project's install never pulls a CUDA build.
+# SKIP_SETUP=1 skips installing (the tests use it to run `make demo` in a scratch clone).
 setup:
+ifndef SKIP_SETUP
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -m pip install -q -e ".[test]"
+endif
 
 convert-demo: setup
 	$(PYTHON) scripts/convert_hf_checkpoint.py --checkpoint_dir $(DEMO_DIR) --dtype float32

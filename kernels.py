@@ -1,0 +1,178 @@
+"""Fast linear layers for decode, as torch.library custom ops.
+
+    torch.ops.redline.linear(x, weight)               == F.linear(x, weight)
+    torch.ops.redline.int8_linear(x, weight, scales)  == (x @ weight.T.float()) * scales, in x.dtype
+
+On a CUDA/HIP device with at most SMALL_M rows of x (decode), both run the Triton matrix-vector
+kernel in triton_kernels.py, which reads every weight byte once and dequantizes int8 weights in
+registers. With more rows (prefill, large batches) the work is a matrix product: cuBLAS does it.
+On the CPU both run plain PyTorch.
+
+The ops are opaque to torch.compile (custom_op + register_fake), so `fullgraph=True` traces
+through them and `mode="reduce-overhead"` captures their kernels in the model's CUDA graph.
+Triton is imported lazily, on the first CUDA call: this module imports without Triton.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Rows of x up to which the Triton GEMV runs; above it cuBLAS's matrix product does.
+SMALL_M = 8
+# The int8 prefill path dequantizes the weight to x.dtype in row blocks of at most this many
+# elements (128 MB in bf16), so a large matrix (an lm_head) never needs a full-size copy.
+_DEQUANT_CHUNK_ELEMENTS = 1 << 26
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_triton_kernels = None
+_has_triton: bool | None = None
+
+
+def _triton_importable() -> bool:
+    global _has_triton
+    if _has_triton is None:
+        _has_triton = importlib.util.find_spec("triton") is not None
+    return _has_triton
+
+
+def _kernels_module():
+    """triton_kernels, imported on first use (it imports triton)."""
+    global _triton_kernels
+    if _triton_kernels is None:
+        import triton_kernels
+
+        _triton_kernels = triton_kernels
+    return _triton_kernels
+
+
+def gemv_supported(x: Tensor) -> bool:
+    """True when the ops would run the Triton GEMV for this x: a CUDA/HIP tensor of a float
+    dtype with at most SMALL_M rows (x.numel() // x.shape[-1]), with Triton importable."""
+    if not x.is_cuda or x.dtype not in _FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
+        return False
+    return x.numel() // x.shape[-1] <= SMALL_M and _triton_importable()
+
+
+# --- references (plain PyTorch, fp32 accumulation) ---
+
+
+def linear_reference(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear computed in fp32, returned in x.dtype."""
+    return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def int8_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """(x @ weight.T) * scales computed in fp32, returned in x.dtype."""
+    return (F.linear(x.float(), weight.float()) * scales.float()).to(x.dtype)
+
+
+# --- validation ---
+
+
+def _check_linear(x: Tensor, weight: Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"redline.linear: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    if x.dim() < 1:
+        raise ValueError("redline.linear: x must have at least one dimension (..., K)")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"redline.linear: x has K={x.shape[-1]} but weight {tuple(weight.shape)} expects K={weight.shape[1]}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"redline.linear: x must be bf16, fp16 or fp32, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"redline.linear: weight dtype {weight.dtype} must match x dtype {x.dtype}")
+
+
+def _check_int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"redline.int8_linear: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    if weight.dtype != torch.int8:
+        raise ValueError(f"redline.int8_linear: weight must be int8, got {weight.dtype}; quantize it first")
+    if x.dim() < 1:
+        raise ValueError("redline.int8_linear: x must have at least one dimension (..., K)")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"redline.int8_linear: x has K={x.shape[-1]} but weight {tuple(weight.shape)} expects K={weight.shape[1]}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"redline.int8_linear: x must be bf16, fp16 or fp32, got {x.dtype}")
+    if scales.dim() != 1 or scales.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"redline.int8_linear: scales must have shape ({weight.shape[0]},) (one per output row), "
+            f"got {tuple(scales.shape)}")
+    if scales.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"redline.int8_linear: scales must be bf16, fp16 or fp32, got {scales.dtype}")
+
+
+# --- the fast path ---
+
+
+def _gemv(x: Tensor, weight: Tensor, scales: Tensor | None) -> Tensor:
+    """The Triton GEMV on x viewed as (M, K), M <= SMALL_M; returns (..., N), contiguous."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if scales is not None and scales.stride(0) != 1:
+        scales = scales.contiguous()
+    out = torch.empty((x2.shape[0], n), device=x.device, dtype=x.dtype)
+    if out.numel():
+        _kernels_module().gemv(x2, weight, scales, out)
+    return out.view(*x.shape[:-1], n)
+
+
+def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """Many rows (prefill): cuBLAS on the weight dequantized to x.dtype in row blocks, then the
+    scales applied in fp32 (mul_ computes in the promoted dtype and rounds once)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    out = torch.empty((x2.shape[0], n), device=x.device, dtype=x.dtype)
+    rows = max(1, _DEQUANT_CHUNK_ELEMENTS // max(k, 1))
+    if rows >= n:
+        torch.mm(x2, weight.to(x.dtype).t(), out=out)
+        out.mul_(scales)
+    else:
+        for r0 in range(0, n, rows):
+            w = weight[r0:r0 + rows].to(x.dtype)
+            out[:, r0:r0 + rows] = F.linear(x2, w).mul_(scales[r0:r0 + rows])
+    return out.view(*x.shape[:-1], n)
+
+
+# --- the custom ops ---
+
+
+@torch.library.custom_op("redline::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """F.linear(x, weight) (no bias); x (..., K), weight (N, K) of x's dtype; returns (..., N)."""
+    _check_linear(x, weight)
+    if gemv_supported(x):
+        return _gemv(x, weight, None)
+    return F.linear(x, weight).contiguous()
+
+
+@linear.register_fake
+def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    _check_linear(x, weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("redline::int8_linear", mutates_args=())
+def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,)."""
+    _check_int8_linear(x, weight, scales)
+    if gemv_supported(x):
+        return _gemv(x, weight, scales)
+    if x.is_cuda:
+        return _int8_matmul(x, weight, scales)
+    return int8_linear_reference(x, weight, scales)
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    _check_int8_linear(x, weight, scales)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))

@@ -1,0 +1,355 @@
+"""Tests for kernels.py (custom ops, references, dispatch) and triton_kernels.py (GEMV).
+
+CPU tests check the ops' contract with plain PyTorch. GPU tests (marker `gpu`) check the Triton
+GEMV against an fp32 reference by relative Frobenius error, on random data, for the Llama-2-7B and
+Llama-3-8B shapes and odd ones, and inside CUDA graphs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import SMALL_M, int8_linear_reference, linear_reference
+
+# (N, K) of the decode GEMVs that matter.
+LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
+             "lm_head": (32000, 4096)}
+LLAMA3_8B = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336),
+             "lm_head": (128256, 4096)}
+ODD_SHAPES = [(50, 72), (7, 13), (1000, 1000), (33, 4100), (4097, 2056)]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w ~= q * s."""
+    s = w.float().abs().amax(dim=1).clamp_min(1e-8) / 127.0
+    q = torch.round(w.float() / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, s
+
+
+# ---------------------------------------------------------------- CPU
+
+
+def test_ops_are_registered():
+    assert hasattr(torch.ops.redline, "linear")
+    assert hasattr(torch.ops.redline, "int8_linear")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lead", [(), (1, 1), (2, 3), (5,)])
+@pytest.mark.parametrize("nk", [(64, 128), (50, 72), (7, 13)])
+def test_linear_cpu_matches_f_linear(dtype, lead, nk):
+    n, k = nk
+    x = torch.randn(*lead, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype)
+    out = torch.ops.redline.linear(x, w)
+    assert out.shape == (*lead, n) and out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, w))
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(out, linear_reference(x, w)) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead", [(), (1, 1), (2, 3)])
+@pytest.mark.parametrize("nk", [(64, 128), (50, 72)])
+def test_int8_linear_cpu_matches_dequant_formula(dtype, scale_dtype, lead, nk):
+    n, k = nk
+    x = torch.randn(*lead, k, dtype=dtype)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    s = (torch.rand(n) * 0.02 + 0.001).to(scale_dtype)
+    out = torch.ops.redline.int8_linear(x, q, s)
+    assert out.shape == (*lead, n) and out.dtype == dtype and out.is_contiguous()
+    expected = ((x.double() @ q.double().T) * s.double()).to(dtype)
+    torch.testing.assert_close(out, expected, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3)
+    torch.testing.assert_close(out, int8_linear_reference(x, q, s), rtol=0, atol=0)
+
+
+def test_non_contiguous_x_cpu():
+    x = torch.randn(8, 3, 64).transpose(0, 1)  # (3, 8, 64), not contiguous
+    w = torch.randn(32, 64)
+    assert not x.is_contiguous()
+    torch.testing.assert_close(torch.ops.redline.linear(x, w), F.linear(x.contiguous(), w))
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    s = torch.rand(32)
+    torch.testing.assert_close(torch.ops.redline.int8_linear(x, q, s), int8_linear_reference(x.contiguous(), q, s))
+
+
+def test_gemv_supported_is_false_on_cpu():
+    assert not kernels.gemv_supported(torch.randn(1, 64))
+
+
+def test_validation_errors():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="K=64"):
+        torch.ops.redline.linear(x, torch.randn(32, 48))
+    with pytest.raises(ValueError, match="2-D"):
+        torch.ops.redline.linear(x, torch.randn(64))
+    with pytest.raises(ValueError, match="dtype"):
+        torch.ops.redline.linear(x, torch.randn(32, 64, dtype=torch.bfloat16))
+    q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    with pytest.raises(ValueError, match="int8"):
+        torch.ops.redline.int8_linear(x, q.float(), torch.rand(32))
+    with pytest.raises(ValueError, match=r"scales must have shape \(32,\)"):
+        torch.ops.redline.int8_linear(x, q, torch.rand(31))
+    with pytest.raises(ValueError, match=r"scales must have shape"):
+        torch.ops.redline.int8_linear(x, q, torch.rand(32, 1))
+    with pytest.raises(ValueError, match="K=64"):
+        torch.ops.redline.int8_linear(x, q[:, :48], torch.rand(32))
+    with pytest.raises(ValueError, match="2-D"):
+        torch.ops.redline.int8_linear(x, q[0], torch.rand(32))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+        w = torch.empty(48, 64, dtype=torch.bfloat16)
+        q = torch.empty(48, 64, dtype=torch.int8)
+        s = torch.empty(48, dtype=torch.float32)
+        y = torch.ops.redline.linear(x, w)
+        z = torch.ops.redline.int8_linear(x, q, s)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
+    assert z.shape == (2, 3, 48) and z.dtype == torch.bfloat16
+
+
+def test_opcheck_cpu():
+    x = torch.randn(3, 64)
+    w = torch.randn(48, 64)
+    q = torch.randint(-127, 128, (48, 64), dtype=torch.int8)
+    s = torch.rand(48)
+    torch.library.opcheck(torch.ops.redline.linear.default, (x, w))
+    torch.library.opcheck(torch.ops.redline.int8_linear.default, (x, q, s))
+
+
+def test_torch_compile_fullgraph_cpu():
+    w = torch.randn(48, 64)
+    q = torch.randint(-127, 128, (32, 48), dtype=torch.int8)
+    s = torch.rand(32)
+
+    def f(x):
+        return torch.ops.redline.int8_linear(torch.relu(torch.ops.redline.linear(x, w)), q, s)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(compiled(x), f(x))
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _gpu_shapes():
+    named = [(f"7b-{k}", v) for k, v in LLAMA2_7B.items()] + [(f"8b-{k}", v) for k, v in LLAMA3_8B.items()]
+    named += [(f"odd-{n}x{k}", (n, k)) for n, k in ODD_SHAPES]
+    seen, out = set(), []
+    for name, shape in named:
+        if shape not in seen:
+            seen.add(shape)
+            out.append(pytest.param(shape, id=name))
+    return out
+
+
+GPU_M = sorted({1, 2, 4, SMALL_M, SMALL_M + 1})
+_WEIGHTS: dict = {}
+
+
+def _weights(n: int, k: int, dtype: torch.dtype):
+    """Random (not zero) weights, cached per shape so big ones are made once."""
+    key = (n, k, dtype)
+    if key not in _WEIGHTS:
+        if len(_WEIGHTS) > 6:
+            _WEIGHTS.clear()
+        g = torch.Generator(device="cuda").manual_seed(n * 7919 + k)
+        w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
+        q, s = quantize_rows(w)
+        _WEIGHTS[key] = (w.to(dtype), q, s)
+    return _WEIGHTS[key]
+
+
+@pytest.fixture(autouse=False)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", GPU_M)
+@pytest.mark.parametrize("shape", _gpu_shapes())
+def test_gpu_gemv_matches_reference(shape, m, dtype, no_tf32):
+    n, k = shape
+    w, q, s = _weights(n, k, dtype)
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    assert kernels.gemv_supported(x) == (m <= SMALL_M)
+    out = torch.ops.redline.linear(x, w)
+    assert out.shape == (m, n) and out.dtype == dtype and out.is_contiguous()
+    err = rel_err(out, linear_reference(x, w))
+    assert err <= 1e-2, f"linear rel err {err:.2e}"
+    out8 = torch.ops.redline.int8_linear(x, q, s)
+    assert out8.shape == (m, n) and out8.dtype == dtype
+    err8 = rel_err(out8, int8_linear_reference(x, q, s))
+    assert err8 <= 1e-2, f"int8_linear rel err {err8:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [(1, 1), (2, 3), (3,)])
+def test_gpu_batch_shapes_and_non_contiguous(lead, no_tf32):
+    n, k = 1000, 1000
+    w, q, s = _weights(n, k, torch.bfloat16)
+    x = torch.randn(*lead, 2 * k, device="cuda", dtype=torch.bfloat16)[..., ::2]  # stride 2 along K
+    assert not x.is_contiguous()
+    out = torch.ops.redline.linear(x, w)
+    assert out.shape == (*lead, n) and out.is_contiguous()
+    assert rel_err(out, linear_reference(x, w)) <= 1e-2
+    out8 = torch.ops.redline.int8_linear(x, q, s.to(torch.bfloat16))
+    assert rel_err(out8, int8_linear_reference(x, q, s.to(torch.bfloat16))) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 64])
+def test_gpu_int8_fp32_x_and_prefill(x_dtype, m, no_tf32):
+    n, k = 4096, 4096
+    _, q, s = _weights(n, k, torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=x_dtype)
+    out = torch.ops.redline.int8_linear(x, q, s)
+    assert out.dtype == x_dtype
+    tol = 1e-5 if x_dtype == torch.float32 and m == 1 else 1e-2
+    assert rel_err(out, int8_linear_reference(x, q, s)) <= tol
+
+
+@pytest.mark.gpu
+def test_gpu_int8_prefill_chunked(monkeypatch, no_tf32):
+    monkeypatch.setattr(kernels, "_DEQUANT_CHUNK_ELEMENTS", 1000 * 64)  # forces 16 row blocks
+    _, q, s = _weights(1000, 1000, torch.bfloat16)
+    x = torch.randn(2, 17, 1000, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(torch.ops.redline.int8_linear(x, q, s), int8_linear_reference(x, q, s)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("int8_mode", [1, 2])
+@pytest.mark.parametrize("shape", [(4096, 11008), (50, 72), (7, 13)])
+def test_gpu_kernel_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no_tf32):
+    import triton_kernels as tk
+
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    n, k = shape
+    w, q, s = _weights(n, k, torch.bfloat16)
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tk.gemv(x, w, None, out, pdl=pdl)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, linear_reference(x, w)) <= 1e-2
+        out.fill_(float("nan"))
+        tk.gemv(x, q, s, out, pdl=pdl, int8_mode=int8_mode)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [(1, 2048, 4, 1), (2, 1024, 4, 2), (4, 512, 2, 2), (1, 4096, 8, 2), (2, 128, 4, 2)])
+@pytest.mark.parametrize("shape", [(4096, 11008), (33, 4100), (50, 72)])
+def test_gpu_gemv_configs(shape, cfg, no_tf32):
+    """Every config the table may pick is correct, also with K not a multiple of BLOCK_K."""
+    import triton_kernels as tk
+
+    n, k = shape
+    w, q, s = _weights(n, k, torch.bfloat16)
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tk.gemv(x, w, None, out, config=tk.GemvConfig(*cfg))
+        assert rel_err(out, linear_reference(x, w)) <= 1e-2
+        out.fill_(float("nan"))
+        tk.gemv(x, q, s, out, config=tk.GemvConfig(*cfg))
+        assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(4096, 11008), (50, 72), (4097, 2056)])
+def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
+    import triton_kernels as tk
+
+    n, k = shape
+    w32, q, s = _weights(n, k, torch.float32)
+    w = w32.to(x_dtype)
+    for m in (2, 5, 16):
+        x = torch.randn(m, k, device="cuda", dtype=x_dtype)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=x_dtype)
+        tk.small_m_dot(x, w, None, out)
+        assert rel_err(out, linear_reference(x, w)) <= 1e-2
+        out.fill_(float("nan"))
+        tk.small_m_dot(x, q, s, out)
+        assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["linear", "int8_linear"])
+def test_gpu_cuda_graph_replay(op, no_tf32):
+    n, k = 4096, 4096
+    w, q, s = _weights(n, k, torch.bfloat16)
+    args = (w,) if op == "linear" else (q, s)
+    fn = getattr(torch.ops.redline, op)
+    ref = linear_reference if op == "linear" else int8_linear_reference
+    static_x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(static_x, *args)  # compile + warm up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fn(static_x, *args)
+    for _ in range(3):
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        static_x.copy_(x)
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(static_y, ref(x, *args)) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_reduce_overhead(no_tf32):
+    n, k = 4096, 4096
+    w, q, s = _weights(n, k, torch.bfloat16)
+    w2 = _weights(1000, 4096, torch.bfloat16)[0]
+
+    def f(x):
+        h = torch.ops.redline.linear(x, w)  # (1, 1, 4096)
+        y = torch.ops.redline.int8_linear(torch.nn.functional.silu(h), q, s)
+        return torch.ops.redline.linear(y, w2)
+
+    def ref(x):
+        h = linear_reference(x, w)
+        y = int8_linear_reference(torch.nn.functional.silu(h), q, s)
+        return linear_reference(y, w2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    static_x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):  # warm-up and recording
+        compiled(static_x)
+    results = []
+    for _ in range(3):
+        x = torch.randn(1, 1, k, device="cuda", dtype=torch.bfloat16)
+        static_x.copy_(x)
+        out = compiled(static_x).clone()
+        torch.cuda.synchronize()
+        results.append(out)
+        assert rel_err(out, ref(x)) <= 2e-2
+    assert not torch.equal(results[0], results[1])
