@@ -469,10 +469,8 @@ class LLM:
         else:
             config = ProfileConfig(path=Path(profile))
         # Compile and capture outside the trace, so the window holds only steady-state steps.
-        warm = list(prompts[0].tolist())
         for _ in self.generate_token_batches(prompts, min(max_new_tokens, 4), sampling):
             pass
-        del warm
         return TraceRecorder(config, self.device)
 
     @property

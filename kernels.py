@@ -3,10 +3,11 @@
     torch.ops.redline.linear(x, weight)               == F.linear(x, weight)
     torch.ops.redline.int8_linear(x, weight, scales)  == (x @ weight.T.float()) * scales, in x.dtype
 
-On a CUDA/HIP device with at most SMALL_M rows of x (decode), both run the Triton matrix-vector
-kernel in triton_kernels.py, which reads every weight byte once and dequantizes int8 weights in
-registers. With more rows (prefill, large batches) the work is a matrix product: cuBLAS does it.
-On the CPU both run plain PyTorch.
+On a CUDA/HIP device with at most SMALL_M rows of x (decode), the ops run the Triton kernels in
+triton_kernels.py, which read every weight byte once and dequantize int8 weights in registers:
+one row (batch-1 decode) runs the matrix-vector kernel, 2..SMALL_M rows the tensor-core kernel.
+With more rows (prefill, large batches) the work is a matrix product: cuBLAS does it (for int8 on
+the weight dequantized in row blocks). On the CPU: plain PyTorch.
 
 The ops are opaque to torch.compile (custom_op + register_fake), so `fullgraph=True` traces
 through them and `mode="reduce-overhead"` captures their kernels in the model's CUDA graph.
@@ -20,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Rows of x up to which the Triton GEMV runs; above it cuBLAS's matrix product does.
-SMALL_M = 8
+# Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel,
+# which pads x to 16 rows); above it cuBLAS's matrix product does.
+SMALL_M = 16
 # The int8 prefill path dequantizes the weight to x.dtype in row blocks of at most this many
 # elements (128 MB in bf16), so a large matrix (an lm_head) never needs a full-size copy.
 _DEQUANT_CHUNK_ELEMENTS = 1 << 26
@@ -49,7 +51,7 @@ def _kernels_module():
 
 
 def gemv_supported(x: Tensor) -> bool:
-    """True when the ops would run the Triton GEMV for this x: a CUDA/HIP tensor of a float
+    """True when the ops run redline's Triton kernels for this x: a CUDA/HIP tensor of a float
     dtype with at most SMALL_M rows (x.numel() // x.shape[-1]), with Triton importable."""
     if not x.is_cuda or x.dtype not in _FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
         return False
@@ -109,8 +111,8 @@ def _check_int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
 # --- the fast path ---
 
 
-def _gemv(x: Tensor, weight: Tensor, scales: Tensor | None) -> Tensor:
-    """The Triton GEMV on x viewed as (M, K), M <= SMALL_M; returns (..., N), contiguous."""
+def _small_m(x: Tensor, weight: Tensor, scales: Tensor | None) -> Tensor:
+    """The Triton kernels on x viewed as (M, K), M <= SMALL_M; returns (..., N), contiguous."""
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -122,7 +124,11 @@ def _gemv(x: Tensor, weight: Tensor, scales: Tensor | None) -> Tensor:
         scales = scales.contiguous()
     out = torch.empty((x2.shape[0], n), device=x.device, dtype=x.dtype)
     if out.numel():
-        _kernels_module().gemv(x2, weight, scales, out)
+        tk = _kernels_module()
+        if x2.shape[0] == 1:
+            tk.gemv(x2, weight, scales, out)
+        else:
+            tk.small_m_dot(x2, weight, scales, out)
     return out.view(*x.shape[:-1], n)
 
 
@@ -151,7 +157,7 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     """F.linear(x, weight) (no bias); x (..., K), weight (N, K) of x's dtype; returns (..., N)."""
     _check_linear(x, weight)
     if gemv_supported(x):
-        return _gemv(x, weight, None)
+        return _small_m(x, weight, None)
     return F.linear(x, weight).contiguous()
 
 
@@ -166,7 +172,7 @@ def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,)."""
     _check_int8_linear(x, weight, scales)
     if gemv_supported(x):
-        return _gemv(x, weight, scales)
+        return _small_m(x, weight, scales)
     if x.is_cuda:
         return _int8_matmul(x, weight, scales)
     return int8_linear_reference(x, weight, scales)

@@ -10,7 +10,7 @@ the share of it that the kernel reaches.
     python scripts/bench_kernels.py --sweep --msweep --json out/sweep.json   # also try configs
 
 --sweep times several (BLOCK_N, BLOCK_K, num_warps) configs of the Triton kernel per shape (and the
-int8 conversion modes, and PDL on/off); --msweep compares configs and cuBLAS at M = 2, 4, 8.
+int8 conversion modes, and PDL on/off); --msweep compares kernels and cuBLAS at M = 2, 4, 8, 16.
 """
 from __future__ import annotations
 
@@ -36,13 +36,14 @@ N_LAYERS_7B = 32
 L2_BYTES = 60 * 2**20
 ROTATE_BYTES = 5 * L2_BYTES  # bytes of weights between two uses of one copy
 
-# (BLOCK_N, BLOCK_K, num_warps, depth) of the GEMV kernel, M=1
-BF16_SWEEP = [(1, 1024, 4, 2), (1, 1024, 2, 2), (1, 2048, 4, 1), (1, 2048, 4, 2), (1, 2048, 8, 2),
-              (1, 4096, 8, 2), (1, 4096, 8, 1), (2, 1024, 4, 2), (2, 2048, 4, 2), (2, 1024, 2, 2),
-              (4, 512, 4, 2), (1, 512, 2, 2)]
-INT8_SWEEP = [(1, 2048, 4, 2), (1, 4096, 4, 2), (1, 4096, 8, 2), (2, 1024, 4, 2), (2, 2048, 4, 2),
-              (2, 2048, 4, 1), (4, 1024, 4, 2), (2, 2048, 8, 2), (4, 2048, 8, 2), (1, 2048, 2, 2),
-              (2, 1024, 2, 2), (4, 512, 2, 2)]
+# (BLOCK_N, BLOCK_K, num_warps, depth, red) of the GEMV kernel, M=1
+BF16_SWEEP = [(2, 1024, 4, 2, False), (2, 2048, 4, 2, False), (1, 1024, 2, 2, False), (4, 512, 4, 2, False),
+              (2, 1024, 4, 2, True), (2, 2048, 4, 2, True), (1, 1024, 2, 2, True), (1, 2048, 4, 2, True),
+              (4, 512, 2, 2, True), (2, 512, 2, 2, True), (4, 1024, 4, 2, True), (2, 2048, 8, 2, True)]
+INT8_SWEEP = [(4, 512, 2, 2, False), (2, 1024, 2, 2, False), (2, 2048, 4, 1, False), (4, 512, 2, 2, True),
+              (2, 1024, 2, 2, True), (4, 1024, 4, 2, True), (8, 512, 4, 2, True), (2, 2048, 4, 2, True),
+              (4, 1024, 2, 2, True), (8, 1024, 4, 2, True)]
+INT8_MODES = (2, 3)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel for 2 <= M <= 16
 DOT_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
              (32, 512, 4, 3), (64, 256, 4, 3)]
@@ -141,9 +142,11 @@ def sweep_shape(W: Weights, m: int, calls: int, reps: int, cfgs_bf16, cfgs_int8,
     x = torch.randn(m, W.k, device="cuda", dtype=torch.bfloat16)
     rows = []
     nw, nq = len(W.w), len(W.q)
-    variants = [("bf16", c, True, 2) for c in cfgs_bf16] + [("int8", c, True, 2) for c in cfgs_int8]
-    for kind, (bn, bk, warps, depth), pdl, mode in variants:
-        cfg = tk.GemvConfig(bn, bk, warps, depth)
+    variants = [("bf16", c, True, 2) for c in cfgs_bf16]
+    variants += [("int8", c, True, mode) for c in cfgs_int8 for mode in INT8_MODES]
+    for kind, cfg_t, pdl, mode in variants:
+        cfg = tk.GemvConfig(*cfg_t)
+        bn, bk, warps, depth = cfg_t[:4]
         if kind == "bf16":
             mk = lambda i, cfg=cfg, pdl=pdl: tk.gemv(x, W.w[i % nw], config=cfg, pdl=pdl)
             ref = kernels.linear_reference(x, W.w[0])
@@ -155,12 +158,12 @@ def sweep_shape(W: Weights, m: int, calls: int, reps: int, cfgs_bf16, cfgs_int8,
             err = rel_err(mk(0), ref)
             us = time_graph_us([lambda i=i: mk(i) for i in range(calls)], reps)
         except Exception as e:  # a config that fails to compile or run is reported, not fatal
-            rows.append(dict(kind=kind, cfg=[bn, bk, warps, depth], pdl=pdl, mode=mode, error=repr(e)[:300]))
-            print("  FAIL", kind, bn, bk, warps, depth, repr(e)[:200], flush=True)
+            rows.append(dict(kind=kind, cfg=list(cfg_t), pdl=pdl, mode=mode, error=repr(e)[:300]))
+            print("  FAIL", kind, cfg_t, repr(e)[:200], flush=True)
             continue
         gbs = W.bytes(kind) / us / 1e3
-        rows.append(dict(kind=kind, cfg=[bn, bk, warps, depth], pdl=pdl, mode=mode, us=us, gbs=gbs, err=err))
-        print(f"  {kind} m={m} cfg=({bn},{bk},{warps},{depth}) pdl={int(pdl)} mode={mode}: {us:8.2f} us "
+        rows.append(dict(kind=kind, cfg=list(cfg_t), pdl=pdl, mode=mode, us=us, gbs=gbs, err=err))
+        print(f"  {kind} m={m} cfg={cfg_t} pdl={int(pdl)} mode={mode}: {us:8.2f} us "
               f"{gbs:7.0f} GB/s err {err:.1e}", flush=True)
     if modes:  # best configs again without PDL, and int8 with the other conversions
         for kind in ("bf16", "int8"):
@@ -168,9 +171,7 @@ def sweep_shape(W: Weights, m: int, calls: int, reps: int, cfgs_bf16, cfgs_int8,
             if not ok:
                 continue
             best = min(ok, key=lambda r: r["us"])
-            extra = [(best["cfg"], False, 2)]
-            if kind == "int8":
-                extra += [(best["cfg"], True, 1)]
+            extra = [(best["cfg"], False, best["mode"])]
             for cfg, pdl, mode in extra:
                 rows += sweep_shape_one(W, x, kind, tk.GemvConfig(*cfg), pdl, mode, calls, reps)
     return rows
@@ -219,13 +220,31 @@ def msweep_shape(W: Weights, m: int, calls: int, reps: int) -> list:
     run("cublas", "bf16", lambda i: F.linear(x, W.w[i % nw]), ref16)
     run("cublas_dequant", "int8", lambda i: kernels._int8_matmul(x, W.q[i % nq], W.s[i % nq]), ref8)
     if m <= tk.MAX_BLOCK_M:
-        run("gemv", "bf16", lambda i: tk.gemv(x, W.w[i % nw]), ref16)
-        run("gemv", "int8", lambda i: tk.gemv(x, W.q[i % nq], W.s[i % nq]), ref8)
+        for c in [(1, 1024, 4, 2, False), (2, 1024, 4, 2, True), (2, 512, 4, 2, True), (4, 512, 4, 2, True)]:
+            cfg = tk.GemvConfig(*c)
+            run(f"gemv{c}", "bf16", lambda i, cfg=cfg: tk.gemv(x, W.w[i % nw], config=cfg), ref16)
+            run(f"gemv{c}", "int8", lambda i, cfg=cfg: tk.gemv(x, W.q[i % nq], W.s[i % nq], config=cfg), ref8)
     for c in DOT_SWEEP:
         cfg = tk.DotConfig(*c)
-        run(f"dot{c}", "bf16", lambda i, cfg=cfg: tk.small_m_dot(x, W.w[i % nw], config=cfg), ref16)
-        run(f"dot{c}", "int8", lambda i, cfg=cfg: tk.small_m_dot(x, W.q[i % nq], W.s[i % nq], config=cfg), ref8)
+        for clamp in (True, False):
+            run(f"dot{c}{'' if clamp else 'mask'}", "bf16",
+                lambda i, cfg=cfg, clamp=clamp: tk.small_m_dot(x, W.w[i % nw], config=cfg, clamp_m=clamp), ref16)
+            run(f"dot{c}{'' if clamp else 'mask'}", "int8",
+                lambda i, cfg=cfg, clamp=clamp: tk.small_m_dot(x, W.q[i % nq], W.s[i % nq], config=cfg, clamp_m=clamp),
+                ref8)
     return out
+
+
+def ncu_run() -> None:
+    """A few launches to profile with Nsight Compute (-k regex:_gemv_kernel): 7B w13 at M=1."""
+    tk = kernels._kernels_module()
+    n, k = LLAMA2_7B["w13"]
+    W = Weights(n, k)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    tk.gemv(x, W.w[0], config=tk.GemvConfig(2, 2048, 4, 2))  # bf16
+    for cfg, mode in [((2, 2048, 4, 1, False), 2), ((4, 512, 2, 2, True), 2), ((4, 512, 2, 2, True), 3)]:
+        tk.gemv(x, W.q[0], W.s[0], config=tk.GemvConfig(*cfg), int8_mode=mode)
+    torch.cuda.synchronize()
 
 
 def main(argv=None) -> int:
@@ -234,9 +253,13 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     p.add_argument("--reps", type=int, default=15, help="timed graph replays (median)")
     p.add_argument("--sweep", action="store_true", help="also sweep Triton configs per shape at M=1")
-    p.add_argument("--msweep", action="store_true", help="also compare configs and cuBLAS at M=2,4,8")
+    p.add_argument("--msweep", action="store_true", help="also compare kernels and cuBLAS at M=2,4,8,16")
     p.add_argument("--no-table", action="store_true", help="skip the main table (sweeps only)")
+    p.add_argument("--ncu-run", action="store_true", help="only launch a few kernels (to run under ncu)")
     args = p.parse_args(argv)
+    if args.ncu_run:
+        ncu_run()
+        return 0
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import SMALL_M, int8_linear_reference, linear_reference
+from kernels import LINEAR_DOT_MIN_M, SMALL_M, int8_linear_reference, linear_reference
 
 # (N, K) of the decode GEMVs that matter.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -156,7 +156,7 @@ def _gpu_shapes():
     return out
 
 
-GPU_M = sorted({1, 2, 4, SMALL_M, SMALL_M + 1})
+GPU_M = sorted({1, 2, 4, LINEAR_DOT_MIN_M, SMALL_M, SMALL_M + 1})
 _WEIGHTS: dict = {}
 
 
@@ -237,7 +237,7 @@ def test_gpu_int8_prefill_chunked(monkeypatch, no_tf32):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [False, True])
-@pytest.mark.parametrize("int8_mode", [1, 2])
+@pytest.mark.parametrize("int8_mode", [1, 2, 3])
 @pytest.mark.parametrize("shape", [(4096, 11008), (50, 72), (7, 13)])
 def test_gpu_kernel_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no_tf32):
     import triton_kernels as tk
@@ -259,7 +259,8 @@ def test_gpu_kernel_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [(1, 2048, 4, 1), (2, 1024, 4, 2), (4, 512, 2, 2), (1, 4096, 8, 2), (2, 128, 4, 2)])
+@pytest.mark.parametrize("cfg", [(1, 2048, 4, 1), (2, 1024, 4, 2), (4, 512, 2, 2), (1, 4096, 8, 2), (2, 128, 4, 2),
+                                 (2, 1024, 4, 2, True), (4, 512, 2, 2, True), (2, 2048, 4, 1, True)])
 @pytest.mark.parametrize("shape", [(4096, 11008), (33, 4100), (50, 72)])
 def test_gpu_gemv_configs(shape, cfg, no_tf32):
     """Every config the table may pick is correct, also with K not a multiple of BLOCK_K."""
@@ -286,13 +287,13 @@ def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
     n, k = shape
     w32, q, s = _weights(n, k, torch.float32)
     w = w32.to(x_dtype)
-    for m in (2, 5, 16):
+    for m, clamp in ((2, True), (5, False), (16, True)):
         x = torch.randn(m, k, device="cuda", dtype=x_dtype)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=x_dtype)
-        tk.small_m_dot(x, w, None, out)
+        tk.small_m_dot(x, w, None, out, clamp_m=clamp)
         assert rel_err(out, linear_reference(x, w)) <= 1e-2
         out.fill_(float("nan"))
-        tk.small_m_dot(x, q, s, out)
+        tk.small_m_dot(x, q, s, out, clamp_m=clamp)
         assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2
 
 
