@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointInfo, build_model, dtype_from_name, dtype_name, read_checkpoint_info
+from kernels import gemv_available, route_linears_to_kernels
 from model import Transformer
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -211,8 +212,15 @@ class LLM:
     """A loaded model with its tokenizer and compiled step functions."""
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, device: torch.device, compile: bool,
-                 compile_prefill: bool = False, info: CheckpointInfo | None = None) -> None:
+                 compile_prefill: bool = False, info: CheckpointInfo | None = None,
+                 kernels: bool | None = None) -> None:
         self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
+        # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
+        self.kernels = device.type == "cuda" and gemv_available() if kernels is None else kernels
+        if self.kernels:
+            if device.type != "cuda" or not gemv_available():
+                raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed")
+            route_linears_to_kernels(model)
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile

@@ -15,9 +15,11 @@ Triton is imported lazily, on the first CUDA call: this module imports without T
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -29,25 +31,22 @@ SMALL_M = 16
 _DEQUANT_CHUNK_ELEMENTS = 1 << 26
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-_triton_kernels = None
-_has_triton: bool | None = None
-
-
+@functools.cache
 def _triton_importable() -> bool:
-    global _has_triton
-    if _has_triton is None:
-        _has_triton = importlib.util.find_spec("triton") is not None
-    return _has_triton
+    return importlib.util.find_spec("triton") is not None
 
 
+@functools.cache
 def _kernels_module():
     """triton_kernels, imported on first use (it imports triton)."""
-    global _triton_kernels
-    if _triton_kernels is None:
-        import triton_kernels
+    import triton_kernels
 
-        _triton_kernels = triton_kernels
-    return _triton_kernels
+    return triton_kernels
+
+
+def gemv_available() -> bool:
+    """Whether the Triton kernels can run here at all (a CUDA/HIP GPU and Triton)."""
+    return torch.cuda.is_available() and _triton_importable()
 
 
 def gemv_supported(x: Tensor) -> bool:
@@ -182,3 +181,26 @@ def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 def _int8_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     _check_int8_linear(x, weight, scales)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# --- routing a model's linear layers to the ops ---
+
+
+class KernelLinear(nn.Linear):
+    """nn.Linear (no bias) whose forward runs torch.ops.redline.linear: the Triton GEMV at decode."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline.linear(x, self.weight)
+
+
+def route_linears_to_kernels(model: nn.Module) -> int:
+    """Make every bias-free nn.Linear of the model a KernelLinear, in place; returns how many.
+
+    Only the class changes, so weights (and a tied output head) stay shared.
+    """
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module.bias is None:
+            module.__class__ = KernelLinear
+            count += 1
+    return count

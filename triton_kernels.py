@@ -84,7 +84,7 @@ def _int8_words_to_f32(wq, INT8_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
         f1 = (((t >> 8) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
         f2 = (((t >> 16) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
         f3 = (((t >> 24) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    # join stacks on a new last axis: [[f0, f1], [f2, f3]] per word, flattened to k order.
+    # join adds a last axis: f[..., i, j] = f_{2i+j}, so the reshape puts each word's 4 values in k order.
     f = tl.join(tl.join(f0, f2), tl.join(f1, f3))  # (BLOCK_N, BLOCK_K // 4, 2, 2)
     return tl.reshape(f, (BLOCK_N, BLOCK_K))
 

@@ -103,6 +103,7 @@ class BenchConfig:
     compile_time_only: bool = False
     compile_prefill: bool = False
     compile: bool | None = None  # None: compile on the GPU, not on the CPU
+    kernels: bool | None = None  # None: Redline's Triton GEMVs where they run (the GPU); False: cuBLAS via inductor
     device: str = "cpu"
     dtype: str = "bfloat16"
     json_path: Path | None = None
@@ -205,6 +206,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--compile-prefill", action="store_true", help="also measure prefill compiled (extra rows)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile decode (default: on for the GPU, off for the CPU)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="Redline's Triton GEMVs for the bf16 linears (default: on the GPU); --no-kernels uses cuBLAS")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write all numbers here")
@@ -225,6 +228,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         prompt_lengths=_positive_ints(ns.prompt_lengths, "--prompt-lengths"), new_tokens=ns.new_tokens,
         runs=ns.runs, compare=_split(ns.compare), compile_time=ns.compile_time or ns.compile_time_only,
         compile_time_only=ns.compile_time_only, compile_prefill=ns.compile_prefill, compile=ns.compile,
+        kernels=ns.kernels,
         device=device, dtype=ns.dtype, json_path=ns.json_path, plot_path=ns.plot_path,
         merge=tuple(Path(p) for p in _split(ns.merge)), bandwidth_gib=ns.bandwidth_gib,
         probe_new_tokens=ns.probe_new_tokens, seed=ns.seed, ttft_probe=ns.ttft_probe, start_time=ns.start_time,
@@ -293,6 +297,7 @@ class RedlineRecord:
     compile_s: float  # decode compile + graph capture, kept out of every rate
     warmup_s: float  # wall time of the warm-up generation
     prefill: list[PrefillRecord] = field(default_factory=list)
+    kernels: bool = False  # the bf16 linears ran Redline's Triton GEMVs (else cuBLAS via inductor)
     profile_path: str | None = None  # --profile: a trace of one more generation
     profile_decode_tok_s: float | None = None  # that generation's decode rate (profiler overhead = vs decode_tok_s)
 
@@ -560,7 +565,7 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
     args = ModelArgs.from_name(name)
     log(f"{name} {quant} batch {batch}: building random weights")
     model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed)
-    llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled)
+    llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels)
     weights = weights_bytes(model)
     prompts = random_prompts(args.vocab_size, batch, max(cfg.prompt_lengths), cfg.seed)  # (B, T_max)
     decode_prompts = prompts[:, :cfg.decode_prompt_length]
@@ -587,7 +592,8 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
         prefill = measure_prefill(llm, args, prompts, cfg.prompt_lengths, cfg.new_tokens, cfg.runs, False, log,
                                   f"{name} {quant} batch {batch}: ")
     if cfg.compile_prefill:
-        llm_cp = generate.LLM(model, tokenizer=None, device=device, compile=True, compile_prefill=True)
+        llm_cp = generate.LLM(model, tokenizer=None, device=device, compile=True, compile_prefill=True,
+                              kernels=cfg.kernels)
         prefill += measure_prefill(llm_cp, args, prompts, cfg.prompt_lengths, cfg.new_tokens, cfg.runs, True, log,
                                    f"{name} {quant} batch {batch}: ")
         del llm_cp
@@ -607,7 +613,7 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
         limit_with_kv_tok_s=batch * bandwidth * 1e9 / (bytes_step + kv) if bandwidth else None,
         peak_memory_bytes=peak, peak_memory_warmup_bytes=warm.peak_bytes,
         overhead_bytes=peak - weights - kv if peak is not None else None,
-        compile_s=compile_s, warmup_s=warm.wall_s, prefill=prefill, profile_path=trace_path,
+        compile_s=compile_s, warmup_s=warm.wall_s, prefill=prefill, kernels=llm.kernels, profile_path=trace_path,
         profile_decode_tok_s=trace_rate,
     )
 

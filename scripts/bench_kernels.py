@@ -9,8 +9,9 @@ the share of it that the kernel reaches.
     python scripts/bench_kernels.py --json out/bench_kernels.json
     python scripts/bench_kernels.py --sweep --msweep --json out/sweep.json   # also try configs
 
---sweep times several (BLOCK_N, BLOCK_K, num_warps) configs of the Triton kernel per shape (and the
-int8 conversion modes, and PDL on/off); --msweep compares kernels and cuBLAS at M = 2, 4, 8, 16.
+--sweep times several (BLOCK_N, BLOCK_K, num_warps, depth, red) configs of the GEMV kernel per shape
+(and the best one without PDL); --msweep compares the ops with cuBLAS at M = 2, 4, 8, 16 on the 7B
+wo, w13 and w2 shapes (with --sweep also tensor-core kernel configs).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ BF16_SWEEP = [(2, 1024, 4, 2, False), (2, 2048, 4, 2, False), (1, 1024, 2, 2, Fa
 INT8_SWEEP = [(4, 512, 2, 2, False), (2, 1024, 2, 2, False), (2, 2048, 4, 1, False), (4, 512, 2, 2, True),
               (2, 1024, 2, 2, True), (4, 1024, 4, 2, True), (8, 512, 4, 2, True), (2, 2048, 4, 2, True),
               (4, 1024, 2, 2, True), (8, 1024, 4, 2, True)]
-INT8_MODES = (2, 3)
+INT8_MODES = (2,)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel for 2 <= M <= 16
 DOT_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
              (32, 512, 4, 3), (64, 256, 4, 3)]
@@ -198,8 +199,9 @@ def sweep_shape_one(W, x, kind, cfg, pdl, mode, calls, reps):
     return [dict(kind=kind, cfg=list(astuple(cfg)), pdl=pdl, mode=mode, us=us, gbs=gbs, err=err)]
 
 
-def msweep_shape(W: Weights, m: int, calls: int, reps: int) -> list:
-    """At M rows: cuBLAS, the GEMV kernel's table config (M <= 8) and tensor-core kernel configs."""
+def msweep_shape(W: Weights, m: int, calls: int, reps: int, dot_configs=()) -> list:
+    """At M rows: cuBLAS (bf16; dequantize + cuBLAS for int8) vs the redline ops (their default
+    dispatch) and, optionally, tensor-core kernel configs."""
     tk = kernels._kernels_module()
     x = torch.randn(m, W.k, device="cuda", dtype=torch.bfloat16)
     nw, nq = len(W.w), len(W.q)
@@ -219,31 +221,23 @@ def msweep_shape(W: Weights, m: int, calls: int, reps: int) -> list:
     ref8 = kernels.int8_linear_reference(x, W.q[0], W.s[0])
     run("cublas", "bf16", lambda i: F.linear(x, W.w[i % nw]), ref16)
     run("cublas_dequant", "int8", lambda i: kernels._int8_matmul(x, W.q[i % nq], W.s[i % nq]), ref8)
-    if m <= tk.MAX_BLOCK_M:
-        for c in [(1, 1024, 4, 2, False), (2, 1024, 4, 2, True), (2, 512, 4, 2, True), (4, 512, 4, 2, True)]:
-            cfg = tk.GemvConfig(*c)
-            run(f"gemv{c}", "bf16", lambda i, cfg=cfg: tk.gemv(x, W.w[i % nw], config=cfg), ref16)
-            run(f"gemv{c}", "int8", lambda i, cfg=cfg: tk.gemv(x, W.q[i % nq], W.s[i % nq], config=cfg), ref8)
-    for c in DOT_SWEEP:
+    run("redline", "bf16", lambda i: torch.ops.redline.linear(x, W.w[i % nw]), ref16)
+    run("redline", "int8", lambda i: torch.ops.redline.int8_linear(x, W.q[i % nq], W.s[i % nq]), ref8)
+    for c in dot_configs:
         cfg = tk.DotConfig(*c)
-        for clamp in (True, False):
-            run(f"dot{c}{'' if clamp else 'mask'}", "bf16",
-                lambda i, cfg=cfg, clamp=clamp: tk.small_m_dot(x, W.w[i % nw], config=cfg, clamp_m=clamp), ref16)
-            run(f"dot{c}{'' if clamp else 'mask'}", "int8",
-                lambda i, cfg=cfg, clamp=clamp: tk.small_m_dot(x, W.q[i % nq], W.s[i % nq], config=cfg, clamp_m=clamp),
-                ref8)
+        run(f"dot{c}", "bf16", lambda i, cfg=cfg: tk.small_m_dot(x, W.w[i % nw], config=cfg), ref16)
+        run(f"dot{c}", "int8", lambda i, cfg=cfg: tk.small_m_dot(x, W.q[i % nq], W.s[i % nq], config=cfg), ref8)
     return out
 
 
 def ncu_run() -> None:
-    """A few launches to profile with Nsight Compute (-k regex:_gemv_kernel): 7B w13 at M=1."""
+    """Two launches to profile with Nsight Compute (-k regex:_gemv_kernel): 7B w13 at M=1."""
     tk = kernels._kernels_module()
     n, k = LLAMA2_7B["w13"]
     W = Weights(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    tk.gemv(x, W.w[0], config=tk.GemvConfig(2, 2048, 4, 2))  # bf16
-    for cfg, mode in [((2, 2048, 4, 1, False), 2), ((4, 512, 2, 2, True), 2), ((4, 512, 2, 2, True), 3)]:
-        tk.gemv(x, W.q[0], W.s[0], config=tk.GemvConfig(*cfg), int8_mode=mode)
+    tk.gemv(x, W.w[0])  # bf16, table config
+    tk.gemv(x, W.q[0], W.s[0])  # int8, table config
     torch.cuda.synchronize()
 
 
@@ -288,7 +282,7 @@ def main(argv=None) -> int:
         if args.msweep and model == "7b" and name in ("wo", "w13", "w2"):
             W = W or Weights(n, k)
             for m in (2, 4, 8, 16):
-                report["msweep"] += msweep_shape(W, m, args.calls, args.reps)
+                report["msweep"] += msweep_shape(W, m, args.calls, args.reps, DOT_SWEEP if args.sweep else ())
         if not args.no_table:
             if (n, k) not in cache:
                 W = W or Weights(n, k)
@@ -312,10 +306,24 @@ def main(argv=None) -> int:
                     b = min(ok, key=lambda r: r["us"])
                     print(f"{kind} {shape}: cfg {b['cfg']} pdl {b['pdl']} mode {b['mode']} {b['us']:.2f} us "
                           f"{b['gbs']:.0f} GB/s ({100 * b['gbs'] / bw:.1f}%)")
+    if report["msweep"]:
+        print_msweep(report["msweep"])
     if report["rows"]:
         print_table(report, bw)
     write_json(args.json, report)
     return 0
+
+
+def print_msweep(rows: list) -> None:
+    print("\n## 2..16 rows of x (7B shapes): µs per call, CUDA graph, weights rotated past L2\n")
+    print("| shape (N, K) | M | cuBLAS bf16 | redline bf16 | dequant + cuBLAS int8 | redline int8 |")
+    print("|---|---|---|---|---|---|")
+    for shape in sorted({tuple(r["shape"]) for r in rows}):
+        for m in sorted({r["m"] for r in rows if tuple(r["shape"]) == shape}):
+            t = {(r["impl"], r["kind"]): r["us"] for r in rows if tuple(r["shape"]) == shape and r["m"] == m}
+            cells = [t.get(key) for key in (("cublas", "bf16"), ("redline", "bf16"), ("cublas_dequant", "int8"),
+                                            ("redline", "int8"))]
+            print(f"| {shape} | {m} | " + " | ".join("-" if c is None else f"{c:.2f}" for c in cells) + " |")
 
 
 def write_json(path: str | None, report: dict) -> None:
