@@ -265,6 +265,8 @@ class LLM:
         inductor_config.fx_graph_cache = True
         # Each prefill bucket, batch size and sampling mode is its own graph; never fall back to eager silently.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        # Inductor otherwise skips intermediate roundings to bf16 that eager performs, and greedy tokens can drift.
+        inductor_config.emulate_precision_casts = True
         gpu = self.device.type == "cuda"
         self._decode_fn = torch.compile(decode_one_token, mode="reduce-overhead" if gpu else None,
                                         fullgraph=True, dynamic=False)
@@ -332,8 +334,8 @@ class LLM:
                                recorder: Any = None) -> Iterator[tuple[list[int], float]]:
         """The token loop, for a batch of equal-length prompts (B, T).
 
-        Yields (tokens of this step, host time when they arrived). Step i+1 is queued on the GPU before
-        step i's tokens are read, so reading never leaves the GPU idle.
+        Yields (tokens of this step, host time when they arrived, less any time the profiler spent on itself).
+        Step i+1 is queued on the GPU before step i's tokens are read, so reading never leaves the GPU idle.
         """
         batch, prompt_len = prompts.shape
         new_tokens = self._plan_lengths(prompt_len, max_new_tokens)
@@ -357,29 +359,33 @@ class LLM:
             if ready is not None:
                 ready.record()
 
-        def read_host() -> tuple[list[int], float]:
+        def read_host() -> list[int]:
             if ready is not None:
                 ready.synchronize()
-            return host.tolist(), time.perf_counter()
+            return host.tolist()
 
         with torch.inference_mode():
             with region("prefill"):
                 token = self._prefill_fn(self.model, padded, positions, last, *args)  # (B, 1)
                 to_host(token)
             input_pos = torch.tensor([prompt_len], device=self.device)
+            paused = 0.0  # the profiler's own bookkeeping (starting, stopping) is kept out of every timing
             for step in range(1, new_tokens + 1):
                 if recorder is not None:
+                    before = time.perf_counter()
                     recorder.step()
+                    paused += time.perf_counter() - before
                 with region("decode_step"):
                     if step < new_tokens:
                         self._mark_step()
                         nxt = self._decode_fn(self.model, token, input_pos, *args).clone()  # (B, 1)
                         input_pos += 1
-                    result = read_host()  # tokens of the previous step; the next one is already queued
+                    tokens = read_host()  # the previous step's; the next one is already queued
+                    arrived = time.perf_counter() - paused
                     if step < new_tokens:
                         to_host(nxt)
                         token = nxt
-                yield result
+                yield tokens, arrived
 
     def stream(self, prompt: str | Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,

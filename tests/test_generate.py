@@ -241,7 +241,9 @@ def test_gpu_compiled_greedy_equals_eager(tiny_llm_checkpoint):
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in ["def fibonacci(n):", "import numpy as np\n" * 5, "x"]:
             a = compiled.generate(prompt, max_new_tokens=48, ignore_eos=True).token_ids
-            assert a == eager.generate(prompt, max_new_tokens=48, ignore_eos=True).token_ids
+            b = eager.generate(prompt, max_new_tokens=48, ignore_eos=True).token_ids
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            assert a == b, f"{prompt!r}: first divergence at token {first}: compiled {a[first:first + 4]}, eager {b[first:first + 4]}"
     assert counters["stats"]["unique_graphs"] == graphs
 
 
