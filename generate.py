@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointInfo, build_model, dtype_from_name, dtype_name, read_checkpoint_info
+from decode_attention import route_decode_attention_to_kernel
 from kernels import gemv_available, route_linears_to_kernels
 from model import Transformer
 from tokenizer import Tokenizer, load_tokenizer
@@ -221,6 +222,7 @@ class LLM:
             if device.type != "cuda" or not gemv_available():
                 raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed")
             route_linears_to_kernels(model)
+            route_decode_attention_to_kernel(model)
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile

@@ -261,6 +261,9 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, args.q_size + 2 * args.kv_size, bias=False)
         self.wo = nn.Linear(args.q_size, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
+        # Set by the engine on GPUs: one-token steps then run torch.ops.redline.decode_attention (decode_attention.py),
+        # which reads only the valid cache positions, instead of masked SDPA over the whole cache.
+        self.decode_kernel = False
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
         a = self.args
@@ -272,7 +275,10 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_head)
+        if seqlen == 1 and self.decode_kernel:
+            out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_head)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)
 
 

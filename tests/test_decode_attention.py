@@ -1,0 +1,286 @@
+"""redline.decode_attention: the reference against SDPA, the op on the CPU, and the Triton kernels on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import decode_attention as da
+
+HEAD_LAYOUTS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (H, Hkv); gqa is 4:1
+
+
+def make_inputs(batch, n_heads, n_kv_heads, seq_len, head_dim, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, n_heads, 1, head_dim, generator=gen, device=device).to(dtype)  # (B, H, 1, D)
+    k = torch.randn(batch, n_kv_heads, seq_len, head_dim, generator=gen, device=device).to(dtype)  # (B, Hkv, S, D)
+    v = torch.randn(batch, n_kv_heads, seq_len, head_dim, generator=gen, device=device).to(dtype)
+    return q, k, v
+
+
+def sdpa_as_model_calls_it(q, k, v, pos: int):
+    seq_len = k.shape[2]
+    mask = (torch.arange(seq_len, device=q.device) <= pos).view(1, 1, 1, seq_len)  # (1, 1, 1, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def rel_err(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def poisoned(cache, pos: int):
+    """A copy of cache (B, Hkv, S, D) with NaN at every position after pos."""
+    bad = cache.clone()
+    bad[:, :, pos + 1:] = float("nan")
+    return bad
+
+
+# --- CPU ---
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_reference_matches_sdpa(layout, head_dim):
+    n_heads, n_kv_heads = HEAD_LAYOUTS[layout]
+    seq_len = 40
+    q, k, v = make_inputs(2, n_heads, n_kv_heads, seq_len, head_dim)
+    for pos in (0, 1, 17, seq_len - 1):
+        out = da.decode_attention_reference(q, k, v, torch.tensor([pos]))
+        assert out.shape == q.shape and out.dtype == q.dtype
+        torch.testing.assert_close(out, sdpa_as_model_calls_it(q, k, v, pos), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_at_pos_zero_returns_first_value():
+    q, k, v = make_inputs(1, 4, 2, 16, 32)
+    out = da.decode_attention_reference(q, k, v, torch.tensor([0]))
+    torch.testing.assert_close(out, v[:, :, :1].repeat_interleave(2, dim=1))  # softmax over one key is 1
+
+
+def test_reference_ignores_garbage_past_input_pos():
+    q, k, v = make_inputs(2, 8, 2, 32, 64)
+    pos = 9
+    out = da.decode_attention_reference(q, poisoned(k, pos), poisoned(v, pos), torch.tensor([pos]))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, da.decode_attention_reference(q, k, v, torch.tensor([pos])))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_low_precision_accumulates_in_fp32(dtype):
+    q, k, v = make_inputs(1, 4, 1, 64, 64, dtype=dtype)
+    out = da.decode_attention_reference(q, k, v, torch.tensor([50]))
+    assert out.dtype == dtype
+    ref = sdpa_as_model_calls_it(q.float(), k.float(), v.float(), 50)
+    assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
+def test_op_dispatches_to_reference_on_cpu(layout):
+    n_heads, n_kv_heads = HEAD_LAYOUTS[layout]
+    q, k, v = make_inputs(2, n_heads, n_kv_heads, 24, 32)
+    pos = torch.tensor([11])
+    assert not da.decode_attention_supported(q, k)
+    out = torch.ops.redline.decode_attention(q, k, v, pos)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, da.decode_attention_reference(q, k, v, pos), atol=0, rtol=0)
+
+
+def test_op_accepts_non_contiguous_q_and_int32_pos():
+    q_wide, k, v = make_inputs(1, 4, 2, 16, 64)
+    q = q_wide[..., :32]  # (B, H, 1, D) with a head stride of 64
+    k, v = k[..., :32].contiguous(), v[..., :32].contiguous()
+    assert not q.is_contiguous()
+    out = torch.ops.redline.decode_attention(q, k, v, torch.tensor([5], dtype=torch.int32))
+    torch.testing.assert_close(out, da.decode_attention_reference(q, k, v, torch.tensor([5])))
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(q_shape=(1, 4, 2, 32)), "one token"),
+        (dict(q_shape=(1, 4, 32)), r"\(B, H, 1, D\)"),
+        (dict(q_shape=(1, 3, 1, 32)), "multiple"),
+        (dict(q_shape=(2, 4, 1, 32)), "batch and head_dim"),
+        (dict(q_shape=(1, 4, 1, 16)), "batch and head_dim"),
+        (dict(v_shape=(1, 2, 8, 32)), "v_cache"),
+        (dict(k_dtype=torch.float16), "one dtype"),
+        (dict(pos=torch.tensor([1, 2])), "input_pos"),
+        (dict(pos=torch.tensor(3)), "input_pos"),
+        (dict(pos=torch.tensor([1.0])), "input_pos"),
+    ],
+)
+def test_validation_errors(change, match):
+    q = torch.randn(change.get("q_shape", (1, 4, 1, 32)))
+    k = torch.randn(1, 2, 16, 32, dtype=change.get("k_dtype", torch.float32))
+    v = torch.randn(change.get("v_shape", (1, 2, 16, 32)), dtype=k.dtype)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.redline.decode_attention(q, k, v, change.get("pos", torch.tensor([3])))
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 1, 64, dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 128, 64, dtype=torch.bfloat16)
+        out = torch.ops.redline.decode_attention(q, k, torch.empty_like(k), torch.zeros(1, dtype=torch.long))
+        assert out.shape == (2, 8, 1, 64) and out.dtype == torch.bfloat16 and out.is_contiguous()
+        with pytest.raises(ValueError, match="multiple"):
+            torch.ops.redline.decode_attention(torch.empty(2, 3, 1, 64, dtype=torch.bfloat16), k, k,
+                                               torch.zeros(1, dtype=torch.long))
+
+
+def test_opcheck_cpu():
+    q, k, v = make_inputs(2, 8, 2, 24, 32)
+    torch.library.opcheck(torch.ops.redline.decode_attention.default, (q, k, v, torch.tensor([7])))
+
+
+def test_torch_compile_fullgraph_cpu():
+    q, k, v = make_inputs(1, 4, 2, 32, 32)
+
+    def step(q, k, v, pos):
+        out = torch.ops.redline.decode_attention(q * 0.5, k, v, pos)  # (B, H, 1, D)
+        return out.transpose(1, 2).reshape(q.shape[0], 1, -1) + 1.0
+
+    compiled = torch.compile(step, fullgraph=True)
+    for pos in (0, 13, 31):
+        p = torch.tensor([pos])
+        torch.testing.assert_close(compiled(q, k, v, p), step(q, k, v, p))
+
+
+# --- GPU ---
+
+GPU_LAYOUTS = {"mha": (32, 32), "gqa": (32, 8), "mqa": (32, 1)}
+BF16_TOL = 1e-2
+
+
+def gpu_check(q, k, v, pos: int, tol: float, **op_kwargs):
+    """Run the op on caches poisoned past pos and compare with the fp32 reference on the clean caches."""
+    ref = da.decode_attention_reference(q.float(), k.float(), v.float(), torch.tensor([pos], device=q.device))
+    out = torch.ops.redline.decode_attention(q, poisoned(k, pos), poisoned(v, pos),
+                                             torch.tensor([pos], device=q.device))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all(), f"NaN past input_pos={pos} leaked into the output"
+    err = rel_err(out, ref)
+    assert err <= tol, f"pos={pos}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("seq_len", [256, 2304, 8192])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("layout", sorted(GPU_LAYOUTS))
+def test_gpu_kernel_matches_reference(layout, head_dim, seq_len, batch):
+    n_heads, n_kv_heads = GPU_LAYOUTS[layout]
+    q, k, v = make_inputs(batch, n_heads, n_kv_heads, seq_len, head_dim, torch.bfloat16, "cuda")
+    assert da.decode_attention_supported(q, k)
+    for pos in (0, 1, 100, seq_len - 1):
+        gpu_check(q, k, v, pos, BF16_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("head_dim", [16, 32, 256])
+def test_gpu_other_dtypes_and_head_dims(dtype, tol, head_dim):
+    q, k, v = make_inputs(2, 8, 2, 1000, head_dim, dtype, "cuda")
+    for pos in (0, 63, 64, 999):
+        gpu_check(q, k, v, pos, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 64, 256])
+@pytest.mark.parametrize("block_s", [16, 64, 128])
+@pytest.mark.parametrize("layout", ["mha", "gqa"])
+def test_gpu_explicit_configs(layout, block_s, num_splits):
+    import triton_attention as ta
+
+    n_heads, n_kv_heads = GPU_LAYOUTS[layout]
+    q, k, v = make_inputs(1, n_heads, n_kv_heads, 3000, 128, torch.bfloat16, "cuda")
+    for stages in (1, 3):
+        cfg = ta.DecodeConfig(num_splits=num_splits, block_s=block_s, num_stages=stages)
+        for pos in (0, 200, 2999):
+            p = torch.tensor([pos], device="cuda")
+            ref = da.decode_attention_reference(q.float(), k.float(), v.float(), p)
+            out = ta.decode_attention(q, poisoned(k, pos), poisoned(v, pos), p, cfg)
+            assert rel_err(out, ref) <= BF16_TOL, (stages, pos)
+
+
+@pytest.mark.gpu
+def test_gpu_split_count_depends_on_shape_only():
+    import triton_attention as ta
+
+    a = ta.pick_config(1, 32, 8, 8192, 128, sms=132)
+    assert a == ta.pick_config(1, 32, 8, 8192, 128, sms=132)
+    assert 1 < a.num_splits <= 8192 // a.block_s
+    assert ta.pick_config(1, 32, 8, 128, 128, sms=132).num_splits <= 2  # never more splits than key blocks
+    assert ta.pick_config(64, 32, 32, 256, 128, sms=132).num_splits == 1  # enough groups to fill the GPU
+    with pytest.raises(ValueError, match="block_s"):
+        ta.DecodeConfig(num_splits=4, block_s=48)
+
+
+@pytest.mark.gpu
+def test_gpu_non_contiguous_q_and_batch_slice_of_cache():
+    q_wide, k, v = make_inputs(4, 32, 8, 512, 256, torch.bfloat16, "cuda")
+    q = q_wide[..., :128]  # (B, H, 1, D) with a head stride of 256
+    k, v = k[..., :128].contiguous(), v[..., :128].contiguous()
+    k2, v2, q2 = k[:2], v[:2], q[:2]  # KVCache.update returns self.k[:batch]
+    p = torch.tensor([300], device="cuda")
+    out = torch.ops.redline.decode_attention(q2, k2, v2, p)
+    ref = da.decode_attention_reference(q2.float(), k2.float(), v2.float(), p)
+    assert rel_err(out, ref) <= BF16_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_at_changing_positions():
+    q, k, v = make_inputs(1, 32, 8, 2304, 128, torch.bfloat16, "cuda")
+    pos = torch.zeros(1, dtype=torch.long, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.redline.decode_attention(q, k, v, pos)  # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.redline.decode_attention(q, k, v, pos)
+    for p in (0, 1, 100, 2303, 5, 1500):
+        pos.fill_(p)
+        graph.replay()
+        ref = da.decode_attention_reference(q.float(), k.float(), v.float(), pos)
+        assert rel_err(out, ref) <= BF16_TOL, p
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_reduce_overhead():
+    q, k, v = make_inputs(1, 32, 8, 2304, 128, torch.bfloat16, "cuda")
+
+    def step(q, k, v, pos):
+        return torch.ops.redline.decode_attention(q, k, v, pos) * 2.0
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for p in (0, 1, 100, 2303, 7, 1024, 2000):
+        pos = torch.tensor([p], device="cuda")
+        out = compiled(q, k, v, pos).clone()
+        ref = 2.0 * da.decode_attention_reference(q.float(), k.float(), v.float(), pos)
+        assert rel_err(out, ref) <= BF16_TOL, p
+
+
+def test_routed_model_decodes_like_sdpa():
+    """The model's one-token steps through the op give the logits of the masked-SDPA path."""
+    from decode_attention import route_decode_attention_to_kernel
+    from model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
+    ids = torch.randint(0, 512, (2, 20))
+
+    def decode_logits() -> torch.Tensor:
+        model.setup_caches(2, 64)
+        steps = [model(ids[:, :5], torch.arange(5))]
+        steps += [model(ids[:, p:p + 1], torch.tensor([p])) for p in range(5, 20)]
+        return torch.cat(steps, dim=1)
+
+    with torch.no_grad():
+        reference = decode_logits()
+        assert route_decode_attention_to_kernel(model) == 2
+        routed = decode_logits()
+    assert model.layers[0].attention.decode_kernel
+    torch.testing.assert_close(routed, reference, atol=1e-5, rtol=1e-5)

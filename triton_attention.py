@@ -1,0 +1,232 @@
+"""Triton flash-decoding: one query token per sequence against a static KV cache.
+
+At decode time each sequence has one query row per head (B * H rows in all), so one program per
+row would leave most of the GPU idle while each program walks the whole cache. `decode_attention`
+instead:
+
+- gives each program ALL query heads of one KV group (H // Hkv rows), so a K/V byte is read once
+  per group (GQA reuse), and splits the valid key range 0..input_pos across NUM_SPLITS programs per
+  group (grid (B * Hkv, NUM_SPLITS)); each keeps a running max, sum and fp32 accumulator (online
+  softmax, exp2 with log2(e) folded into the scale) and writes its partial (m, l, acc);
+- computes q k^T and p v with tl.dot, the group's rows padded to 16 (MHA: 1 real row of 16): the
+  tensor-core path pipelines K/V tiles through shared memory and ran about 2x faster on an H200
+  than FMA reductions over one row, which cannot be pipelined that way;
+- reads input_pos on the device and divides only the VALID keys among the splits, so the bytes read
+  follow the valid length and every split gets work at every position; splits left without keys
+  (short prefixes) store nothing, and the combine kernel reads only the splits that had keys;
+- fixes NUM_SPLITS from the shapes alone (never from input_pos), so a CUDA graph captured once is
+  correct at every position;
+- combines the partials with a second, small kernel (one program per query row), or writes the
+  output directly when there is only one split.
+
+Configs come from a deterministic table (`pick_config`), never from autotuning, so nothing compiles
+or benchmarks inside CUDA-graph capture. Only decode_attention.py imports this module, lazily.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# The split count aims for this many programs per SM over the whole grid. On an H200
+# (scripts/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes): 1 per SM was 10-35%
+# slower on full long caches, 4 per SM within about +-7% of 2, 8 per SM mostly slower.
+TARGET_PROGRAMS_PER_SM = 2
+MAX_SPLITS = 256
+COMBINE_SPLIT_TILE = 16  # partials the combine kernel reads per step
+DOT_MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
+# Shared memory the pipelined K/V tiles of the tensor-core path may take (Hopper allows 227 KB a block).
+PIPELINE_SMEM_BYTES = 160 * 1024
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split kernel."""
+
+    num_splits: int  # programs per KV group (fixed for a given shape, never from input_pos)
+    block_s: int  # keys per loop step
+    num_warps: int = 4
+    num_stages: int = 2  # K/V tiles in flight; on an H200 3 was within about +-5% of 2, 1 up to 30% slower
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {self.num_splits}")
+        if self.block_s < 16 or self.block_s & (self.block_s - 1):
+            raise ValueError(f"block_s must be a power of two >= 16, got {self.block_s}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
+
+@lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def pick_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int, sms: int,
+                programs_per_sm: int = TARGET_PROGRAMS_PER_SM) -> DecodeConfig:
+    """The launch config for these shapes; depends on the cache length, never on input_pos."""
+    block_s = 64 if head_dim <= 128 else 32
+    groups = batch * n_kv_heads
+    splits = math.ceil(programs_per_sm * sms / groups)
+    splits = max(1, min(splits, MAX_SPLITS, math.ceil(seq_len / block_s)))
+    return DecodeConfig(num_splits=splits, block_s=block_s)
+
+
+@triton.jit
+def _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S: tl.constexpr):
+    """(valid keys, blocks of keys per split, splits that hold keys), all from input_pos on the device."""
+    pos = tl.load(pos_ptr).to(tl.int32)
+    length = tl.minimum(tl.maximum(pos + 1, 1), seq_len)  # clamped: never read outside the cache
+    n_blocks = tl.cdiv(length, BLOCK_S)
+    per_split = tl.cdiv(n_blocks, num_splits)
+    active = tl.cdiv(n_blocks, per_split)
+    return length, per_split, active
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh,
+    seq_len, num_splits, qk_scale,
+    N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_group = tl.program_id(0)  # b * Hkv + kv head
+    split = tl.program_id(1)
+    b = (pid_group // N_KV_HEADS).to(tl.int64)
+    kvh = (pid_group % N_KV_HEADS).to(tl.int64)
+    length, per_split, active = _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S)
+    first = split * per_split
+    last = tl.minimum(first + per_split, tl.cdiv(length, BLOCK_S))
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # (BLOCK_G,) the query heads that share this KV head
+    # Padded rows load zeros (finite scores, never stored); an idle split (no keys) loads nothing.
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(row_ok & (first < last))[:, None], other=0.0)  # (BLOCK_G, D)
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for blk in range(first, last):
+        s_idx = blk * BLOCK_S + offs_s  # (BLOCK_S,)
+        s_ok = s_idx < length  # keys past input_pos are never loaded
+        k = tl.load(k_base + s_idx[:, None] * stride_ks + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_S)
+        scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
+        # Every block in range holds a valid key, so m_new is finite and alpha never sees -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])  # (BLOCK_G, BLOCK_S)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + s_idx[:, None] * stride_vs + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, D)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SINGLE_SPLIT:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        keep = row_ok & (split < active)  # a split without keys stores nothing; combine skips it
+        row = (b * (N_KV_HEADS * GROUP) + heads) * num_splits + split  # (BLOCK_G,)
+        tl.store(m_ptr + row, m_i, mask=keep)
+        tl.store(l_ptr + row, l_i, mask=keep)
+        tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, stride_ob, stride_oh, seq_len, num_splits,
+    N_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * H + h
+    b = row // N_HEADS
+    h = row % N_HEADS
+    _, _, active = _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S)
+    base = row * num_splits
+    offs = tl.arange(0, SPLITS_P2)
+    m = tl.load(m_ptr + base + offs, mask=offs < active, other=float("-inf"))  # (SPLITS_P2,)
+    l = tl.load(l_ptr + base + offs, mask=offs < active, other=0.0)
+    m_max = tl.max(m, axis=0)
+    denom = tl.sum(l * tl.exp2(m - m_max), axis=0)
+
+    offs_t = tl.arange(0, SPLIT_TILE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for t in range(0, tl.cdiv(active, SPLIT_TILE)):
+        idx = t * SPLIT_TILE + offs_t  # (SPLIT_TILE,)
+        ok = idx < active
+        w = tl.exp2(tl.load(m_ptr + base + idx, mask=ok, other=float("-inf")) - m_max)
+        part = tl.load(acc_ptr + (base + idx)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * part, axis=0)
+    out = acc / denom
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+                     config: DecodeConfig | None = None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v over keys 0..input_pos; q (B, H, 1, D), caches (B, Hkv, S, D).
+
+    The caller (decode_attention.py) validates shapes and dtypes; returns (B, H, 1, D) contiguous.
+    """
+    batch, n_heads, _, head_dim = q.shape
+    n_kv_heads, seq_len = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv_heads
+    if config is None:
+        config = pick_config(batch, n_heads, n_kv_heads, seq_len, head_dim, sm_count(q.device.index or 0))
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k_cache.stride(-1) != 1:
+        k_cache = k_cache.contiguous()
+    if v_cache.stride(-1) != 1:
+        v_cache = v_cache.contiguous()
+    out = torch.empty((batch, n_heads, 1, head_dim), device=q.device, dtype=q.dtype)  # (B, H, 1, D)
+    if out.numel() == 0:
+        return out
+    splits = config.num_splits
+    if splits > 1:
+        rows = batch * n_heads
+        m = torch.empty((rows, splits), device=q.device, dtype=torch.float32)  # per-split max, log2 units
+        l = torch.empty((rows, splits), device=q.device, dtype=torch.float32)  # per-split sum
+        acc = torch.empty((rows, splits, head_dim), device=q.device, dtype=torch.float32)
+    else:
+        m = l = acc = out  # unused by the kernel when there is one split
+    block_g = max(DOT_MIN_ROWS, triton.next_power_of_2(group))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    stage_bytes = 2 * config.block_s * head_dim * q.element_size()  # one K and one V tile per stage
+    stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
+    # Launch on q's GPU (Triton uses the current device); the nullcontext serves Triton's CPU interpreter.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _split_kernel[(batch * n_kv_heads, splits)](
+            q, k_cache, v_cache, input_pos, out, m, l, acc,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            seq_len, splits, LOG2E / math.sqrt(head_dim),
+            N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, BLOCK_G=block_g, BLOCK_S=config.block_s,
+            HEAD_DIM=head_dim, DOT_PRECISION=precision,
+            num_warps=config.num_warps, num_stages=stages,
+        )
+        if splits > 1:
+            _combine_kernel[(batch * n_heads,)](
+                m, l, acc, input_pos, out, out.stride(0), out.stride(1), seq_len, splits,
+                N_HEADS=n_heads, SPLITS_P2=triton.next_power_of_2(splits),
+                SPLIT_TILE=COMBINE_SPLIT_TILE, BLOCK_S=config.block_s, HEAD_DIM=head_dim,
+                num_warps=2,
+            )
+    return out
