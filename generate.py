@@ -98,7 +98,7 @@ class SamplingParams:
 
 def prefill(model: Transformer, ids: Tensor, input_pos: Tensor, last_index: Tensor, *sampling: Tensor) -> Tensor:
     """ids (B, T) -> first new token (B, 1). `last_index` (1,) is the last real prompt token (prompts may be padded)."""
-    logits = model(ids, input_pos, logits_at=last_index)[:, -1]  # (B, V)
+    logits = model(ids, input_pos, logits_at=last_index, from_start=True)[:, -1]  # (B, V)
     return sample(logits, *sampling) if sampling else greedy(logits)
 
 

@@ -265,7 +265,7 @@ class Attention(nn.Module):
         # which reads only the valid cache positions, instead of masked SDPA over the whole cache.
         self.decode_kernel = False
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
         a = self.args
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
@@ -277,6 +277,9 @@ class Attention(nn.Module):
         k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
         if seqlen == 1 and self.decode_kernel:
             out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
+        elif from_start:  # positions 0..T-1: causal attention within them, so SDPA may pick flash attention
+            out = F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True,
+                                                 enable_gqa=a.n_kv_heads != a.n_head)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_head)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)
@@ -304,8 +307,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos)
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -346,10 +349,12 @@ class Transformer(nn.Module):
         """Activations run in the dtype of the norms (quantized weights are int8, so not those)."""
         return self.norm.weight.dtype
 
-    def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
+                from_start: bool = False) -> Tensor:
         """idx (B, T) token ids at positions input_pos (T,). Returns logits (B, T, vocab).
 
         logits_at (L,) picks the sequence indices whose logits are computed (B, L, vocab); prefill only needs one.
+        from_start promises input_pos == arange(T) (a prefill), so attention needs only those T cache entries.
         """
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
@@ -359,7 +364,7 @@ class Transformer(nn.Module):
         rope = self.rope[input_pos]  # (T, 2, D/2)
         x = self.tok_embeddings(idx)  # (B, T, dim)
         for layer in self.layers:
-            x = layer(x, rope, mask, input_pos)
+            x = layer(x, rope, mask, input_pos, from_start)
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (B, L, dim)
         return self.output(self.norm(x))  # (B, T, vocab)

@@ -235,7 +235,7 @@ def test_gpu_compiled_greedy_equals_eager(tiny_llm_checkpoint):
     from torch._dynamo.utils import counters
 
     eager = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="bfloat16", compile=False)
-    compiled = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="bfloat16", compile=True)
+    compiled = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="bfloat16", compile=True, compile_prefill=True)
     compiled.generate("warm", max_new_tokens=8, ignore_eos=True)
     graphs = counters["stats"]["unique_graphs"]
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -60,6 +60,22 @@ def test_incremental_decoding_matches_full_forward(tiny_checkpoint):
     assert (incremental - full).abs().max().item() <= 1e-4
 
 
+def test_from_start_prefill_matches_the_masked_path(tiny_checkpoint):
+    model = load_fp32(tiny_checkpoint[0])
+    ids = torch.randint(0, 512, (2, 30))
+    with torch.no_grad():
+        model.setup_caches(2, 100)  # the cache is longer than the prompt
+        masked = model(ids, torch.arange(30))
+        model.setup_caches(2, 100)
+        causal = model(ids, torch.arange(30), from_start=True)
+        after = model(ids[:, :1], torch.tensor([30]))  # the cache written by the fast path serves decoding
+        model.setup_caches(2, 100)
+        model(ids, torch.arange(30))
+        reference_after = model(ids[:, :1], torch.tensor([30]))
+    torch.testing.assert_close(causal, masked, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, reference_after, atol=1e-5, rtol=1e-5)
+
+
 def test_logits_at_selects_positions(tiny_checkpoint):
     model = load_fp32(tiny_checkpoint[0])
     ids = torch.randint(0, 512, (1, 10))
