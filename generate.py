@@ -214,7 +214,7 @@ class LLM:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, device: torch.device, compile: bool,
                  compile_prefill: bool = False, info: CheckpointInfo | None = None,
-                 kernels: bool | None = None) -> None:
+                 kernels: bool | None = None, name: str | None = None) -> None:
         self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
         # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
         self.kernels = device.type == "cuda" and gemv_available() if kernels is None else kernels
@@ -228,6 +228,7 @@ class LLM:
         self.compile = compile
         self.compile_prefill = compile_prefill
         self.info = info
+        self.name = name  # for stats and traces; by default the checkpoint's folder name
         self.bytes_per_token = model_bytes_per_token(model)
         self._prefill_fn: Callable[..., Tensor] = prefill
         self._decode_fn: Callable[..., Tensor] = decode_one_token
@@ -491,12 +492,14 @@ class LLM:
 
     @property
     def model_name(self) -> str:
+        if self.name is not None:
+            return self.name
         return self.info.path.parent.name if self.info is not None else "model"
 
     def _trace_stats(self, stats: GenerationStats) -> dict[str, Any]:
         out = {k: v for k, v in stats.as_dict().items() if v is not None}
         out.update(
-            model=str(self.info.path) if self.info else self.model_name,
+            model=self.model_name if self.name is not None or self.info is None else str(self.info.path),
             dtype=dtype_name(self.model.cache_dtype),
             quantization=self.info.scheme if self.info else "none",
             device=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",

@@ -565,7 +565,8 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
     args = ModelArgs.from_name(name)
     log(f"{name} {quant} batch {batch}: building random weights")
     model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed)
-    llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels)
+    llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
+                       name=f"{name} (random weights)")
     weights = weights_bytes(model)
     prompts = random_prompts(args.vocab_size, batch, max(cfg.prompt_lengths), cfg.seed)  # (B, T_max)
     decode_prompts = prompts[:, :cfg.decode_prompt_length]
