@@ -6,7 +6,7 @@ Weights use Hugging Face's rotary layout (rotate-half), so converted checkpoints
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch

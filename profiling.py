@@ -43,11 +43,12 @@ import json
 import math
 import os
 import re
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -275,3 +276,51 @@ def write_trace_atomic(trace: dict, path: str | os.PathLike) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+# --- GPU timing shared by the benchmark scripts ---
+
+
+def cuda_event_ms(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Milliseconds of each of `repeats` calls of fn, timed with CUDA events on the current stream."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def read_bandwidth_gb_s(gib: float = 4.0, repeats: int = 20) -> list[float]:
+    """GB/s of a bf16 `sum` over `gib` GiB on the current GPU, one figure per repeat after a warm-up."""
+    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda").normal_()  # random, never zeros
+    for _ in range(3):
+        x.sum()
+    torch.cuda.synchronize()
+    rates = [x.numel() * 2 / (ms / 1e3) / 1e9 for ms in cuda_event_ms(x.sum, repeats)]
+    del x
+    torch.cuda.empty_cache()
+    return rates
+
+
+def cuda_graph_us_per_call(calls: list[Callable[[], object]], repeats: int) -> float:
+    """Median µs per call of a CUDA graph that runs `calls` in order (warmed up outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(3):
+        graph.replay()
+    ms = statistics.median(cuda_event_ms(graph.replay, repeats))
+    del graph
+    return ms * 1000 / len(calls)

@@ -48,6 +48,7 @@ from torch import Tensor
 import generate
 from checkpoint import dtype_from_name, write_atomically
 from model import ModelArgs, Transformer
+from profiling import read_bandwidth_gb_s
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -444,24 +445,8 @@ def sync(device: torch.device) -> None:
 
 def measure_read_bandwidth(device: torch.device, gib: float, repeats: int = BANDWIDTH_REPEATS) -> list[float]:
     """GB/s of a bf16 `sum` over `gib` GiB, timed with CUDA events, one figure per repeat (after a warm-up)."""
-    numel = int(gib * 2**30) // 2
-    x = torch.empty(numel, dtype=torch.bfloat16, device=device).normal_()
-    nbytes = x.numel() * x.element_size()
     with torch.cuda.device(device):
-        for _ in range(3):
-            x.sum()
-        torch.cuda.synchronize(device)
-        rates = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            x.sum()
-            end.record()
-            end.synchronize()
-            rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
-    del x
-    torch.cuda.empty_cache()
-    return rates
+        return read_bandwidth_gb_s(gib, repeats)
 
 
 def timed_generation(llm: generate.LLM, prompts: Tensor, new_tokens: int) -> Timing:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import decode_attention as da  # noqa: E402  (registers torch.ops.redline.decode_attention)
+import decode_attention as da  # registers torch.ops.redline.decode_attention
+from profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
 
 # name: (n_head, n_kv_heads, head_dim)
 SHAPES = {"Llama-2-7B": (32, 32, 128), "Llama-3-8B": (32, 8, 128)}
@@ -51,45 +51,10 @@ class BenchRow:
             raise ValueError(f"invalid benchmark row {self}")
 
 
-def median_event_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
-def read_bandwidth_gbs(gib: float = 4.0) -> float:
-    t = torch.randn(int(gib * 2**30 / 2), device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        t.sum()
-    ms = median_event_ms(lambda: t.sum(), 20)
-    del t
-    return gib * 2**30 / ms / 1e6
 
 
-def graph_us_per_call(calls: list, reps: int) -> float:
-    """Median µs per call of a CUDA graph that runs `calls` (zero-argument callables) in order."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for c in calls:  # compile and warm up outside capture
-            c()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    ms = median_event_ms(graph.replay, reps)
-    del graph
-    return ms * 1000 / len(calls)
 
 
 class Caches:
@@ -131,7 +96,7 @@ def bench_shape(name: str, c: Caches, pos: int, reps: int) -> list[BenchRow]:
     rows = []
     for impl, calls in (("triton", triton_calls(c, pos_t)), ("sdpa", sdpa_calls(c, pos_t))):
         err = rel_err(calls[0](), ref)
-        us = graph_us_per_call(calls, reps)
+        us = cuda_graph_us_per_call(calls, reps)
         nbytes = c.valid_bytes(pos)
         rows.append(BenchRow(name, c.seq_len, pos, impl, us, nbytes, nbytes / us / 1e3, err))
     return rows
@@ -154,7 +119,7 @@ def sweep_shape(name: str, c: Caches, pos: int, reps: int, sms: int) -> list[dic
     out = []
     for label, cfg in configs.items():
         try:
-            us = graph_us_per_call(triton_calls(c, pos_t, cfg), reps)
+            us = cuda_graph_us_per_call(triton_calls(c, pos_t, cfg), reps)
         except Exception as e:  # a config past the chip's limits (shared memory, registers): note it, go on
             out.append(dict(shape=name, seq_len=c.seq_len, input_pos=pos, config=label, error=repr(e)[:300]))
             print(f"  sweep {name} S={c.seq_len} pos={pos} {label}: failed: {repr(e)[:200]}", flush=True)
@@ -222,7 +187,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    read_gbs = read_bandwidth_gbs()
+    read_gbs = statistics.median(read_bandwidth_gb_s())
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     report = {"device": torch.cuda.get_device_name(0), "sms": sms, "read_gbs": read_gbs, "layers": LAYERS,
               "rows": [], "sweep": []}

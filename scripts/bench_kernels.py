@@ -26,8 +26,8 @@ from dataclasses import astuple
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import kernels  # noqa: E402  (registers torch.ops.redline)
+import kernels  # registers torch.ops.redline
+from profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
 
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
              "lm_head": (32000, 4096)}
@@ -50,45 +50,10 @@ DOT_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4),
              (32, 512, 4, 3), (64, 256, 4, 3)]
 
 
-def median_event_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
-def read_bandwidth_gbs(gib: float = 4.0) -> float:
-    t = torch.randn(int(gib * 2**30 / 2), device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        t.sum()
-    ms = median_event_ms(lambda: t.sum(), 20)
-    del t
-    return gib * 2**30 / ms / 1e6
 
 
-def time_graph_us(calls: list, reps: int) -> float:
-    """Median µs per call of a CUDA graph that runs `calls` (zero-argument callables) in order."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # compile and warm up outside capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    for _ in range(3):
-        g.replay()
-    ms = median_event_ms(g.replay, reps)
-    del g
-    return ms * 1000 / len(calls)
 
 
 class Weights:
@@ -120,15 +85,15 @@ def bench_impls(W: Weights, x: torch.Tensor, calls: int, reps: int, extra: bool)
     tk = kernels._kernels_module()
     res = {}
     nw, nq = len(W.w), len(W.q)
-    res["cublas"] = time_graph_us([lambda i=i: F.linear(x, W.w[i % nw]) for i in range(calls)], reps)
-    res["redline_bf16"] = time_graph_us(
+    res["cublas"] = cuda_graph_us_per_call([lambda i=i: F.linear(x, W.w[i % nw]) for i in range(calls)], reps)
+    res["redline_bf16"] = cuda_graph_us_per_call(
         [lambda i=i: torch.ops.redline.linear(x, W.w[i % nw]) for i in range(calls)], reps)
-    res["redline_int8"] = time_graph_us(
+    res["redline_int8"] = cuda_graph_us_per_call(
         [lambda i=i: torch.ops.redline.int8_linear(x, W.q[i % nq], W.s[i % nq]) for i in range(calls)], reps)
     if extra:  # the same kernels without programmatic dependent launch
-        res["bf16_nopdl"] = time_graph_us(
+        res["bf16_nopdl"] = cuda_graph_us_per_call(
             [lambda i=i: tk.gemv(x.view(-1, W.k), W.w[i % nw], pdl=False) for i in range(calls)], reps)
-        res["int8_nopdl"] = time_graph_us(
+        res["int8_nopdl"] = cuda_graph_us_per_call(
             [lambda i=i: tk.gemv(x.view(-1, W.k), W.q[i % nq], W.s[i % nq], pdl=False) for i in range(calls)], reps)
     # correctness of what was timed
     ref = kernels.linear_reference(x, W.w[0])
@@ -157,7 +122,7 @@ def sweep_shape(W: Weights, m: int, calls: int, reps: int, cfgs_bf16, cfgs_int8,
             ref = kernels.int8_linear_reference(x, W.q[0], W.s[0])
         try:
             err = rel_err(mk(0), ref)
-            us = time_graph_us([lambda i=i: mk(i) for i in range(calls)], reps)
+            us = cuda_graph_us_per_call([lambda i=i: mk(i) for i in range(calls)], reps)
         except Exception as e:  # a config that fails to compile or run is reported, not fatal
             rows.append(dict(kind=kind, cfg=list(cfg_t), pdl=pdl, mode=mode, error=repr(e)[:300]))
             print("  FAIL", kind, cfg_t, repr(e)[:200], flush=True)
@@ -189,7 +154,7 @@ def sweep_shape_one(W, x, kind, cfg, pdl, mode, calls, reps):
         ref = kernels.int8_linear_reference(x, W.q[0], W.s[0])
     try:
         err = rel_err(mk(0), ref)
-        us = time_graph_us([lambda i=i: mk(i) for i in range(calls)], reps)
+        us = cuda_graph_us_per_call([lambda i=i: mk(i) for i in range(calls)], reps)
     except Exception as e:
         print("  FAIL", kind, cfg, pdl, mode, repr(e)[:200], flush=True)
         return [dict(kind=kind, cfg=list(astuple(cfg)), pdl=pdl, mode=mode, error=repr(e)[:300])]
@@ -210,7 +175,7 @@ def msweep_shape(W: Weights, m: int, calls: int, reps: int, dot_configs=()) -> l
     def run(label, kind, mk, ref):
         try:
             err = rel_err(mk(0), ref)
-            us = time_graph_us([lambda i=i: mk(i) for i in range(calls)], reps)
+            us = cuda_graph_us_per_call([lambda i=i: mk(i) for i in range(calls)], reps)
         except Exception as e:
             print(f"  FAIL m={m} {label} {kind} {repr(e)[:200]}", flush=True)
             return
@@ -259,7 +224,7 @@ def main(argv=None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.cuda.get_device_properties(0)
-    bw = read_bandwidth_gbs()
+    bw = statistics.median(read_bandwidth_gb_s())
     print(f"# {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}; "
           f"measured read bandwidth {bw:.0f} GB/s", flush=True)
     report = {"device": dev.name, "torch": torch.__version__, "read_bw_gbs": bw, "calls": args.calls,

@@ -15,7 +15,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 # --- model and checkpoint fixtures (owner: model/checkpoint) ---
-import json
 from pathlib import Path
 
 # Tiny HF Llama configs, one per feature the converter and model must handle.
