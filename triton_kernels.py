@@ -28,6 +28,7 @@ Only kernels.py imports this module, lazily, from the CUDA implementation of its
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -293,13 +294,12 @@ def pick_dot_config(n: int, k: int, w_bytes: int) -> DotConfig:
     return DotConfig(32, 256, 4, 4)
 
 
+@functools.cache
 def _pdl_default() -> bool:
+    """Programmatic dependent launch: Hopper and newer NVIDIA GPUs; REDLINE_PDL=0 turns it off for comparisons."""
     if os.environ.get("REDLINE_PDL", "1") == "0" or gdc_wait is None or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability()[0] >= 9
-
-
-_PDL: bool | None = None
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
@@ -311,7 +311,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     contiguous; returns (or fills `out`, contiguous) y of x's shape with K -> N, in x.dtype.
     `config`, `pdl` and `int8_mode` override the defaults (benchmarks and tests use this).
     """
-    global _PDL
     k = x.shape[-1]
     n = w.shape[0]
     if x.numel() != k:
@@ -322,9 +321,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
         return out.zero_()
     cfg = config or pick_config(n, k, w.element_size())
     if pdl is None:
-        if _PDL is None:
-            _PDL = _pdl_default()
-        pdl = _PDL
+        pdl = _pdl_default()
     if int8_mode is None:  # mode 2 is PTX: NVIDIA only
         int8_mode = 1 if torch.version.hip is not None else INT8_MODE_DEFAULT
     w_int8 = w.dtype == torch.int8
