@@ -232,7 +232,7 @@ class LLM:
         self.bytes_per_token = model_bytes_per_token(model)
         self._prefill_fn: Callable[..., Tensor] = prefill
         self._decode_fn: Callable[..., Tensor] = decode_one_token
-        self._warm: set[tuple] = set()  # (kind, shape) combinations already compiled and captured
+        self._warm: set[tuple] = set()  # decode graphs already compiled and captured
         self._pending_compile_s = 0.0
         if compile:
             self._compile()
@@ -287,7 +287,9 @@ class LLM:
 
     def _warm_up(self, batch_size: int, sampling: tuple[Tensor, ...]) -> float:
         """Compile and capture the decode graph for this cache and sampling mode before timing anything."""
-        key = ("decode", batch_size, self.model.max_seq_length, self.model.max_batch_size, bool(sampling))
+        cache = self.model.layers[0].attention.kv_cache
+        # A re-allocated cache (the caller may call setup_caches) needs a new capture even at the same shapes.
+        key = (batch_size, self.model.max_seq_length, self.model.max_batch_size, cache.k.data_ptr(), bool(sampling))
         if not self.compile or key in self._warm:
             return 0.0
         start = time.perf_counter()
