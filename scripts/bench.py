@@ -114,7 +114,7 @@ class BenchConfig:
     probe_new_tokens: int = 8
     seed: int = 0
     ttft_probe: bool = False
-    profile_dir: Path | None = None  # write one Perfetto trace per batch-1 configuration here
+    profile_dir: Path | None = None  # write one Perfetto trace per configuration here
     profile_steps: int = 16
     start_time: float | None = None  # the parent's time.time() when it started a --ttft-probe child
     argv: tuple[str, ...] = ()
@@ -218,7 +218,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--probe-new-tokens", type=int, default=8, help="tokens the --compile-time children generate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", dest="profile_dir", type=Path, default=None,
-                   help="folder: also trace one generation per batch-1 configuration (Perfetto .json.gz)")
+                   help="folder: also trace one generation per configuration (Perfetto .json.gz)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps recorded in each trace")
     p.add_argument("--ttft-probe", action="store_true", help="internal: child process of --compile-time")
     p.add_argument("--start-time", type=float, default=None, help=argparse.SUPPRESS)
@@ -584,8 +584,8 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
                                    f"{name} {quant} batch {batch}: ")
         del llm_cp
 
-    trace_path, trace_rate = profile_generation(cfg, llm, decode_prompts, f"{name}-{quant}", log) \
-        if cfg.profile_dir is not None and batch == 1 else (None, None)
+    trace_path, trace_rate = profile_generation(cfg, llm, decode_prompts, f"{name}-{quant}-b{batch}", log) \
+        if cfg.profile_dir is not None else (None, None)
 
     bytes_step = llm.bytes_per_token
     limit = batch * bandwidth * 1e9 / bytes_step if bandwidth else None
@@ -606,15 +606,29 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
 
 def profile_generation(cfg: BenchConfig, llm: generate.LLM, prompts: Tensor, label: str,
                        log: Any) -> tuple[str, float]:
-    """One more generation under the profiler; returns the trace path and that run's decode tok/s."""
-    from profiling import ProfileConfig
+    """One more generation under the profiler; returns the trace path and that run's aggregate decode tok/s.
+
+    Batch 1 goes through `LLM.generate(profile=...)`; larger batches drive the same token loop with a recorder.
+    """
+    from profiling import ProfileConfig, TraceRecorder
 
     path = cfg.profile_dir / f"{label}.json.gz"
-    result = llm.generate(prompts[0].tolist(), max_new_tokens=cfg.new_tokens, ignore_eos=True,
-                          profile=ProfileConfig(path=path, record_steps=cfg.profile_steps))
-    log(f"{label}: trace {path} ({path.stat().st_size / 1e6:.2f} MB), decode {result.stats.decode_tok_s:.1f} tok/s "
-        "while profiled")
-    return str(path), result.stats.decode_tok_s
+    config = ProfileConfig(path=path, record_steps=cfg.profile_steps)
+    batch = prompts.shape[0]
+    if batch == 1:
+        rate = llm.generate(prompts[0].tolist(), max_new_tokens=cfg.new_tokens, ignore_eos=True,
+                            profile=config).stats.decode_tok_s
+    else:  # already warm: the timed runs before this one compiled and captured the graphs
+        recorder = TraceRecorder(config, llm.device)
+        with recorder:
+            times = [t for _, t in llm.generate_token_batches(prompts, cfg.new_tokens, generate.SamplingParams(),
+                                                              recorder)]
+        rate = batch * (len(times) - 1) / (times[-1] - times[0])
+        recorder.write({"model": label, "batch_size": batch, "decode_tok_s": rate, "device": torch.cuda.get_device_name()
+                        if llm.device.type == "cuda" else "cpu", "torch_version": torch.__version__},
+                       generate.step_seconds(times))
+    log(f"{label}: trace {path} ({path.stat().st_size / 1e6:.2f} MB), decode {rate:.1f} tok/s while profiled")
+    return str(path), rate
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -75,12 +75,12 @@ def test_one_record_per_model_quant_batch_with_sane_numbers(full_run):
     assert "--model debug-tiny" in env["command"] and "--batch-size 1,2" in env["command"]
 
 
-def test_profile_writes_one_trace_per_batch1_configuration(full_run):
+def test_profile_writes_one_trace_per_configuration(full_run):
     _, _, report, folder = full_run
     from scripts.trace_summary import summarize_trace
 
     traced = [r for r in report["records"] if r["profile_path"]]
-    assert {(r["quant"], r["batch_size"]) for r in traced} == {("none", 1), ("int8", 1)}
+    assert {(r["quant"], r["batch_size"]) for r in traced} == {("none", 1), ("int8", 1), ("none", 2), ("int8", 2)}
     for record in traced:
         summary = summarize_trace(record["profile_path"])
         assert summary.steps == 4 and summary.tok_s == pytest.approx(record["profile_decode_tok_s"])
