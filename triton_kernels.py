@@ -272,7 +272,7 @@ class DotConfig:
 def pick_config(n: int, k: int, w_bytes: int) -> GemvConfig:
     """The GEMV config table: deterministic, from the shape alone.
 
-    Measured on an H200 (CUDA graph of 20 calls, weights rotated past L2, see .notes/kernels.md):
+    Measured on an H200 (CUDA graph of 20 calls, weights rotated past L2, see benchmarks/kernel-notes.md):
     a BLOCK_K that divides K matters for the long-K down projections (a partial last block costs
     a masked pass); int8 wants small per-thread work (it is instruction-bound, not memory-bound).
     """
