@@ -66,12 +66,14 @@ class CheckpointInfo:
 
 
 def write_atomically(path: Path, write: Any) -> None:
-    """Call write(tmp_path) on a temp file in the target folder, then rename it into place."""
+    """Call write(tmp_path) on a temp file in the target folder, flush it to disk, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -18,22 +18,18 @@ serves every position. Triton is imported lazily, on the first CUDA call.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 from functools import lru_cache
 
 import torch
 from torch import Tensor
 
+from kernels import triton_importable
+
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POS_DTYPES = (torch.int32, torch.int64)
 MIN_HEAD_DIM = 16  # the tensor-core path needs 16-wide tiles
 MAX_HEAD_DIM = 256
-
-
-@lru_cache(maxsize=None)
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @lru_cache(maxsize=None)
@@ -54,7 +50,7 @@ def decode_attention_supported(q: Tensor, k_cache: Tensor) -> bool:
     head_dim = q.shape[-1]
     if head_dim != k_cache.shape[-1] or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         return False
-    return head_dim & (head_dim - 1) == 0 and _triton_importable()
+    return head_dim & (head_dim - 1) == 0 and triton_importable()
 
 
 # --- reference (plain PyTorch, fp32) ---

@@ -32,7 +32,8 @@ _DEQUANT_CHUNK_ELEMENTS = 1 << 26
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @functools.cache
-def _triton_importable() -> bool:
+def triton_importable() -> bool:
+    """Triton is installed (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -46,7 +47,7 @@ def _kernels_module():
 
 def gemv_available() -> bool:
     """Whether the Triton kernels can run here at all (a CUDA/HIP GPU and Triton)."""
-    return torch.cuda.is_available() and _triton_importable()
+    return torch.cuda.is_available() and triton_importable()
 
 
 def gemv_supported(x: Tensor) -> bool:
@@ -54,7 +55,7 @@ def gemv_supported(x: Tensor) -> bool:
     dtype with at most SMALL_M rows (x.numel() // x.shape[-1]), with Triton importable."""
     if not x.is_cuda or x.dtype not in _FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
         return False
-    return x.numel() // x.shape[-1] <= SMALL_M and _triton_importable()
+    return x.numel() // x.shape[-1] <= SMALL_M and triton_importable()
 
 
 # --- references (plain PyTorch, fp32 accumulation) ---

@@ -256,25 +256,14 @@ def add_redline_annotations(trace: dict, stats: dict, step_seconds: list[float])
 
 
 def write_trace_atomic(trace: dict, path: str | os.PathLike) -> Path:
-    """Write `trace` as JSON (gzipped when the name ends with .gz) via a temp file + os.replace."""
+    """Write `trace` as JSON (gzipped when the name ends with .gz) via a temp file + rename."""
+    from checkpoint import write_atomically
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(trace, separators=(",", ":")).encode("utf-8")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if path.name.endswith(".gz"):
-                with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=6, mtime=0) as gz:
-                    gz.write(data)
-            else:
-                f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    if path.name.endswith(".gz"):
+        data = gzip.compress(data, compresslevel=6, mtime=0)
+    write_atomically(path, lambda tmp: tmp.write_bytes(data))
     return path
 
 

@@ -438,11 +438,6 @@ def random_prompts(vocab_size: int, batch: int, length: int, seed: int) -> Tenso
 # Measurements.
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_read_bandwidth(device: torch.device, gib: float, repeats: int = BANDWIDTH_REPEATS) -> list[float]:
     """GB/s of a bf16 `sum` over `gib` GiB, timed with CUDA events, one figure per repeat (after a warm-up)."""
     with torch.cuda.device(device):
@@ -454,7 +449,7 @@ def timed_generation(llm: generate.LLM, prompts: Tensor, new_tokens: int) -> Tim
     `generate_token_batches`, timed the same way (first token on the host, then the steps after it)."""
     device = llm.device
     batch = prompts.shape[0]
-    sync(device)
+    generate.sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if batch == 1:
@@ -672,10 +667,10 @@ def build_hf_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) ->
 
 def time_hf_generate(model: Any, ids: Tensor, new_tokens: int, **kwargs: Any) -> float:
     device = ids.device
-    sync(device)
+    generate.sync(device)
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
-    sync(device)
+    generate.sync(device)
     elapsed = time.perf_counter() - start
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - ids.shape[1]} tokens instead of {new_tokens}")
@@ -832,7 +827,7 @@ def run_ttft_probe(cfg: BenchConfig) -> int:
     device = torch.device(cfg.device)
     args = ModelArgs.from_name(cfg.models[0])
     model = build_random_model(args, device, cfg.torch_dtype, cfg.quants[0], cfg.seed)
-    sync(device)
+    generate.sync(device)
     built = time.time()
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled,
                        compile_prefill=cfg.compile_prefill)

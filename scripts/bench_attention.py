@@ -17,16 +17,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import decode_attention as da  # registers torch.ops.redline.decode_attention
+from checkpoint import write_atomically
 from profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
 
 # name: (n_head, n_kv_heads, head_dim)
@@ -148,14 +148,8 @@ def markdown_table(rows: list[BenchRow], read_gbs: float) -> str:
 
 
 def write_json(path: str | None, report: dict) -> None:
-    if not path:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
+    if path:
+        write_atomically(Path(path), lambda tmp: tmp.write_text(json.dumps(report, indent=1)))
 
 
 def parse_seq_lens(text: str) -> tuple[int, ...]:
