@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kernels import triton_importable
+from model import apply_rope
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POS_DTYPES = (torch.int32, torch.int64)
@@ -122,11 +123,94 @@ def _decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_po
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous like the real output
 
 
+def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
+                                   input_pos: Tensor) -> Tensor:
+    """The unfused model's steps: split qkv, rope q and k (model.apply_rope), write k and v into the caches at
+    input_pos, then decode attention; returns (B, 1, H D)."""
+    batch = qkv.shape[0]
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(batch, 1, n_heads, head_dim), rope).transpose(1, 2)  # (B, H, 1, D)
+    k = apply_rope(k.view(batch, 1, n_kv_heads, head_dim), rope).transpose(1, 2)  # (B, Hkv, 1, D)
+    v = v.view(batch, 1, n_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, 1, D)
+    k_cache.index_copy_(2, input_pos, k)
+    v_cache.index_copy_(2, input_pos, v)
+    out = torch.ops.redline.decode_attention(q, k_cache, v_cache, input_pos)  # (B, H, 1, D)
+    return out.transpose(1, 2).reshape(batch, 1, n_heads * head_dim)
+
+
+def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
+                                input_pos: Tensor) -> None:
+    name = "redline.decode_attention_qkv"
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: k_cache and v_cache must be (B, Hkv, S, D) of one shape, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, n_kv_heads, _, head_dim = k_cache.shape
+    width = qkv.shape[-1]
+    if qkv.dim() != 3 or qkv.shape[:2] != (batch, 1) or width % head_dim or width // head_dim <= 2 * n_kv_heads:
+        raise ValueError(f"{name}: qkv must be (B, 1, (H + 2 Hkv) D) with H a multiple of Hkv={n_kv_heads} and "
+                         f"D={head_dim}, got {tuple(qkv.shape)}")
+    if head_dim % 2 or rope.shape != (1, 2, head_dim // 2) or rope.dtype != torch.float32:
+        raise ValueError(f"{name}: rope must be the (1, 2, {head_dim // 2}) fp32 cos/sin row at input_pos, "
+                         f"got {tuple(rope.shape)} of {rope.dtype}")
+    if (width // head_dim - 2 * n_kv_heads) % n_kv_heads or qkv.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: qkv ({qkv.dtype}) must match the cache dtype ({k_cache.dtype}) and hold a "
+                         f"multiple of {n_kv_heads} query heads")
+    if qkv.dtype not in _FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{name}: qkv and the caches must share one dtype of bf16, fp16 or fp32")
+    if k_cache.shape[2] == 0:
+        raise ValueError(f"{name}: the KV cache has no positions; call setup_caches with max_seq_length > 0")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: the caches must have unit stride along head_dim (they are written in place)")
+    if input_pos.shape != (1,) or input_pos.dtype not in _POS_DTYPES:
+        raise ValueError(f"{name}: input_pos must be a (1,) int32/int64 tensor, "
+                         f"got shape {tuple(input_pos.shape)} of {input_pos.dtype}")
+    devices = {qkv.device, k_cache.device, v_cache.device, rope.device, input_pos.device}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+@torch.library.custom_op("redline::decode_attention_qkv", mutates_args=("k_cache", "v_cache"))
+def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+    """One decode token's attention from its raw qkv projection: rotates q and k with rope (cos, sin at
+    input_pos), writes k and v into the caches at input_pos, attends over keys 0..input_pos; (B, 1, H D).
+    On the GPU it is one kernel (two with a long cache: the split partials are combined)."""
+    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
+    q_like = qkv.new_empty((1, 1, 1, k_cache.shape[-1]))  # the supported check looks only at dtype/device/D
+    if decode_attention_supported(q_like, k_cache):
+        return _attention_module().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
+    return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos).contiguous()
+
+
+@decode_attention_qkv.register_fake
+def _decode_attention_qkv_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
+                               input_pos: Tensor) -> Tensor:
+    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
+    batch, n_kv_heads, _, head_dim = k_cache.shape
+    return qkv.new_empty((batch, 1, qkv.shape[-1] - 2 * n_kv_heads * head_dim))
+
+
 def route_decode_attention_to_kernel(model: torch.nn.Module) -> int:
     """Make one-token attention steps of every model.Attention call this op; returns how many layers."""
     count = 0
     for module in model.modules():
         if hasattr(module, "decode_kernel") and hasattr(module, "kv_cache"):
             module.decode_kernel = True
+            count += 1
+    return count
+
+
+def set_fused_decode(model: torch.nn.Module, enabled: bool = True) -> int:
+    """Make one-token steps (batch 1) of every block, and the final norm + output head, run the fused decode
+    path (model.TransformerBlock.decode_fused): five kernels per block instead of about ten. Enabling needs
+    the linears routed to the ops (kernels.route_linears_to_kernels, or int8 layers); returns how many modules changed."""
+    if enabled and any(type(module) is torch.nn.Linear for module in model.modules()):
+        raise ValueError("fused decode needs every linear routed to the redline ops first; "
+                         "call kernels.route_linears_to_kernels(model)")
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "fused_decode"):
+            module.fused_decode = enabled
             count += 1
     return count

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointInfo, build_model, dtype_from_name, dtype_name, read_checkpoint_info
-from decode_attention import route_decode_attention_to_kernel
+from decode_attention import route_decode_attention_to_kernel, set_fused_decode
 from kernels import gemv_available, route_linears_to_kernels
 from model import Transformer
 from tokenizer import Tokenizer, load_tokenizer
@@ -214,15 +214,20 @@ class LLM:
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, device: torch.device, compile: bool,
                  compile_prefill: bool = False, info: CheckpointInfo | None = None,
-                 kernels: bool | None = None, name: str | None = None) -> None:
+                 kernels: bool | None = None, name: str | None = None, fuse: bool | None = None) -> None:
         self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
         # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
         self.kernels = device.type == "cuda" and gemv_available() if kernels is None else kernels
+        # Batch-1 decode steps fuse norm, rope, cache write, SwiGLU and residuals into the kernels (on by default).
+        self.fuse = self.kernels if fuse is None else fuse
         if self.kernels:
             if device.type != "cuda" or not gemv_available():
                 raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed")
             route_linears_to_kernels(model)
             route_decode_attention_to_kernel(model)
+        if self.fuse and not self.kernels:
+            raise ValueError("fuse=True needs the GPU kernels (kernels=True)")
+        set_fused_decode(model, self.fuse)
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile

@@ -23,6 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from model import rms_norm
+
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel,
 # which pads x to 16 rows); above it cuBLAS's matrix product does.
 SMALL_M = 16
@@ -186,11 +188,76 @@ def _int8_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _check_fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None,
+                        residual: Tensor | None, swiglu: bool) -> None:
+    name = "redline.fused_linear"
+    if scales is None:
+        _check_linear(x, weight)
+    else:
+        _check_int8_linear(x, weight, scales)
+    n = weight.shape[0]
+    if norm_weight is not None and (norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"{name}: norm_weight must be ({x.shape[-1]},) of {x.dtype}, "
+                         f"got {tuple(norm_weight.shape)} of {norm_weight.dtype}")
+    if norm_weight is not None and x.shape[-1] == 0:
+        raise ValueError(f"{name}: an RMSNorm needs K > 0 features")
+    if swiglu and n % 2:
+        raise ValueError(f"{name}: swiglu needs the gate and up rows stacked (an even N), got N={n}")
+    out_n = n // 2 if swiglu else n
+    if residual is not None and (residual.shape != (*x.shape[:-1], out_n) or residual.dtype != x.dtype):
+        raise ValueError(f"{name}: residual must have shape {(*x.shape[:-1], out_n)} and dtype {x.dtype}, "
+                         f"got {tuple(residual.shape)} of {residual.dtype}")
+
+
+def fused_linear_reference(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None,
+                           eps: float, residual: Tensor | None, swiglu: bool) -> Tensor:
+    """The unfused model's ops, in its order and dtypes: RMSNorm, the linear op, silu(gate) * up, + residual."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    y = torch.ops.redline.linear(x, weight) if scales is None else torch.ops.redline.int8_linear(x, weight, scales)
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+@torch.library.custom_op("redline::fused_linear", mutates_args=())
+def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None, eps: float,
+                 residual: Tensor | None, swiglu: bool) -> Tensor:
+    """A decode projection with its neighbours fused: [RMSNorm(x) ->] x @ W.T [* scales] [-> silu(gate) * up] [+ residual].
+
+    weight (N, K) float, or int8 with scales (N,); norm_weight (K,); residual (..., N) or (..., N/2) with swiglu.
+    One row of x on a GPU runs one Triton GEMV that does all of it; otherwise the unfused ops run.
+    """
+    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu)
+    if not (gemv_supported(x) and x.numel() == x.shape[-1]):
+        return fused_linear_reference(x, weight, scales, norm_weight, eps, residual, swiglu).contiguous()
+    k = x.shape[-1]
+    x1 = x.reshape(1, k).contiguous()
+    weight = weight.contiguous()
+    out = torch.empty((1, weight.shape[0] // 2 if swiglu else weight.shape[0]), device=x.device, dtype=x.dtype)
+    _kernels_module().gemv(
+        x1, weight, scales.contiguous() if scales is not None else None, out,
+        norm_weight=norm_weight.contiguous() if norm_weight is not None else None, eps=eps,
+        residual=residual.reshape(-1).contiguous() if residual is not None else None, swiglu=swiglu)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+@fused_linear.register_fake
+def _fused_linear_fake(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None, eps: float,
+                       residual: Tensor | None, swiglu: bool) -> Tensor:
+    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu)
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], n))
+
+
 # --- routing a model's linear layers to the ops ---
 
 
 class KernelLinear(nn.Linear):
     """nn.Linear (no bias) whose forward runs torch.ops.redline.linear: the Triton GEMV at decode."""
+
+    scales = None  # float weights: no int8 scales (model.fused_projection passes layer.scales)
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.redline.linear(x, self.weight)
@@ -207,3 +274,4 @@ def route_linears_to_kernels(model: nn.Module) -> int:
             module.__class__ = KernelLinear
             count += 1
     return count
+

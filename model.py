@@ -224,6 +224,13 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     return out.type_as(x)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Normalized in fp32, rounded to x's dtype, then scaled (the order HF's LlamaRMSNorm uses)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.type_as(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -231,9 +238,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.type_as(x)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None,
+                     swiglu: bool = False) -> Tensor:
+    """torch.ops.redline.fused_linear (kernels.py) on a routed linear layer (bf16 KernelLinear or Int8Linear):
+    [norm(x) ->] linear [-> silu(gate) * up] [+ residual], one GPU kernel for a single row of x."""
+    return torch.ops.redline.fused_linear(
+        x, linear.weight, linear.scales, None if norm is None else norm.weight,
+        0.0 if norm is None else norm.eps, residual, swiglu)
 
 
 class KVCache(nn.Module):
@@ -306,10 +320,28 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        # Set by decode_attention.set_fused_decode on GPUs: one-token batch-1 steps then take decode_fused.
+        self.fused_decode = False
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
+        if self.fused_decode and x.shape[0] * x.shape[1] == 1:
+            return self.decode_fused(x, rope, input_pos)
         h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def decode_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+        """The block for one token in five ops, each one kernel on the GPU: norm+qkv, rope+cache write+attention,
+        wo+residual, norm+gate/up+SwiGLU, w2+residual. Same math and roundings as forward, except that the
+        normalized input of a projection stays fp32 (the GPU kernel does not round it to the activation dtype)."""
+        attn, ffn = self.attention, self.feed_forward
+        if attn.kv_cache is None:
+            raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
+        qkv = fused_projection(attn.wqkv, x, norm=self.attention_norm)  # (1, 1, (H + 2 Hkv) D)
+        cache = attn.kv_cache
+        out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
+        h = fused_projection(attn.wo, out, residual=x)  # (1, 1, dim)
+        act = fused_projection(ffn.w13, h, norm=self.ffn_norm, swiglu=True)  # (1, 1, I)
+        return fused_projection(ffn.w2, act, residual=h)
 
 
 class Transformer(nn.Module):
@@ -325,6 +357,7 @@ class Transformer(nn.Module):
         self.max_batch_size = 0
         self.max_seq_length = 0
         self.register_buffer("rope", torch.empty(0), persistent=False)  # (S, 2, D/2) fp32, filled by setup_caches
+        self.fused_decode = False  # set by decode_attention.set_fused_decode: the final norm fused into the output head
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
         """Allocate the KV cache and rope table; the only place the cache is allocated."""
@@ -367,4 +400,6 @@ class Transformer(nn.Module):
             x = layer(x, rope, mask, input_pos, from_start)
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (B, L, dim)
+        if self.fused_decode and x.shape[0] * x.shape[1] == 1:
+            return fused_projection(self.output, x, norm=self.norm)  # (1, 1, vocab)
         return self.output(self.norm(x))  # (B, T, vocab)

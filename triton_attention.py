@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton_kernels import gdc_launch_dependents, gdc_wait, pdl_default
+
 LOG2E = 1.4426950408889634
 # The split count aims for this many programs per SM over the whole grid. On an H200
 # (scripts/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes): 1 per SM was 10-35%
@@ -90,15 +92,29 @@ def _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _rotated(ptr, offs_d, cos, sin, HALF: tl.constexpr):
+    """Rotate-half rope of rows at ptr (offsets offs_d (..., D)): x * cos + rotate_half(x) * sin, fp32."""
+    x = tl.load(ptr + offs_d).to(tl.float32)
+    partner = tl.load(ptr + (offs_d + HALF) % (2 * HALF)).to(tl.float32)
+    return x * cos + tl.where(offs_d < HALF, -partner, partner) * sin
+
+
+@triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, rope_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh,
     seq_len, num_splits, qk_scale,
     N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROPE_QKV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of the token at input_pos; the kernel
+    rotates q and the new key (rope_ptr: cos and sin at input_pos, (2, D/2) fp32), and the split that owns
+    input_pos writes the key and value into the caches before any program of its group reads them."""
+    if USE_PDL:  # everything below reads what the kernels before produced
+        gdc_wait()
+        gdc_launch_dependents()
     pid_group = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     b = (pid_group // N_KV_HEADS).to(tl.int64)
@@ -112,11 +128,27 @@ def _split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # (BLOCK_G,) the query heads that share this KV head
-    # Padded rows load zeros (finite scores, never stored); an idle split (no keys) loads nothing.
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=(row_ok & (first < last))[:, None], other=0.0)  # (BLOCK_G, D)
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    if ROPE_QKV:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        cos = tl.load(rope_ptr + offs_d % HALF)  # (D,) cos of pair d % (D/2)
+        sin = tl.load(rope_ptr + HALF + offs_d % HALF)
+        q_rows = q_ptr + b * stride_qb + tl.minimum(heads, N_KV_HEADS * GROUP - 1)[:, None] * HEAD_DIM
+        # Padded rows re-read the last head (in bounds, finite) and are never stored.
+        q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(k_ptr.dtype.element_ty)
+        q = tl.where(row_ok[:, None], q, 0.0)  # (BLOCK_G, D)
+        if split == active - 1:  # this split holds input_pos: store the token's key and value first
+            pos = length - 1
+            new_k = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + kvh) * HEAD_DIM
+            new_v = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + N_KV_HEADS + kvh) * HEAD_DIM
+            tl.store(k_base + pos * stride_ks + offs_d, _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty))
+            tl.store(v_base + pos * stride_vs + offs_d, tl.load(new_v + offs_d))
+        tl.debug_barrier()  # the stores above are seen by every thread of this program that reads the cache
+    else:
+        # Padded rows load zeros (finite scores, never stored); an idle split (no keys) loads nothing.
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=(row_ok & (first < last))[:, None], other=0.0)  # (BLOCK_G, D)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
@@ -153,8 +185,11 @@ def _split_kernel(
 def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, stride_ob, stride_oh, seq_len, num_splits,
     N_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     b = row // N_HEADS
     h = row % N_HEADS
@@ -186,19 +221,40 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The caller (decode_attention.py) validates shapes and dtypes; returns (B, H, 1, D) contiguous.
     """
     batch, n_heads, _, head_dim = q.shape
-    n_kv_heads, seq_len = k_cache.shape[1], k_cache.shape[2]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty((batch, n_heads, 1, head_dim), device=q.device, dtype=q.dtype)  # (B, H, 1, D)
+    _launch(q, k_cache, v_cache, input_pos, out, n_heads, None, config)
+    return out
+
+
+def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
+                         input_pos: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
+    """Rope, cache write and attention for one token: qkv (B, 1, (H + 2 Hkv) D) raw projections at input_pos,
+    rope (1, 2, D/2) fp32 (cos, sin at input_pos). Writes the rotated key and the value into the caches at
+    input_pos and returns (B, 1, H D) contiguous. The caller (decode_attention.py) validates."""
+    batch = qkv.shape[0]
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
+    qkv = qkv.reshape(batch, -1).contiguous()
+    out = torch.empty((batch, 1, n_heads * head_dim), device=qkv.device, dtype=qkv.dtype)  # (B, 1, H D)
+    _launch(qkv, k_cache, v_cache, input_pos, out, n_heads, rope.contiguous(), config)
+    return out
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
+            out: torch.Tensor, n_heads: int, rope: torch.Tensor | None, config: DecodeConfig | None) -> None:
+    """Run the split (and combine) kernels into out, viewed as (B, H, D) rows of D. q is (B, H, 1, D)
+    rotated queries, or with rope given the raw (B, (H + 2 Hkv) D) projections (the fused kernel)."""
+    batch = q.shape[0]
+    n_kv_heads, seq_len, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = n_heads // n_kv_heads
     if config is None:
         config = pick_config(batch, n_heads, n_kv_heads, seq_len, head_dim, sm_count(q.device.index or 0))
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k_cache.stride(-1) != 1:
-        k_cache = k_cache.contiguous()
-    if v_cache.stride(-1) != 1:
-        v_cache = v_cache.contiguous()
-    out = torch.empty((batch, n_heads, 1, head_dim), device=q.device, dtype=q.dtype)  # (B, H, 1, D)
     if out.numel() == 0:
-        return out
+        return
+    if rope is None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # a read-only copy is fine here
     splits = config.num_splits
     if splits > 1:
         rows = batch * n_heads
@@ -211,22 +267,24 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     stage_bytes = 2 * config.block_s * head_dim * q.element_size()  # one K and one V tile per stage
     stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
+    pdl = q.is_cuda and pdl_default()
+    extra = {"launch_pdl": True} if pdl else {}
+    stride_qh = q.stride(1) if rope is None else head_dim
     # Launch on q's GPU (Triton uses the current device); the nullcontext serves Triton's CPU interpreter.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _split_kernel[(batch * n_kv_heads, splits)](
-            q, k_cache, v_cache, input_pos, out, m, l, acc,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            q, k_cache, v_cache, input_pos, out, m, l, acc, rope if rope is not None else q,
+            q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), n_heads * head_dim, head_dim,
             seq_len, splits, LOG2E / math.sqrt(head_dim),
             N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, BLOCK_G=block_g, BLOCK_S=config.block_s,
-            HEAD_DIM=head_dim, DOT_PRECISION=precision,
-            num_warps=config.num_warps, num_stages=stages,
+            HEAD_DIM=head_dim, DOT_PRECISION=precision, ROPE_QKV=rope is not None, USE_PDL=pdl,
+            num_warps=config.num_warps, num_stages=stages, **extra,
         )
         if splits > 1:
             _combine_kernel[(batch * n_heads,)](
-                m, l, acc, input_pos, out, out.stride(0), out.stride(1), seq_len, splits,
+                m, l, acc, input_pos, out, n_heads * head_dim, head_dim, seq_len, splits,
                 N_HEADS=n_heads, SPLITS_P2=triton.next_power_of_2(splits),
-                SPLIT_TILE=COMBINE_SPLIT_TILE, BLOCK_S=config.block_s, HEAD_DIM=head_dim,
-                num_warps=2,
+                SPLIT_TILE=COMBINE_SPLIT_TILE, BLOCK_S=config.block_s, HEAD_DIM=head_dim, USE_PDL=pdl,
+                num_warps=2, **extra,
             )
-    return out

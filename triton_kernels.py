@@ -127,33 +127,56 @@ def _load(ptrs, k0, K, offs_k, MASK: tl.constexpr, WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def _step(acc, w, x_ptrs, k0, K, offs_k, MASK: tl.constexpr, W_INT8: tl.constexpr, WORDS: tl.constexpr,
-          INT8_MODE: tl.constexpr, RED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += (weight block w, converted to fp32) * x[k0 : k0 + BLOCK_K]."""
+def _step(acc, ss, w, x_ptrs, g_ptrs, k0, K, offs_k, MASK: tl.constexpr, W_INT8: tl.constexpr,
+          WORDS: tl.constexpr, INT8_MODE: tl.constexpr, RED: tl.constexpr, NORM: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += (weight block w, converted to fp32) * x[k0 : k0 + BLOCK_K].
+
+    NORM: x is the RMSNorm input: the block is multiplied by the norm weight g (fp32, unrounded) and
+    its squares are added to ss; the kernel applies 1/rms to the finished dot products.
+    """
     x = _load(x_ptrs, k0, K, offs_k, MASK, False).to(tl.float32)
-    return _dot_part(acc, _weight_to_f32(w, W_INT8, WORDS, INT8_MODE, BLOCK_N, BLOCK_K), x, RED, BLOCK_N, BLOCK_K)
+    if NORM:
+        ss += x * x
+        x = x * _load(g_ptrs, k0, K, offs_k, MASK, False).to(tl.float32)
+    acc = _dot_part(acc, _weight_to_f32(w, W_INT8, WORDS, INT8_MODE, BLOCK_N, BLOCK_K), x, RED, BLOCK_N, BLOCK_K)
+    return acc, ss
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr,
-    N, K, stride_wn,
+    x_ptr, w_ptr, s_ptr, y_ptr, g_ptr, r_ptr,
+    N, K, stride_wn, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, RED: tl.constexpr,
     EVEN_K: tl.constexpr, NO_MASK: tl.constexpr,
     W_INT8: tl.constexpr, WORDS: tl.constexpr, INT8_MODE: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
 ):
-    """y[n] = sum_k x[k] * w[n, k] (times s[n] when W_INT8), fp32 accumulation.
+    """y[n] = sum_k x[k] * w[n, k] (times s[n] when W_INT8), fp32 accumulation, with optional fusions:
 
-    x: (K,) contiguous; w: (N, K), unit stride along K; y: (N,). K >= 1.
+    NORM: x is replaced by RMSNorm(x) * g (g: (K,) norm weight, eps), computed in the same K loop;
+    SWIGLU: w is [gate; up] (2 * N rows) and y[n] = silu(gate[n]) * up[n] (N outputs);
+    RESIDUAL: y[n] += r[n] (r: (N,)).
+    Every product is rounded to y's dtype where the unfused model rounds it (the linear output, the
+    silu, the residual sum); only the normalized input stays unrounded fp32.
+
+    x: (K,) contiguous; w: (N or 2N, K), unit stride along K; y: (N,). K >= 1.
     EVEN_K: K % BLOCK_K == 0; NO_MASK: EVEN_K and K >= DEPTH * BLOCK_K (no block is partial);
     WORDS (int8): K, stride_wn and w's address are multiples of 4, so w is read as int32 words.
-    Grid: (cdiv(N, BLOCK_N),).
+    Grid: (cdiv(N, BLOCK_N),), or (cdiv(N, BLOCK_N // 2),) with SWIGLU.
     """
     PACK: tl.constexpr = 4 if (W_INT8 and WORDS) else 1  # weights per loaded element
     pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Clamp instead of masking: rows past N re-read row N-1 (in bounds); they are not stored.
-    rows = tl.minimum(offs_n, N - 1)
+    offs_b = tl.arange(0, BLOCK_N)
+    if SWIGLU:
+        # Rows [0, HALF) of the block are gate rows, [HALF, BLOCK_N) the matching up rows (N rows later).
+        HALF: tl.constexpr = BLOCK_N // 2
+        offs_n = pid * HALF + tl.arange(0, HALF)  # (HALF,) outputs
+        rows = tl.minimum(pid * HALF + offs_b % HALF, N - 1) + (offs_b // HALF) * N  # (BLOCK_N,)
+    else:
+        offs_n = pid * BLOCK_N + offs_b
+        # Clamp instead of masking: rows past N re-read row N-1 (in bounds); they are not stored.
+        rows = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // PACK)
     if W_INT8:
@@ -167,13 +190,15 @@ def _gemv_kernel(
         w_base = w_ptr
     w_ptrs = w_base + rows.to(tl.int64)[:, None] * (stride_wn // PACK) + offs_kw[None, :]  # (BLOCK_N, BLOCK_K/PACK)
     x_ptrs = x_ptr + offs_k[None, :]  # (1, BLOCK_K)
+    g_ptrs = g_ptr + offs_k[None, :]  # (1, BLOCK_K), read only with NORM
     KW = K // PACK
     BKW: tl.constexpr = BLOCK_K // PACK
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8 if RED else BLOCK_K), dtype=tl.float32)
+    ss = tl.zeros((1, BLOCK_K), dtype=tl.float32)  # NORM: per-lane sums of x**2
     nb = tl.cdiv(K, BLOCK_K)
 
     # Prologue: the first DEPTH weight blocks. They do not depend on the previous kernel, so with
-    # PDL they stream in while it drains; x is read only after the wait.
+    # PDL they stream in while it drains; x (and r) are read only after the wait.
     wa = _load(w_ptrs, 0, KW, offs_kw, not NO_MASK, True)
     if DEPTH == 2:
         wb = _load(w_ptrs, BKW, KW, offs_kw, not NO_MASK, True)
@@ -185,27 +210,39 @@ def _gemv_kernel(
         for kb in range(2, nb):
             wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True)
             # block kb - 2 < nb - 1 is a full block: no mask on x
-            acc = _step(acc, wa, x_ptrs, (kb - 2) * BLOCK_K, K, offs_k, False,
-                        W_INT8, WORDS, INT8_MODE, RED, BLOCK_N, BLOCK_K)
+            acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (kb - 2) * BLOCK_K, K, offs_k, False,
+                            W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
             wa = wb
             wb = wc
         ka = tl.maximum(nb - 2, 0) * BLOCK_K  # wa holds block max(nb-2, 0), wb the one after
-        acc = _step(acc, wa, x_ptrs, ka, K, offs_k, not NO_MASK, W_INT8, WORDS, INT8_MODE, RED, BLOCK_N, BLOCK_K)
-        acc = _step(acc, wb, x_ptrs, ka + BLOCK_K, K, offs_k, not NO_MASK,
-                    W_INT8, WORDS, INT8_MODE, RED, BLOCK_N, BLOCK_K)
+        acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, ka, K, offs_k, not NO_MASK,
+                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
+        # (with one block, wb and x past K are masked to zeros, so this step adds nothing)
+        acc, ss = _step(acc, ss, wb, x_ptrs, g_ptrs, ka + BLOCK_K, K, offs_k, not NO_MASK,
+                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
     else:
         for kb in range(1, nb):
             wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True)
-            acc = _step(acc, wa, x_ptrs, (kb - 1) * BLOCK_K, K, offs_k, False,
-                        W_INT8, WORDS, INT8_MODE, RED, BLOCK_N, BLOCK_K)
+            acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (kb - 1) * BLOCK_K, K, offs_k, False,
+                            W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
             wa = wc
-        acc = _step(acc, wa, x_ptrs, (nb - 1) * BLOCK_K, K, offs_k, not NO_MASK,
-                    W_INT8, WORDS, INT8_MODE, RED, BLOCK_N, BLOCK_K)
+        acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (nb - 1) * BLOCK_K, K, offs_k, not NO_MASK,
+                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
 
     out = tl.sum(acc, axis=1)  # (BLOCK_N,)
+    if NORM:
+        out = out * tl.rsqrt(tl.sum(ss) / K + eps)
     if W_INT8:
         out = out * tl.load(s_ptr + rows).to(tl.float32)
-    tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    out_ty = y_ptr.dtype.element_ty
+    if SWIGLU:
+        gate, up = tl.split(tl.trans(tl.reshape(out, (2, HALF))))  # (HALF,) each
+        gate = gate.to(out_ty).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
+        out = act * up.to(out_ty).to(tl.float32)
+    if RESIDUAL:
+        out = out.to(out_ty).to(tl.float32) + tl.load(r_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+    tl.store(y_ptr + offs_n, out.to(out_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -269,13 +306,29 @@ class DotConfig:
     num_stages: int
 
 
-def pick_config(n: int, k: int, w_bytes: int) -> GemvConfig:
-    """The GEMV config table: deterministic, from the shape alone.
+def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu: bool = False,
+                residual: bool = False) -> GemvConfig:
+    """The GEMV config table: deterministic, from the shape alone (n: rows of w).
 
     Measured on an H200 (CUDA graph of 20 calls, weights rotated past L2, see benchmarks/kernel-notes.md):
     a BLOCK_K that divides K matters for the long-K down projections (a partial last block costs
     a masked pass); int8 wants small per-thread work (it is instruction-bound, not memory-bound).
+    fused_input (a norm in the prologue) and swiglu need at least 2 rows per program (the second pairs
+    a gate row with its up row); the fused int8 rows come from a sweep of the fused kernels
+    (BENCHMARKS.md, "Fused decode").
     """
+    if w_bytes == 1 and k < 8192 and not swiglu:
+        if fused_input and n < 16384:
+            return GemvConfig(8, 1024, 4, 2, True)  # 7B wqkv+norm 16.2 us (table: 17.4)
+        if residual:
+            return GemvConfig(4, 2048, 4, 1, True)  # 7B wo+residual 6.0 us (table: 6.6)
+    cfg = _table_config(n, k, w_bytes)
+    if (fused_input or swiglu) and cfg.block_n == 1:
+        return GemvConfig(2, cfg.block_k, cfg.num_warps, cfg.depth, cfg.red)
+    return cfg
+
+
+def _table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
     if w_bytes == 1:
         if k >= 8192:
             return GemvConfig(2, 2048, 4, 1) if k % 2048 == 0 else GemvConfig(8, 1024, 4, 2, True)
@@ -295,7 +348,7 @@ def pick_dot_config(n: int, k: int, w_bytes: int) -> DotConfig:
 
 
 @functools.cache
-def _pdl_default() -> bool:
+def pdl_default() -> bool:
     """Programmatic dependent launch: Hopper and newer NVIDIA GPUs; REDLINE_PDL=0 turns it off for comparisons."""
     if os.environ.get("REDLINE_PDL", "1") == "0" or gdc_wait is None or torch.version.hip is not None:
         return False
@@ -304,36 +357,53 @@ def _pdl_default() -> bool:
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
          out: torch.Tensor | None = None, config: GemvConfig | None = None,
-         pdl: bool | None = None, int8_mode: int | None = None) -> torch.Tensor:
-    """y = x @ w.T (times scales[n] for int8 w) for one row of x.
+         pdl: bool | None = None, int8_mode: int | None = None,
+         norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    """y = x @ w.T (times scales[n] for int8 w) for one row of x, with the decode fusions:
+
+    norm_weight: x is replaced by RMSNorm(x, norm_weight, eps) first; swiglu: w stacks the gate and up
+    projections (2N rows) and y = silu(gate) * up (N outputs); residual: y += residual (N,).
 
     x: (1, K) or (K,) with unit stride along K; w: (N, K) with unit stride along K; scales: (N,)
-    contiguous; returns (or fills `out`, contiguous) y of x's shape with K -> N, in x.dtype.
-    `config`, `pdl` and `int8_mode` override the defaults (benchmarks and tests use this).
+    contiguous; norm_weight (K,) and residual (N,) contiguous. Returns (or fills `out`, contiguous)
+    y of x's shape with K -> N, in x.dtype. `config`, `pdl` and `int8_mode` override the defaults
+    (benchmarks and tests use this).
     """
     k = x.shape[-1]
-    n = w.shape[0]
+    n = w.shape[0] // 2 if swiglu else w.shape[0]
     if x.numel() != k:
         raise ValueError(f"gemv takes one row of x, got shape {tuple(x.shape)}")
     if out is None:
         out = torch.empty((*x.shape[:-1], n), device=x.device, dtype=x.dtype)
-    if k == 0 or n == 0:
-        return out.zero_()
-    cfg = config or pick_config(n, k, w.element_size())
+    if n == 0:
+        return out
+    if k == 0:  # empty sums (a norm of nothing is undefined: the caller validates K > 0 for norms)
+        out.zero_()
+        if swiglu:
+            return out  # silu(0) * 0
+        return out.add_(residual.view_as(out)) if residual is not None else out
+    cfg = config or pick_config(w.shape[0], k, w.element_size(), fused_input=norm_weight is not None, swiglu=swiglu,
+                                residual=residual is not None)
+    if swiglu and cfg.block_n % 2:
+        raise ValueError(f"a SwiGLU GEMV needs an even block_n (gate and up rows), got {cfg.block_n}")
     if pdl is None:
-        pdl = _pdl_default()
+        pdl = pdl_default()
     if int8_mode is None:  # mode 2 is PTX: NVIDIA only
         int8_mode = 1 if torch.version.hip is not None else INT8_MODE_DEFAULT
     w_int8 = w.dtype == torch.int8
     words = w_int8 and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0
     even_k = k % cfg.block_k == 0
     extra = {"launch_pdl": True} if pdl else {}
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    rows_per_program = cfg.block_n // 2 if swiglu else cfg.block_n
+    _gemv_kernel[(triton.cdiv(n, rows_per_program),)](
         x, w, scales if w_int8 else w, out,
-        n, k, w.stride(0),
+        norm_weight if norm_weight is not None else x, residual if residual is not None else x,
+        n, k, w.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DEPTH=cfg.depth, RED=cfg.red,
         EVEN_K=even_k, NO_MASK=even_k and k >= cfg.depth * cfg.block_k,
         W_INT8=w_int8, WORDS=words, INT8_MODE=int8_mode, USE_PDL=pdl,
+        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
         num_warps=cfg.num_warps, num_stages=1, **extra,
     )
     return out

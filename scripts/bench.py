@@ -105,6 +105,7 @@ class BenchConfig:
     compile_prefill: bool = False
     compile: bool | None = None  # None: compile on the GPU, not on the CPU
     kernels: bool | None = None  # None: Redline's Triton GEMVs where they run (the GPU); False: cuBLAS via inductor
+    fuse: bool | None = None  # None: the fused batch-1 decode path wherever the kernels run
     device: str = "cpu"
     dtype: str = "bfloat16"
     json_path: Path | None = None
@@ -209,6 +210,9 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
                    help="compile decode (default: on for the GPU, off for the CPU)")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="Redline's Triton GEMVs for the bf16 linears (default: on the GPU); --no-kernels uses cuBLAS")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused batch-1 decode (norms, rope, cache write, SwiGLU, residuals in the kernels; "
+                        "default: with --kernels)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write all numbers here")
@@ -229,7 +233,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         prompt_lengths=_positive_ints(ns.prompt_lengths, "--prompt-lengths"), new_tokens=ns.new_tokens,
         runs=ns.runs, compare=_split(ns.compare), compile_time=ns.compile_time or ns.compile_time_only,
         compile_time_only=ns.compile_time_only, compile_prefill=ns.compile_prefill, compile=ns.compile,
-        kernels=ns.kernels,
+        kernels=ns.kernels, fuse=ns.fuse,
         device=device, dtype=ns.dtype, json_path=ns.json_path, plot_path=ns.plot_path,
         merge=tuple(Path(p) for p in _split(ns.merge)), bandwidth_gib=ns.bandwidth_gib,
         probe_new_tokens=ns.probe_new_tokens, seed=ns.seed, ttft_probe=ns.ttft_probe, start_time=ns.start_time,
@@ -299,6 +303,7 @@ class RedlineRecord:
     warmup_s: float  # wall time of the warm-up generation
     prefill: list[PrefillRecord] = field(default_factory=list)
     kernels: bool = False  # the bf16 linears ran Redline's Triton GEMVs (else cuBLAS via inductor)
+    fused: bool = False  # batch-1 decode ran the fused path (model.TransformerBlock.decode_fused)
     profile_path: str | None = None  # --profile: a trace of one more generation
     profile_decode_tok_s: float | None = None  # that generation's decode rate (profiler overhead = vs decode_tok_s)
 
@@ -546,7 +551,7 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
     log(f"{name} {quant} batch {batch}: building random weights")
     model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed)
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
-                       name=f"{name} (random weights)")
+                       fuse=cfg.fuse, name=f"{name} (random weights)")
     weights = weights_bytes(model)
     prompts = random_prompts(args.vocab_size, batch, max(cfg.prompt_lengths), cfg.seed)  # (B, T_max)
     decode_prompts = prompts[:, :cfg.decode_prompt_length]
@@ -574,7 +579,7 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
                                   f"{name} {quant} batch {batch}: ")
     if cfg.compile_prefill:
         llm_cp = generate.LLM(model, tokenizer=None, device=device, compile=True, compile_prefill=True,
-                              kernels=cfg.kernels)
+                              kernels=cfg.kernels, fuse=cfg.fuse)
         prefill += measure_prefill(llm_cp, args, prompts, cfg.prompt_lengths, cfg.new_tokens, cfg.runs, True, log,
                                    f"{name} {quant} batch {batch}: ")
         del llm_cp
@@ -594,7 +599,8 @@ def _bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidt
         limit_with_kv_tok_s=batch * bandwidth * 1e9 / (bytes_step + kv) if bandwidth else None,
         peak_memory_bytes=peak, peak_memory_warmup_bytes=warm.peak_bytes,
         overhead_bytes=peak - weights - kv if peak is not None else None,
-        compile_s=compile_s, warmup_s=warm.wall_s, prefill=prefill, kernels=llm.kernels, profile_path=trace_path,
+        compile_s=compile_s, warmup_s=warm.wall_s, prefill=prefill, kernels=llm.kernels, fused=llm.fuse,
+        profile_path=trace_path,
         profile_decode_tok_s=trace_rate,
     )
 

@@ -284,3 +284,127 @@ def test_routed_model_decodes_like_sdpa():
         routed = decode_logits()
     assert model.layers[0].attention.decode_kernel
     torch.testing.assert_close(routed, reference, atol=1e-5, rtol=1e-5)
+
+
+# --- the fused op: rope + cache write + attention from the raw qkv projection ---
+
+
+def qkv_inputs(batch, n_heads, n_kv_heads, seq_len, head_dim, pos, dtype=torch.float32, device="cpu", seed=0):
+    """Raw qkv (B, 1, (H + 2 Hkv) D), caches with random history, and the rope row at pos."""
+    from model import ModelArgs, rope_table
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(batch, 1, (n_heads + 2 * n_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
+    k = torch.randn(batch, n_kv_heads, seq_len, head_dim, generator=gen, device=device).to(dtype)
+    v = torch.randn(batch, n_kv_heads, seq_len, head_dim, generator=gen, device=device).to(dtype)
+    args = ModelArgs(dim=n_heads * head_dim, n_layer=1, n_head=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                     intermediate_size=8, vocab_size=8, block_size=seq_len)
+    rope = rope_table(args, seq_len, torch.device(device))[pos:pos + 1]  # (1, 2, D/2)
+    return qkv, k, v, rope, torch.tensor([pos], device=device)
+
+
+def unfused_steps(qkv, k, v, rope, pos):
+    """What the model's Attention does for one token, on copies of the caches."""
+    from model import apply_rope
+
+    batch, n_kv_heads, _, head_dim = k.shape
+    n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
+    q_, k_, v_ = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q_ = apply_rope(q_.view(batch, 1, n_heads, head_dim), rope).transpose(1, 2)
+    k_ = apply_rope(k_.view(batch, 1, n_kv_heads, head_dim), rope).transpose(1, 2)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, pos] = k_[:, :, 0]
+    v2[:, :, pos] = v_.view(batch, n_kv_heads, head_dim)
+    out = sdpa_as_model_calls_it(q_.float(), k2.float(), v2.float(), pos)  # (B, H, 1, D)
+    return out.transpose(1, 2).reshape(batch, 1, -1), k2, v2
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
+@pytest.mark.parametrize("pos", [0, 17, 39])
+def test_qkv_op_on_cpu_is_rope_cache_write_and_attention(layout, pos):
+    n_heads, n_kv_heads = HEAD_LAYOUTS[layout]
+    qkv, k, v, rope, ip = qkv_inputs(2, n_heads, n_kv_heads, 40, 32, pos)
+    ref, k_ref, v_ref = unfused_steps(qkv, k, v, rope, pos)
+    out = torch.ops.redline.decode_attention_qkv(qkv, k, v, rope, ip)  # writes k, v in place
+    assert out.shape == (2, 1, n_heads * 32)
+    torch.testing.assert_close(k, k_ref, rtol=0, atol=0)
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(qkv=torch.zeros(1, 1, 100)), "qkv must be"),
+    (dict(rope=torch.zeros(1, 2, 8)), "rope must be"),
+    (dict(rope=torch.zeros(1, 2, 16, dtype=torch.float64)), "rope must be"),
+    (dict(pos=torch.tensor([1.0])), "input_pos must be"),
+    (dict(qkv=torch.zeros(1, 1, 8 * 32, dtype=torch.float16)), "dtype"),
+])
+def test_qkv_op_validation(change, match):
+    qkv, k, v, rope, ip = qkv_inputs(1, 4, 2, 40, 32, 3)
+    args = dict(qkv=qkv, rope=rope, pos=ip)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.redline.decode_attention_qkv(args["qkv"], k, v, args["rope"], args["pos"])
+
+
+def test_qkv_op_opcheck_cpu():
+    qkv, k, v, rope, ip = qkv_inputs(1, 8, 2, 40, 32, 5)
+    torch.library.opcheck(torch.ops.redline.decode_attention_qkv.default, (qkv, k, v, rope, ip))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len", [256, 2304])
+@pytest.mark.parametrize("layout", sorted(GPU_LAYOUTS))
+def test_gpu_qkv_kernel_matches_unfused_steps(layout, seq_len):
+    """Rope, the cache write at input_pos and the attention in one kernel, against the model's steps in fp32,
+    at positions that fall in the first, a middle and the last split (the owning split writes before reading)."""
+    n_heads, n_kv_heads = GPU_LAYOUTS[layout]
+    for pos in (0, 1, 63, 64, 200, seq_len - 1):
+        qkv, k, v, rope, ip = qkv_inputs(1, n_heads, n_kv_heads, seq_len, 128, pos, torch.bfloat16, "cuda")
+        ref, k_ref, v_ref = unfused_steps(qkv.float(), k.float(), v.float(), rope, pos)
+        k_run, v_run = poisoned(k, pos), poisoned(v, pos)
+        out = torch.ops.redline.decode_attention_qkv(qkv, k_run, v_run, rope, ip)
+        assert torch.isfinite(out).all(), f"pos={pos}: NaN past input_pos leaked"
+        assert rel_err(out, ref) <= BF16_TOL, pos
+        torch.testing.assert_close(k_run[:, :, :pos + 1].float(), k_ref[:, :, :pos + 1], rtol=1e-2, atol=1e-2)
+        assert torch.equal(v_run[0, :, pos], qkv[0, 0, (n_heads + n_kv_heads) * 128:].view(n_kv_heads, 128))
+
+
+@pytest.mark.gpu
+def test_gpu_qkv_kernel_in_a_cuda_graph():
+    import triton_attention as ta
+
+    qkv, k, v, rope, ip = qkv_inputs(1, 32, 8, 2304, 128, 0, torch.bfloat16, "cuda")
+    rope_buf = rope.clone()
+    for splits in (1, 8):
+        cfg = ta.DecodeConfig(num_splits=splits, block_s=64)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            ta.decode_attention_qkv(qkv, k.clone(), v.clone(), rope_buf, ip, config=cfg)  # compile outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        k_run, v_run = k.clone(), v.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ta.decode_attention_qkv(qkv, k_run, v_run, rope_buf, ip, config=cfg)
+        for p in (5, 100, 2303, 64):
+            _, _, _, rope_p, _ = qkv_inputs(1, 32, 8, 2304, 128, p, torch.bfloat16, "cuda")
+            rope_buf.copy_(rope_p)
+            ip.fill_(p)
+            ref, _, _ = unfused_steps(qkv.float(), k_run.float(), v_run.float(), rope_p, p)
+            graph.replay()
+            assert rel_err(out, ref) <= BF16_TOL, (splits, p)
+
+
+def test_set_fused_decode_needs_routed_linears():
+    import kernels
+    from model import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs.from_name("debug-tiny"))
+    with pytest.raises(ValueError, match="route_linears_to_kernels"):
+        da.set_fused_decode(model)
+    kernels.route_linears_to_kernels(model)
+    assert da.set_fused_decode(model) == 3  # two blocks and the model (final norm + head)
+    assert model.layers[1].fused_decode and model.fused_decode
+    da.set_fused_decode(model, False)
+    assert not model.layers[0].fused_decode

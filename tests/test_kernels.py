@@ -384,3 +384,122 @@ def test_route_linears_keeps_weights_shared_and_outputs_equal():
     assert isinstance(model.layers[1].feed_forward.w2, KernelLinear)
     assert model.output.weight is model.tok_embeddings.weight
     torch.testing.assert_close(after, before)
+
+
+# ---------------------------------------------------------------- fused decode projections (redline.fused_linear)
+
+
+def fused_inputs(n: int, k: int, dtype=torch.bfloat16, device="cpu", int8=False, norm=True, residual=False,
+                 swiglu=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, 1, k, generator=g) * 3).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    scales = None
+    if int8:
+        w, scales = quantize_rows(w)
+        scales = scales.to(device)
+    nw = (torch.rand(k, generator=g) + 0.5).to(dtype).to(device) if norm else None
+    out_n = n // 2 if swiglu else n
+    r = torch.randn(1, 1, out_n, generator=g).to(dtype).to(device) if residual else None
+    return x, w.to(device), scales, nw, r
+
+
+def fused_fp32(x, w, scales, nw, eps, r, swiglu):
+    """The fused product in fp32 with no intermediate rounding (what the GPU kernel approximates)."""
+    xf = x.double()
+    if nw is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+    y = xf @ w.double().T
+    if scales is not None:
+        y = y * scales.double()
+    if swiglu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if r is None else y + r.double()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("norm,residual,swiglu", [(True, False, False), (False, True, False), (True, False, True),
+                                                  (False, False, False)])
+def test_fused_linear_cpu_is_the_unfused_ops(int8, norm, residual, swiglu):
+    """On the CPU the op runs the model's own ops in the model's order: bit-identical to composing them."""
+    from model import rms_norm
+
+    x, w, s, nw, r = fused_inputs(24, 40, int8=int8, norm=norm, residual=residual, swiglu=swiglu)
+    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu)
+    h = rms_norm(x, nw, 1e-5) if norm else x
+    y = torch.ops.redline.int8_linear(h, w, s) if int8 else F.linear(h, w)
+    if swiglu:
+        y = F.silu(y[..., :12]) * y[..., 12:]
+    if residual:
+        y = r + y
+    assert out.shape == y.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out, y, rtol=0, atol=0)
+    assert rel_err(out, fused_fp32(x, w, s, nw, 1e-5, r, swiglu)) < 1e-2
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(nw=torch.ones(39, dtype=torch.bfloat16)), "norm_weight must be"),
+    (dict(nw=torch.ones(40, dtype=torch.float32)), "norm_weight must be"),
+    (dict(r=torch.zeros(1, 1, 23, dtype=torch.bfloat16)), "residual must have shape"),
+    (dict(swiglu=True, w=torch.zeros(23, 40, dtype=torch.bfloat16)), "even N"),
+    (dict(w=torch.zeros(24, 41, dtype=torch.bfloat16)), "expects K=41"),
+])
+def test_fused_linear_validation(change, match):
+    x, w, s, nw, r = fused_inputs(24, 40, norm=True, residual=True)
+    args = dict(x=x, w=w, s=s, nw=nw, eps=1e-5, r=r, swiglu=False)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.redline.fused_linear(args["x"], args["w"], args["s"], args["nw"], args["eps"], args["r"],
+                                       args["swiglu"])
+
+
+def test_fused_linear_opcheck_and_fake_shapes_cpu():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for int8, swiglu, residual in [(False, False, True), (True, True, False)]:
+        x, w, s, nw, r = fused_inputs(24, 40, int8=int8, residual=residual, swiglu=swiglu)
+        torch.library.opcheck(torch.ops.redline.fused_linear.default, (x, w, s, nw, 1e-5, r, swiglu))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu)
+        assert out.shape == (1, 1, 12 if swiglu else 24)
+
+
+GPU_FUSED_SHAPES = {  # (N of w, K): the fused decode calls of Llama-2-7B and Llama-3-8B, and odd ones
+    "7b wqkv+norm": (12288, 4096, "norm"), "7b wo+res": (4096, 4096, "res"), "7b w13+norm+swiglu": (22016, 4096, "swiglu"),
+    "7b w2+res": (4096, 11008, "res"), "7b head+norm": (32000, 4096, "norm"), "8b wqkv+norm": (6144, 4096, "norm"),
+    "8b w13+norm+swiglu": (28672, 4096, "swiglu"), "8b w2+res": (4096, 14336, "res"),
+    "odd swiglu": (50, 72, "swiglu"), "odd norm": (33, 4100, "norm"), "odd res": (1000, 1000, "res"),
+    "odd swiglu 2": (2, 13, "swiglu"),  # one output: compared with the fp32 product only
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("name", sorted(GPU_FUSED_SHAPES))
+def test_gpu_fused_linear_matches_reference(name, int8, no_tf32):
+    """The one-kernel fused GEMV against the fp32 product (bf16 output rounding) and against the unfused ops."""
+    n, k, kind = GPU_FUSED_SHAPES[name]
+    norm, residual, swiglu = kind in ("norm", "swiglu"), kind == "res", kind == "swiglu"
+    x, w, s, nw, r = fused_inputs(n, k, device="cuda", int8=int8, norm=norm, residual=residual, swiglu=swiglu)
+    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu)
+    assert out.shape == (1, 1, n // 2 if swiglu else n) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert rel_err(out, fused_fp32(x, w, s, nw, 1e-5, r, swiglu)) < 8e-3
+    if out.numel() >= 64:  # a few outputs may sit one bf16 step apart (the normalized input is not rounded)
+        unfused = kernels.fused_linear_reference(x, w, s, nw, 1e-5, r, swiglu)
+        assert rel_err(out, unfused) < 8e-3
+
+
+@pytest.mark.gpu
+def test_gpu_fused_linear_configs_and_no_pdl(no_tf32):
+    import triton_kernels as tk
+
+    x, w, s, nw, r = fused_inputs(4098, 4096, device="cuda", swiglu=True)
+    ref = fused_fp32(x, w, s, nw, 1e-6, None, True)
+    for cfg in (tk.GemvConfig(2, 256, 2, 1), tk.GemvConfig(4, 1024, 4, 2, True), tk.GemvConfig(8, 512, 4, 2)):
+        for pdl in (False, True):
+            out = tk.gemv(x.view(1, -1), w, norm_weight=nw, eps=1e-6, swiglu=True, config=cfg, pdl=pdl)
+            assert rel_err(out, ref.view(1, -1)) < 8e-3, (cfg, pdl)
+    with pytest.raises(ValueError, match="even block_n"):
+        tk.gemv(x.view(1, -1), w, norm_weight=nw, eps=1e-6, swiglu=True, config=tk.GemvConfig(1, 256, 2, 1))

@@ -189,3 +189,35 @@ def test_rope_table_is_fp32_and_matches_cos_sin():
     angle = 37 * (1.0 / (args.rope_base ** (2 * i / args.head_dim)))
     assert math.isclose(table[pos, 0, i].item(), math.cos(angle), abs_tol=1e-5)
     assert math.isclose(table[pos, 1, i].item(), math.sin(angle), abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_fused_decode_path_gives_the_unfused_logits(quantized):
+    """decode_fused (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
+    the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise."""
+    import kernels
+    from decode_attention import set_fused_decode
+    from quantize import quantize_
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("debug-tiny-llama3")).eval()  # GQA 4:1, llama3 rope
+    if quantized:
+        quantize_(model, "int8")
+    kernels.route_linears_to_kernels(model)
+    ids = torch.randint(0, 512, (1, 24))
+
+    def decode_logits() -> torch.Tensor:
+        model.setup_caches(1, 64)
+        steps = [model(ids[:, :6], torch.arange(6))]
+        steps += [model(ids[:, p:p + 1], torch.tensor([p])) for p in range(6, 24)]
+        return torch.cat(steps, dim=1)
+
+    with torch.no_grad():
+        reference = decode_logits()
+        set_fused_decode(model)
+        calls = []
+        original = model.layers[0].decode_fused
+        model.layers[0].decode_fused = lambda *a: calls.append(1) or original(*a)
+        fused = decode_logits()
+    assert len(calls) == 18  # every one-token step took the fused path (the prefill did not)
+    torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
