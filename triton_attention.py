@@ -17,7 +17,10 @@ instead:
 - fixes NUM_SPLITS from the shapes alone (never from input_pos), so a CUDA graph captured once is
   correct at every position;
 - combines the partials with a second, small kernel (one program per query row), or writes the
-  output directly when there is only one split.
+  output directly when there is only one split;
+- with `decode_attention_qkv` (the fused decode path) takes the raw qkv projection instead: it rotates
+  q and the new key with rope, and the split that owns the current position writes the key and value
+  into the caches before its group reads them (one launch instead of rope and cache-write kernels).
 
 Configs come from a deterministic table (`pick_config`), never from autotuning, so nothing compiles
 or benchmarks inside CUDA-graph capture. Only decode_attention.py imports this module, lazily.

@@ -49,6 +49,11 @@ class KernelStat:
     total_us: float
     mean_us: float
     share_pct: float
+    # Time the kernel adds to the GPU timeline: its end minus the end of the kernel before it (at least 0).
+    # Unlike the duration it stays meaningful when kernels overlap (programmatic dependent launch starts a
+    # kernel early, and its duration then includes waiting for the one before).
+    exclusive_us: float = 0.0
+    exclusive_mean_us: float = 0.0
 
 
 @dataclass
@@ -266,9 +271,14 @@ def summarize_trace(events_or_path: Any, top: int = 10) -> TraceSummary:
     else:
         in_scope = kernels
     by_name: dict[str, list[float]] = {}
-    for e in in_scope:
+    exclusive: dict[str, float] = {}
+    last_end = None
+    for e in sorted(in_scope, key=lambda e: _interval(e)[0]):
         a, b = _interval(e)
-        by_name.setdefault(str(e.get("name", "?")), []).append(b - a)
+        name = str(e.get("name", "?"))
+        by_name.setdefault(name, []).append(b - a)
+        exclusive[name] = exclusive.get(name, 0.0) + max(0.0, b - (a if last_end is None else max(a, last_end)))
+        last_end = b if last_end is None else max(last_end, b)
     total_us = sum(sum(v) for v in by_name.values())
     s.kernel_total_ms = total_us / 1000.0
     s.num_kernel_names = len(by_name)
@@ -282,6 +292,8 @@ def summarize_trace(events_or_path: Any, top: int = 10) -> TraceSummary:
                 total_us=tot,
                 mean_us=tot / len(durs),
                 share_pct=100.0 * tot / total_us if total_us > 0 else 0.0,
+                exclusive_us=exclusive[name],
+                exclusive_mean_us=exclusive[name] / len(durs),
             )
         )
 
@@ -371,11 +383,13 @@ def format_summary(s: TraceSummary) -> str:
             f"top kernels ({s.kernels_scope}, {len(s.top_kernels)} of {s.num_kernel_names} names, "
             f"{s.kernel_total_ms:.3f} ms total):"
         )
-        lines.append(f"  {'total ms':>10} {'count':>7} {'mean us':>10} {'share':>7}  name")
+        lines.append(f"  {'total ms':>10} {'count':>7} {'mean us':>10} {'share':>7} {'excl us':>9}  name")
         for k in s.top_kernels:
             lines.append(
-                f"  {k.total_us / 1000.0:>10.3f} {k.count:>7d} {k.mean_us:>10.2f} {k.share_pct:>6.1f}%  {_short(k.name)}"
+                f"  {k.total_us / 1000.0:>10.3f} {k.count:>7d} {k.mean_us:>10.2f} {k.share_pct:>6.1f}% "
+                f"{k.exclusive_mean_us:>9.2f}  {_short(k.name)}"
             )
+        lines.append("  (excl us: mean time a call adds to the GPU timeline, its end minus the previous kernel's end)")
     elif s.has_gpu_activity:
         lines.append(f"top kernels: none in the {s.kernels_scope}")
     return "\n".join(lines)

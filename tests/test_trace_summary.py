@@ -145,7 +145,7 @@ def test_trace_without_redline_labels_uses_kernel_span():
     assert "graph launches: 6" in text
     # long kernel names are truncated to 80 characters
     (line,) = [ln for ln in text.splitlines() if "very_long_templated" in ln]
-    assert line.endswith("...") and len(line.split("%  ", 1)[1]) == 80
+    assert line.endswith("...") and len(line.rsplit("  ", 1)[1]) == 80
 
 
 def test_cpu_only_trace():
@@ -254,3 +254,19 @@ def test_bad_files_exit_2_with_one_line(tmp_path, capsys, case):
     assert out == ""
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+
+
+def test_exclusive_time_counts_overlapping_kernels_once():
+    """With programmatic dependent launch a kernel starts before the previous one ends: its duration then
+    includes waiting, and the exclusive time (end minus the previous end) is what it adds to the timeline."""
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "attn", "ts": 4, "dur": 9},  # overlaps: adds 3
+        {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 20, "dur": 5},  # after a gap of 7: adds 5
+        {"ph": "X", "cat": "kernel", "name": "attn", "ts": 21, "dur": 2},  # inside the previous kernel: adds 0
+    ]
+    s = ts.summarize_trace({"traceEvents": events})
+    stats = {k.name: k for k in s.top_kernels}
+    assert stats["gemv"].total_us == 15 and stats["gemv"].exclusive_us == 15
+    assert stats["attn"].total_us == 11 and stats["attn"].exclusive_us == 3 and stats["attn"].exclusive_mean_us == 1.5
+    assert "excl us" in ts.format_summary(s)
