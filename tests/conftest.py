@@ -32,6 +32,14 @@ HF_VARIANTS: dict[str, dict] = {
 }
 
 
+def prefill_then_decode_logits(model, ids: torch.Tensor, prompt_len: int, cache_len: int = 64) -> torch.Tensor:
+    """Logits (B, T, vocab) of a fresh cache: ids[:, :prompt_len] as one prefill, then one token per step."""
+    model.setup_caches(ids.shape[0], cache_len)
+    steps = [model(ids[:, :prompt_len], torch.arange(prompt_len))]
+    steps += [model(ids[:, p:p + 1], torch.tensor([p])) for p in range(prompt_len, ids.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
 def tiny_hf_config(**overrides):
     from transformers import LlamaConfig
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import decode_attention as da
+from conftest import prefill_then_decode_logits
 
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (H, Hkv); gqa is 4:1
 
@@ -271,17 +272,10 @@ def test_routed_model_decodes_like_sdpa():
     torch.manual_seed(0)
     model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
     ids = torch.randint(0, 512, (2, 20))
-
-    def decode_logits() -> torch.Tensor:
-        model.setup_caches(2, 64)
-        steps = [model(ids[:, :5], torch.arange(5))]
-        steps += [model(ids[:, p:p + 1], torch.tensor([p])) for p in range(5, 20)]
-        return torch.cat(steps, dim=1)
-
     with torch.no_grad():
-        reference = decode_logits()
+        reference = prefill_then_decode_logits(model, ids, 5)
         assert route_decode_attention_to_kernel(model) == 2
-        routed = decode_logits()
+        routed = prefill_then_decode_logits(model, ids, 5)
     assert model.layers[0].attention.decode_kernel
     torch.testing.assert_close(routed, reference, atol=1e-5, rtol=1e-5)
 

@@ -9,7 +9,7 @@ import torch
 from checkpoint import build_model, read_checkpoint_info
 from model import MODEL_REGISTRY, ModelArgs, Transformer, rope_frequencies
 
-from conftest import save_tiny_hf_checkpoint, tiny_hf_config
+from conftest import prefill_then_decode_logits, save_tiny_hf_checkpoint, tiny_hf_config
 
 
 def load_fp32(path):
@@ -205,19 +205,12 @@ def test_fused_decode_path_gives_the_unfused_logits(quantized):
         quantize_(model, "int8")
     kernels.route_linears_to_kernels(model)
     ids = torch.randint(0, 512, (1, 24))
-
-    def decode_logits() -> torch.Tensor:
-        model.setup_caches(1, 64)
-        steps = [model(ids[:, :6], torch.arange(6))]
-        steps += [model(ids[:, p:p + 1], torch.tensor([p])) for p in range(6, 24)]
-        return torch.cat(steps, dim=1)
-
     with torch.no_grad():
-        reference = decode_logits()
+        reference = prefill_then_decode_logits(model, ids, 6)
         set_fused_decode(model)
         calls = []
         original = model.layers[0].decode_fused
         model.layers[0].decode_fused = lambda *a: calls.append(1) or original(*a)
-        fused = decode_logits()
+        fused = prefill_then_decode_logits(model, ids, 6)
     assert len(calls) == 18  # every one-token step took the fused path (the prefill did not)
     torch.testing.assert_close(fused, reference, atol=1e-4, rtol=1e-4)
