@@ -201,16 +201,13 @@ def route_decode_attention_to_kernel(model: torch.nn.Module) -> int:
     return count
 
 
-def set_fused_decode(model: torch.nn.Module, enabled: bool = True) -> int:
-    """Make one-token steps (batch 1) of every block, and the final norm + output head, run the fused decode
-    path (model.TransformerBlock.decode_fused): five kernels per block instead of about ten. Enabling needs
-    the linears routed to the ops (kernels.route_linears_to_kernels, or int8 layers); returns how many modules changed."""
+def set_fused_decode(model: torch.nn.Module, enabled: bool = True) -> None:
+    """Make one-token batch-1 steps of a model.Transformer take Transformer.decode_fused: five kernels per
+    block (the norms, rope, cache write, SwiGLU and residual adds ride inside them) instead of about ten.
+    Enabling needs the linears routed to the redline ops (kernels.route_linears_to_kernels, or int8 layers)."""
+    if not hasattr(model, "fused_decode"):
+        raise ValueError(f"set_fused_decode takes a model.Transformer, got {type(model).__name__}")
     if enabled and any(type(module) is torch.nn.Linear for module in model.modules()):
         raise ValueError("fused decode needs every linear routed to the redline ops first; "
                          "call kernels.route_linears_to_kernels(model)")
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "fused_decode"):
-            module.fused_decode = enabled
-            count += 1
-    return count
+    model.fused_decode = enabled

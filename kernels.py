@@ -189,7 +189,7 @@ def _int8_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 
 def _check_fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None,
-                        residual: Tensor | None, swiglu: bool) -> None:
+                        residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int) -> None:
     name = "redline.fused_linear"
     if scales is None:
         _check_linear(x, weight)
@@ -207,31 +207,55 @@ def _check_fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_w
     if residual is not None and (residual.shape != (*x.shape[:-1], out_n) or residual.dtype != x.dtype):
         raise ValueError(f"{name}: residual must have shape {(*x.shape[:-1], out_n)} and dtype {x.dtype}, "
                          f"got {tuple(residual.shape)} of {residual.dtype}")
+    if sums is None:
+        if sum_in >= 0 or sum_out >= 0:
+            raise ValueError(f"{name}: sum_in / sum_out index the sums tensor; pass sums or use -1")
+        return
+    lanes = sums.shape[-1] if sums.dim() == 2 else 0
+    if sums.dim() != 2 or sums.dtype != torch.float32 or lanes & (lanes - 1) or not sums.is_contiguous():
+        raise ValueError(f"{name}: sums must be a contiguous (slots, lanes) fp32 tensor with a power-of-two "
+                         f"number of lanes, got {tuple(sums.shape)} of {sums.dtype}")
+    for what, index in (("sum_in", sum_in), ("sum_out", sum_out)):
+        if not -1 <= index < sums.shape[0]:
+            raise ValueError(f"{name}: {what}={index} is outside sums ({sums.shape[0]} slots; -1 for none)")
+    if sum_in >= 0 and norm_weight is None:
+        raise ValueError(f"{name}: sum_in is the sum of x**2 for the norm; it needs norm_weight")
+    if sum_in >= 0 and x.numel() != x.shape[-1]:
+        raise ValueError(f"{name}: sum_in holds one row's sum of squares; x has {x.numel() // x.shape[-1]} rows")
 
 
 def fused_linear_reference(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None,
-                           eps: float, residual: Tensor | None, swiglu: bool) -> Tensor:
-    """The unfused model's ops, in its order and dtypes: RMSNorm, the linear op, silu(gate) * up, + residual."""
+                           eps: float, residual: Tensor | None, swiglu: bool, sums: Tensor | None = None,
+                           sum_out: int = -1) -> Tensor:
+    """The unfused model's ops, in its order and dtypes: RMSNorm, the linear op, silu(gate) * up, + residual;
+    then sums[sum_out, 0] += sum(y**2) when asked. (The norm recomputes its sum; sum_in only saves the GPU kernel that.)"""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
     y = torch.ops.redline.linear(x, weight) if scales is None else torch.ops.redline.int8_linear(x, weight, scales)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
-    return y if residual is None else residual + y
+    y = y if residual is None else residual + y
+    if sums is not None and sum_out >= 0:
+        sums[sum_out, 0] += y.float().pow(2).sum()
+    return y
 
 
-@torch.library.custom_op("redline::fused_linear", mutates_args=())
+@torch.library.custom_op("redline::fused_linear", mutates_args=("sums",))
 def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None, eps: float,
-                 residual: Tensor | None, swiglu: bool) -> Tensor:
+                 residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int) -> Tensor:
     """A decode projection with its neighbours fused: [RMSNorm(x) ->] x @ W.T [* scales] [-> silu(gate) * up] [+ residual].
 
     weight (N, K) float, or int8 with scales (N,); norm_weight (K,); residual (..., N) or (..., N/2) with swiglu.
+    sums (optional, fp32 (slots, lanes)): sum_out >= 0 adds sum(y**2) to row sum_out (spread over its lanes),
+    and sum_in >= 0 says that row sum_in already sums to sum(x**2) for the norm (the kernel that wrote x added
+    it); -1 for neither.
     One row of x on a GPU runs one Triton GEMV that does all of it; otherwise the unfused ops run.
     """
-    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu)
+    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu, sums, sum_in, sum_out)
     if not (gemv_supported(x) and x.numel() == x.shape[-1]):
-        return fused_linear_reference(x, weight, scales, norm_weight, eps, residual, swiglu).contiguous()
+        return fused_linear_reference(x, weight, scales, norm_weight, eps, residual, swiglu, sums,
+                                      sum_out).contiguous()
     k = x.shape[-1]
     x1 = x.reshape(1, k).contiguous()
     weight = weight.contiguous()
@@ -239,14 +263,16 @@ def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: 
     _kernels_module().gemv(
         x1, weight, scales.contiguous() if scales is not None else None, out,
         norm_weight=norm_weight.contiguous() if norm_weight is not None else None, eps=eps,
-        residual=residual.reshape(-1).contiguous() if residual is not None else None, swiglu=swiglu)
+        residual=residual.reshape(-1).contiguous() if residual is not None else None, swiglu=swiglu,
+        sq_in=sums[sum_in] if sums is not None and sum_in >= 0 else None,
+        sq_out=sums[sum_out] if sums is not None and sum_out >= 0 else None)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 @fused_linear.register_fake
 def _fused_linear_fake(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None, eps: float,
-                       residual: Tensor | None, swiglu: bool) -> Tensor:
-    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu)
+                       residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int) -> Tensor:
+    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu, sums, sum_in, sum_out)
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return x.new_empty((*x.shape[:-1], n))
 

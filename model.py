@@ -241,13 +241,19 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+# The fused decode's kernels add each output's sum of squares into this many lanes (program i into lane
+# i % lanes): thousands of atomic adds on one address would queue; the next kernel reads all lanes.
+NORM_SUM_LANES = 32
+
+
 def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None,
-                     swiglu: bool = False) -> Tensor:
+                     swiglu: bool = False, sums: Tensor | None = None, sum_in: int = -1, sum_out: int = -1) -> Tensor:
     """torch.ops.redline.fused_linear (kernels.py) on a routed linear layer (bf16 KernelLinear or Int8Linear):
-    [norm(x) ->] linear [-> silu(gate) * up] [+ residual], one GPU kernel for a single row of x."""
+    [norm(x) ->] linear [-> silu(gate) * up] [+ residual], one GPU kernel for a single row of x. sums[sum_in]
+    holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to sums[sum_out]."""
     return torch.ops.redline.fused_linear(
         x, linear.weight, linear.scales, None if norm is None else norm.weight,
-        0.0 if norm is None else norm.eps, residual, swiglu)
+        0.0 if norm is None else norm.eps, residual, swiglu, sums, sum_in, sum_out)
 
 
 class KVCache(nn.Module):
@@ -320,28 +326,27 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
-        # Set by decode_attention.set_fused_decode on GPUs: one-token batch-1 steps then take decode_fused.
-        self.fused_decode = False
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
-        if self.fused_decode and x.shape[0] * x.shape[1] == 1:
-            return self.decode_fused(x, rope, input_pos)
         h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def decode_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-        """The block for one token in five ops, each one kernel on the GPU: norm+qkv, rope+cache write+attention,
-        wo+residual, norm+gate/up+SwiGLU, w2+residual. Same math and roundings as forward, except that the
-        normalized input of a projection stays fp32 (the GPU kernel does not round it to the activation dtype)."""
+    def decode_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor, index: int) -> Tensor:
+        """forward for one token (batch 1) in five ops, each one GPU kernel: norm+qkv, rope+cache write+attention,
+        wo+residual, norm+gate/up+SwiGLU, w2+residual. Each residual kernel also sums the squares of its output
+        into sums (slots 2 * index and 2 * index + 1), so the next norm needs no pass of its own; block 0's first
+        norm sums x itself. Same math and roundings as forward, except that the normalized input of a projection
+        stays fp32 (the GPU kernel does not round it to the activation dtype)."""
         attn, ffn = self.attention, self.feed_forward
         if attn.kv_cache is None:
             raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
-        qkv = fused_projection(attn.wqkv, x, norm=self.attention_norm)  # (1, 1, (H + 2 Hkv) D)
+        qkv = fused_projection(attn.wqkv, x, norm=self.attention_norm, sums=sums,
+                               sum_in=2 * index - 1)  # (1, 1, (H + 2 Hkv) D)
         cache = attn.kv_cache
         out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
-        h = fused_projection(attn.wo, out, residual=x)  # (1, 1, dim)
-        act = fused_projection(ffn.w13, h, norm=self.ffn_norm, swiglu=True)  # (1, 1, I)
-        return fused_projection(ffn.w2, act, residual=h)
+        h = fused_projection(attn.wo, out, residual=x, sums=sums, sum_out=2 * index)  # (1, 1, dim)
+        act = fused_projection(ffn.w13, h, norm=self.ffn_norm, swiglu=True, sums=sums, sum_in=2 * index)  # (1, 1, I)
+        return fused_projection(ffn.w2, act, residual=h, sums=sums, sum_out=2 * index + 1)
 
 
 class Transformer(nn.Module):
@@ -357,7 +362,9 @@ class Transformer(nn.Module):
         self.max_batch_size = 0
         self.max_seq_length = 0
         self.register_buffer("rope", torch.empty(0), persistent=False)  # (S, 2, D/2) fp32, filled by setup_caches
-        self.fused_decode = False  # set by decode_attention.set_fused_decode: the final norm fused into the output head
+        self.fused_decode = False  # set by decode_attention.set_fused_decode: batch-1 steps take decode_fused
+        # decode_fused's sums of squares, (2 n_layer, NORM_SUM_LANES) fp32, filled by setup_caches
+        self.register_buffer("norm_sums", torch.empty(0), persistent=False)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
         """Allocate the KV cache and rope table; the only place the cache is allocated."""
@@ -374,6 +381,7 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim,
                                                self.cache_dtype, weight.device)
         self.rope = rope_table(a, max_seq_length, weight.device)
+        self.norm_sums = torch.zeros(2 * a.n_layer, NORM_SUM_LANES, dtype=torch.float32, device=weight.device)
         self.max_batch_size = max_batch_size
         self.max_seq_length = max_seq_length
 
@@ -396,10 +404,19 @@ class Transformer(nn.Module):
         mask = (cache_pos.unsqueeze(0) <= input_pos.unsqueeze(1)).view(1, 1, -1, self.max_seq_length)  # (1, 1, T, S)
         rope = self.rope[input_pos]  # (T, 2, D/2)
         x = self.tok_embeddings(idx)  # (B, T, dim)
+        if self.fused_decode and idx.numel() == 1:
+            return self.decode_fused(x, rope, input_pos)
         for layer in self.layers:
             x = layer(x, rope, mask, input_pos, from_start)
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (B, L, dim)
-        if self.fused_decode and x.shape[0] * x.shape[1] == 1:
-            return fused_projection(self.output, x, norm=self.norm)  # (1, 1, vocab)
         return self.output(self.norm(x))  # (B, T, vocab)
+
+    def decode_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+        """One token, batch 1: each block in five kernels (TransformerBlock.decode_fused); the final norm rides
+        in the output head's GEMV. The blocks accumulate their outputs' sums of squares in norm_sums."""
+        self.norm_sums.zero_()
+        for i, layer in enumerate(self.layers):
+            x = layer.decode_fused(x, rope, input_pos, self.norm_sums, i)
+        return fused_projection(self.output, x, norm=self.norm, sums=self.norm_sums,
+                                sum_in=2 * len(self.layers) - 1)  # (1, 1, vocab)

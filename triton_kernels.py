@@ -135,12 +135,13 @@ def _step(acc, ss, w, x_ptrs, g_ptrs, k0, K, offs_k, MASK: tl.constexpr, W_INT8:
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += (weight block w, converted to fp32) * x[k0 : k0 + BLOCK_K].
 
-    NORM: x is the RMSNorm input: the block is multiplied by the norm weight g (fp32, unrounded) and
-    its squares are added to ss; the kernel applies 1/rms to the finished dot products.
+    NORM (1 or 2): x is the RMSNorm input: the block is multiplied by the norm weight g (fp32, unrounded)
+    and, with NORM == 1, its squares are added to ss; the kernel applies 1/rms to the finished dot products.
     """
     x = _load(x_ptrs, k0, K, offs_k, MASK, False).to(tl.float32)
-    if NORM:
+    if NORM == 1:
         ss += x * x
+    if NORM > 0:
         x = x * _load(g_ptrs, k0, K, offs_k, MASK, False).to(tl.float32)
     acc = _dot_part(acc, _weight_to_f32(w, W_INT8, WORDS, INT8_MODE, BLOCK_N, BLOCK_K), x, RED, BLOCK_N, BLOCK_K)
     return acc, ss
@@ -148,16 +149,20 @@ def _step(acc, ss, w, x_ptrs, g_ptrs, k0, K, offs_k, MASK: tl.constexpr, W_INT8:
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, g_ptr, r_ptr,
+    x_ptr, w_ptr, s_ptr, y_ptr, g_ptr, r_ptr, sq_in_ptr, sq_out_ptr,
     N, K, stride_wn, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, RED: tl.constexpr,
     EVEN_K: tl.constexpr, NO_MASK: tl.constexpr,
     W_INT8: tl.constexpr, WORDS: tl.constexpr, INT8_MODE: tl.constexpr, USE_PDL: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SQ_OUT: tl.constexpr,
+    SQ_LANES: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * w[n, k] (times s[n] when W_INT8), fp32 accumulation, with optional fusions:
 
-    NORM: x is replaced by RMSNorm(x) * g (g: (K,) norm weight, eps), computed in the same K loop;
+    NORM: x is replaced by RMSNorm(x) * g (g: (K,) norm weight, eps): 1: the sum of x**2 is computed in the
+    same K loop; 2: it is the sum of the SQ_LANES floats at sq_in_ptr (the kernel that wrote x made it);
+    SQ_OUT: each program adds the sum of its stored y**2 atomically to lane pid % SQ_LANES of sq_out_ptr
+    (for the next kernel's NORM 2; spreading the adds over lanes keeps them from queueing on one address);
     SWIGLU: w is [gate; up] (2 * N rows) and y[n] = silu(gate[n]) * up[n] (N outputs);
     RESIDUAL: y[n] += r[n] (r: (N,)).
     Every product is rounded to y's dtype where the unfused model rounds it (the linear output, the
@@ -233,8 +238,10 @@ def _gemv_kernel(
                         W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
 
     out = tl.sum(acc, axis=1)  # (BLOCK_N,)
-    if NORM:
+    if NORM == 1:
         out = out * tl.rsqrt(tl.sum(ss) / K + eps)
+    if NORM == 2:
+        out = out * tl.rsqrt(tl.sum(tl.load(sq_in_ptr + tl.arange(0, SQ_LANES))) / K + eps)
     if W_INT8:
         out = out * tl.load(s_ptr + rows).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
@@ -246,6 +253,9 @@ def _gemv_kernel(
     if RESIDUAL:
         out = out.to(out_ty).to(tl.float32) + tl.load(r_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
     tl.store(y_ptr + offs_n, out.to(out_ty), mask=offs_n < N)
+    if SQ_OUT:  # one fire-and-forget float add per program, spread over the kernel's lifetime
+        y = tl.where(offs_n < N, out.to(out_ty).to(tl.float32), 0.0)
+        tl.atomic_add(sq_out_ptr + pid % SQ_LANES, tl.sum(y * y), sem="relaxed")
 
 
 @triton.jit
@@ -362,11 +372,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
          out: torch.Tensor | None = None, config: GemvConfig | None = None,
          pdl: bool | None = None, int8_mode: int | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+         residual: torch.Tensor | None = None, swiglu: bool = False,
+         sq_in: torch.Tensor | None = None, sq_out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T (times scales[n] for int8 w) for one row of x, with the decode fusions:
 
-    norm_weight: x is replaced by RMSNorm(x, norm_weight, eps) first; swiglu: w stacks the gate and up
-    projections (2N rows) and y = silu(gate) * up (N outputs); residual: y += residual (N,).
+    norm_weight: x is replaced by RMSNorm(x, norm_weight, eps) first, its sum of squares computed here or, when
+    sq_in is given, the sum of sq_in; swiglu: w stacks the gate and up projections (2N rows) and
+    y = silu(gate) * up (N outputs); residual: y += residual (N,); sq_out: the sum of y**2 is added to it,
+    spread over its elements. sq_in and sq_out are contiguous fp32 lanes, a power of two of them, of one size.
 
     x: (1, K) or (K,) with unit stride along K; w: (N, K) with unit stride along K; scales: (N,)
     contiguous; norm_weight (K,) and residual (N,) contiguous. Returns (or fills `out`, contiguous)
@@ -402,11 +415,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     _gemv_kernel[(triton.cdiv(n, rows_per_program),)](
         x, w, scales if w_int8 else w, out,
         norm_weight if norm_weight is not None else x, residual if residual is not None else x,
+        sq_in if sq_in is not None else out, sq_out if sq_out is not None else out,
         n, k, w.stride(0), eps,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DEPTH=cfg.depth, RED=cfg.red,
         EVEN_K=even_k, NO_MASK=even_k and k >= cfg.depth * cfg.block_k,
         W_INT8=w_int8, WORDS=words, INT8_MODE=int8_mode, USE_PDL=pdl,
-        NORM=norm_weight is not None, RESIDUAL=residual is not None, SWIGLU=swiglu,
+        NORM=0 if norm_weight is None else (2 if sq_in is not None else 1), RESIDUAL=residual is not None,
+        SWIGLU=swiglu, SQ_OUT=sq_out is not None,
+        SQ_LANES=(sq_in if sq_in is not None else sq_out).numel() if sq_in is not None or sq_out is not None else 1,
         num_warps=cfg.num_warps, num_stages=1, **extra,
     )
     return out

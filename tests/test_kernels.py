@@ -426,7 +426,7 @@ def test_fused_linear_cpu_is_the_unfused_ops(int8, norm, residual, swiglu):
     from model import rms_norm
 
     x, w, s, nw, r = fused_inputs(24, 40, int8=int8, norm=norm, residual=residual, swiglu=swiglu)
-    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu)
+    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu, None, -1, -1)
     h = rms_norm(x, nw, 1e-5) if norm else x
     y = torch.ops.redline.int8_linear(h, w, s) if int8 else F.linear(h, w)
     if swiglu:
@@ -444,6 +444,12 @@ def test_fused_linear_cpu_is_the_unfused_ops(int8, norm, residual, swiglu):
     (dict(r=torch.zeros(1, 1, 23, dtype=torch.bfloat16)), "residual must have shape"),
     (dict(swiglu=True, w=torch.zeros(23, 40, dtype=torch.bfloat16)), "even N"),
     (dict(w=torch.zeros(24, 41, dtype=torch.bfloat16)), "expects K=41"),
+    (dict(sum_out=0), "pass sums"),
+    (dict(sums=torch.zeros(4, 2), sum_out=4), "outside sums"),
+    (dict(sums=torch.zeros(4, 2, dtype=torch.float64), sum_out=1), "lanes"),
+    (dict(sums=torch.zeros(4, 3), sum_out=1), "power-of-two"),
+    (dict(sums=torch.zeros(4), sum_out=1), "lanes"),
+    (dict(sums=torch.zeros(4, 2), sum_in=1, nw=None), "needs norm_weight"),
 ])
 def test_fused_linear_validation(change, match):
     x, w, s, nw, r = fused_inputs(24, 40, norm=True, residual=True)
@@ -451,7 +457,7 @@ def test_fused_linear_validation(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         torch.ops.redline.fused_linear(args["x"], args["w"], args["s"], args["nw"], args["eps"], args["r"],
-                                       args["swiglu"])
+                                       args["swiglu"], args.get("sums"), args.get("sum_in", -1), args.get("sum_out", -1))
 
 
 def test_fused_linear_opcheck_and_fake_shapes_cpu():
@@ -459,9 +465,10 @@ def test_fused_linear_opcheck_and_fake_shapes_cpu():
 
     for int8, swiglu, residual in [(False, False, True), (True, True, False)]:
         x, w, s, nw, r = fused_inputs(24, 40, int8=int8, residual=residual, swiglu=swiglu)
-        torch.library.opcheck(torch.ops.redline.fused_linear.default, (x, w, s, nw, 1e-5, r, swiglu))
+        sums = torch.zeros(3, 4)
+        torch.library.opcheck(torch.ops.redline.fused_linear.default, (x, w, s, nw, 1e-5, r, swiglu, sums, 0, 2))
         with FakeTensorMode(allow_non_fake_inputs=True):
-            out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu)
+            out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu, None, -1, -1)
         assert out.shape == (1, 1, 12 if swiglu else 24)
 
 
@@ -482,8 +489,14 @@ def test_gpu_fused_linear_matches_reference(name, int8, no_tf32):
     n, k, kind = GPU_FUSED_SHAPES[name]
     norm, residual, swiglu = kind in ("norm", "swiglu"), kind == "res", kind == "swiglu"
     x, w, s, nw, r = fused_inputs(n, k, device="cuda", int8=int8, norm=norm, residual=residual, swiglu=swiglu)
-    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu)
+    sums = torch.zeros(3, 32, device="cuda")
+    if norm:  # the sum of x**2 handed in by "the kernel before" gives the same norm as summing in the kernel
+        sums[0] = x.float().pow(2).sum() / 32
+    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu, sums, 0 if norm else -1, 2)
     assert out.shape == (1, 1, n // 2 if swiglu else n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(sums[2].sum(), out.float().pow(2).sum(), rtol=1e-4, atol=0)
+    same = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu, None, -1, -1)
+    assert rel_err(same, out) < 4e-3
     assert torch.isfinite(out).all()
     assert rel_err(out, fused_fp32(x, w, s, nw, 1e-5, r, swiglu)) < 8e-3
     if out.numel() >= 64:  # a few outputs may sit one bf16 step apart (the normalized input is not rounded)
@@ -503,3 +516,11 @@ def test_gpu_fused_linear_configs_and_no_pdl(no_tf32):
             assert rel_err(out, ref.view(1, -1)) < 8e-3, (cfg, pdl)
     with pytest.raises(ValueError, match="even block_n"):
         tk.gemv(x.view(1, -1), w, norm_weight=nw, eps=1e-6, swiglu=True, config=tk.GemvConfig(1, 256, 2, 1))
+
+
+def test_fused_linear_cpu_accumulates_the_sum_of_squares():
+    x, w, s, nw, r = fused_inputs(24, 40, norm=True, residual=True)
+    sums = torch.tensor([[0.0, 0.0], [5.0, 1.0]])
+    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, False, sums, -1, 1)
+    assert sums[0].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(sums[1].sum(), torch.tensor(6.0 + out.float().pow(2).sum().item()))
