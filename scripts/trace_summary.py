@@ -57,6 +57,14 @@ class KernelStat:
 
 
 @dataclass
+class RoleStat:
+    role: str  # a --roles label, or "<kernel>#tail" for calls after the last whole cycle of labels
+    calls_per_step: float
+    exclusive_mean_us: float
+    exclusive_per_step_us: float
+
+
+@dataclass
 class TraceSummary:
     source: str | None = None
     num_events: int = 0
@@ -81,6 +89,7 @@ class TraceSummary:
     top_kernels: list[KernelStat] = field(default_factory=list)
     graph_launches: int = 0
     graph_launches_per_step: float | None = None
+    roles: list[RoleStat] = field(default_factory=list)  # with --roles: exclusive time per named call site
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict; floats rounded to 6 decimals (trace timestamps are in us)."""
@@ -207,8 +216,38 @@ def _stats_of(trace: dict) -> dict:
     return {}
 
 
-def summarize_trace(events_or_path: Any, top: int = 10) -> TraceSummary:
-    """Summarize a trace given as a path, a trace dict or a list of events."""
+def parse_roles(spec: str) -> tuple[str, list[str]]:
+    """'KERNEL=a,b,c' -> (KERNEL, [a, b, c]): the k-th call of KERNEL in a decode step is labelled roles[k % 3]."""
+    name, sep, labels = spec.partition("=")
+    roles = [r for r in labels.split(",") if r]
+    if not sep or not name or not roles:
+        raise TraceError(f"--roles takes KERNEL=label1,label2,... (e.g. _gemv_kernel=wqkv,wo,w13,w2), got {spec!r}")
+    return name, roles
+
+
+def _role_stats(kernels: list[dict], steps: list[dict], name: str, labels: list[str]) -> list[RoleStat]:
+    """Exclusive time (end minus the previous kernel's end) of each labelled call site, per decode step."""
+    ordered = sorted(kernels, key=lambda e: _interval(e)[0])
+    exclusive: list[float] = []
+    last_end = None
+    for e in ordered:
+        a, b = _interval(e)
+        exclusive.append(max(0.0, b - (a if last_end is None else max(a, last_end))))
+        last_end = b if last_end is None else max(last_end, b)
+    totals: dict[str, list[float]] = {}
+    for step in steps:
+        lo, hi = _interval(step)
+        calls = [x for e, x in zip(ordered, exclusive) if lo <= _interval(e)[0] < hi and e.get("name") == name]
+        whole = len(calls) - len(calls) % len(labels)
+        for k, x in enumerate(calls):
+            totals.setdefault(labels[k % len(labels)] if k < whole else f"{name}#tail", []).append(x)
+    n = len(steps)
+    return [RoleStat(role, len(xs) / n, statistics.fmean(xs), sum(xs) / n) for role, xs in totals.items()]
+
+
+def summarize_trace(events_or_path: Any, top: int = 10, roles: tuple[str, list[str]] | None = None) -> TraceSummary:
+    """Summarize a trace given as a path, a trace dict or a list of events; roles = parse_roles(...) also
+    splits one kernel's exclusive time by call site within each decode step."""
     if isinstance(events_or_path, (str, os.PathLike)):
         trace = load_trace(events_or_path)
         source: str | None = str(events_or_path)
@@ -296,6 +335,11 @@ def summarize_trace(events_or_path: Any, top: int = 10) -> TraceSummary:
                 exclusive_mean_us=exclusive[name] / len(durs),
             )
         )
+
+    if roles is not None:
+        if not gpu_steps:
+            raise TraceError("--roles needs GPU-side redline.decode_step annotations in the trace")
+        s.roles = _role_stats(kernels, gpu_steps, *roles)
 
     # graph launches: host-side events, counted in the host-side decode window
     if cpu_steps:
@@ -392,6 +436,11 @@ def format_summary(s: TraceSummary) -> str:
         lines.append("  (excl us: mean time a call adds to the GPU timeline, its end minus the previous kernel's end)")
     elif s.has_gpu_activity:
         lines.append(f"top kernels: none in the {s.kernels_scope}")
+    if s.roles:
+        lines.append("call sites (exclusive time per decode step):")
+        lines.append(f"  {'calls/step':>10} {'excl us':>9} {'us/step':>9}  role")
+        for r in s.roles:
+            lines.append(f"  {r.calls_per_step:>10.1f} {r.exclusive_mean_us:>9.2f} {r.exclusive_per_step_us:>9.1f}  {r.role}")
     return "\n".join(lines)
 
 
@@ -410,9 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", help="trace file (.json or .json.gz)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--top", type=_nonneg_int, default=10, help="number of top kernels (default 10)")
+    p.add_argument("--roles", default=None, metavar="KERNEL=a,b,...",
+                   help="label the calls of KERNEL within each decode step cyclically (e.g. "
+                        "_gemv_kernel=wqkv,wo,w13,w2) and report each label's exclusive time")
     args = p.parse_args(argv)
     try:
-        summary = summarize_trace(args.trace, top=args.top)
+        roles = parse_roles(args.roles) if args.roles is not None else None
+        summary = summarize_trace(args.trace, top=args.top, roles=roles)
     except TraceError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -270,3 +270,24 @@ def test_exclusive_time_counts_overlapping_kernels_once():
     assert stats["gemv"].total_us == 15 and stats["gemv"].exclusive_us == 15
     assert stats["attn"].total_us == 11 and stats["attn"].exclusive_us == 3 and stats["attn"].exclusive_mean_us == 1.5
     assert "excl us" in ts.format_summary(s)
+
+
+def test_roles_label_call_sites_within_each_step(capsys):
+    """Three calls of one kernel per step labelled a, b and a tail; exclusive times per label."""
+    ev = []
+    for i in range(2):
+        o = 100 * i
+        ev += [
+            X("redline.decode_step", "gpu_user_annotation", o, 90),
+            X("gemv", "kernel", o, 10),  # a: adds 10
+            X("gemv", "kernel", o + 8, 6),  # b: overlaps, adds 4
+            X("gemv", "kernel", o + 20, 5),  # third call: no whole cycle of (a, b) left -> tail, adds 5
+        ]
+    s = ts.summarize_trace({"traceEvents": ev}, roles=ts.parse_roles("gemv=a,b"))
+    got = {r.role: (r.calls_per_step, r.exclusive_mean_us, r.exclusive_per_step_us) for r in s.roles}
+    assert got == {"a": (1.0, 10.0, 10.0), "b": (1.0, 4.0, 4.0), "gemv#tail": (1.0, 5.0, 5.0)}
+    assert "call sites" in ts.format_summary(s)
+    with pytest.raises(ts.TraceError, match="KERNEL=label1"):
+        ts.parse_roles("gemv")
+    with pytest.raises(ts.TraceError, match="GPU-side"):
+        ts.summarize_trace({"traceEvents": [X("gemv", "kernel", 0, 1)]}, roles=("gemv", ["a"]))
