@@ -44,12 +44,16 @@ def _attention_module():
 def decode_attention_supported(q: Tensor, k_cache: Tensor) -> bool:
     """True when the op runs the Triton kernels: CUDA/HIP tensors of one float dtype, one query token,
     a power-of-two head_dim in [16, 256], and Triton importable."""
-    if not (q.is_cuda and k_cache.is_cuda) or q.dim() != 4 or k_cache.dim() != 4:
+    if q.dim() != 4 or k_cache.dim() != 4 or q.shape[2] != 1 or q.shape[-1] != k_cache.shape[-1]:
         return False
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or q.shape[2] != 1:
-        return False
-    head_dim = q.shape[-1]
-    if head_dim != k_cache.shape[-1] or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+    return q.is_cuda and q.dtype == k_cache.dtype and _kernel_supported(k_cache)
+
+
+def _kernel_supported(k_cache: Tensor) -> bool:
+    """The Triton kernels run for this cache: on a CUDA/HIP device, a float dtype, a power-of-two head_dim in
+    [16, 256], Triton importable."""
+    head_dim = k_cache.shape[-1]
+    if not k_cache.is_cuda or k_cache.dtype not in _FLOAT_DTYPES or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         return False
     return head_dim & (head_dim - 1) == 0 and triton_importable()
 
@@ -177,8 +181,7 @@ def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Te
     input_pos), writes k and v into the caches at input_pos, attends over keys 0..input_pos; (B, 1, H D).
     On the GPU it is one kernel (two with a long cache: the split partials are combined)."""
     _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
-    q_like = qkv.new_empty((1, 1, 1, k_cache.shape[-1]))  # the supported check looks only at dtype/device/D
-    if decode_attention_supported(q_like, k_cache):
+    if _kernel_supported(k_cache):  # qkv's device and dtype match the cache's (checked above)
         return _attention_module().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
     return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos).contiguous()
 

@@ -300,4 +300,3 @@ def route_linears_to_kernels(model: nn.Module) -> int:
             module.__class__ = KernelLinear
             count += 1
     return count
-
