@@ -273,6 +273,13 @@ class KVCache(nn.Module):
         self.v[:batch].index_copy_(2, input_pos, v)
         return self.k[:batch], self.v[:batch]
 
+    def write_prefix(self, k: Tensor, v: Tensor) -> None:
+        """k, v (B, Hkv, T, D) written at positions 0..T-1: a slice copy, which touches only those T rows
+        (index_copy_ is compiled to a pass over the whole cache)."""
+        batch, _, length, _ = k.shape
+        self.k[:batch, :, :length] = k
+        self.v[:batch, :, :length] = v
+
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -294,14 +301,16 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         if self.kv_cache is None:
             raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
-        k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-        if seqlen == 1 and self.decode_kernel:
-            out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
-        elif from_start:  # positions 0..T-1: causal attention within them, so SDPA may pick flash attention
-            out = F.scaled_dot_product_attention(q, k[:, :, :seqlen], v[:, :, :seqlen], is_causal=True,
-                                                 enable_gqa=a.n_kv_heads != a.n_head)
+        gqa = a.n_kv_heads != a.n_head
+        if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
+            self.kv_cache.write_prefix(k, v)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H, T, D)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=a.n_kv_heads != a.n_head)
+            k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
+            if seqlen == 1 and self.decode_kernel:
+                out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)
 
 
