@@ -279,7 +279,9 @@ class LLM:
         self._decode_fn = torch.compile(decode_one_token, mode="reduce-overhead" if gpu else None,
                                         fullgraph=True, dynamic=False)
         if self.compile_prefill:
-            self._prefill_fn = torch.compile(prefill, fullgraph=True, dynamic=False)
+            # One CUDA graph per prompt bucket too: short prompts are otherwise bound by kernel launches.
+            self._prefill_fn = torch.compile(prefill, mode="reduce-overhead" if gpu else None, fullgraph=True,
+                                             dynamic=False)
 
     def _ensure_cache(self, batch_size: int, seq_len: int) -> None:
         """Keep the current cache when it is large enough (a new cache shape means a new graph)."""
@@ -376,7 +378,9 @@ class LLM:
 
         with torch.inference_mode():
             with region("prefill"):
-                token = self._prefill_fn(self.model, padded, positions, last, *args)  # (B, 1)
+                self._mark_step()
+                # Copied out of the CUDA graph's pool: the next graph replay may reuse that memory.
+                token = self._prefill_fn(self.model, padded, positions, last, *args).clone()  # (B, 1)
                 to_host(token)
             input_pos = torch.tensor([prompt_len], device=self.device)
             paused = 0.0  # the profiler's own bookkeeping (starting, stopping) is kept out of every timing
