@@ -101,10 +101,14 @@ def _check_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_p
     if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"{name}: q, k_cache and v_cache must share one dtype of bf16, fp16 or fp32, "
                          f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_position_and_devices(name, input_pos, q, k_cache, v_cache)
+
+
+def _check_position_and_devices(name: str, input_pos: Tensor, *tensors: Tensor) -> None:
     if input_pos.shape != (1,) or input_pos.dtype not in _POS_DTYPES:
         raise ValueError(f"{name}: input_pos must be a (1,) int32/int64 tensor, "
                          f"got shape {tuple(input_pos.shape)} of {input_pos.dtype}")
-    devices = {q.device, k_cache.device, v_cache.device, input_pos.device}
+    devices = {t.device for t in (*tensors, input_pos)}
     if len(devices) != 1:
         raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
 
@@ -167,12 +171,7 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
         raise ValueError(f"{name}: the KV cache has no positions; call setup_caches with max_seq_length > 0")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"{name}: the caches must have unit stride along head_dim (they are written in place)")
-    if input_pos.shape != (1,) or input_pos.dtype not in _POS_DTYPES:
-        raise ValueError(f"{name}: input_pos must be a (1,) int32/int64 tensor, "
-                         f"got shape {tuple(input_pos.shape)} of {input_pos.dtype}")
-    devices = {qkv.device, k_cache.device, v_cache.device, rope.device, input_pos.device}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+    _check_position_and_devices(name, input_pos, qkv, k_cache, v_cache, rope)
 
 
 @torch.library.custom_op("redline::decode_attention_qkv", mutates_args=("k_cache", "v_cache"))

@@ -292,6 +292,11 @@ class Attention(nn.Module):
         # which reads only the valid cache positions, instead of masked SDPA over the whole cache.
         self.decode_kernel = False
 
+    def cache(self) -> KVCache:
+        if self.kv_cache is None:
+            raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
+        return self.kv_cache
+
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
         a = self.args
         bsz, seqlen, _ = x.shape
@@ -299,14 +304,13 @@ class Attention(nn.Module):
         q = apply_rope(q.view(bsz, seqlen, a.n_head, a.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
         k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        if self.kv_cache is None:
-            raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
+        cache = self.cache()
         gqa = a.n_kv_heads != a.n_head
         if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
-            self.kv_cache.write_prefix(k, v)
+            cache.write_prefix(k, v)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H, T, D)
         else:
-            k, v = self.kv_cache.update(input_pos, k, v)  # (B, Hkv, S, D)
+            k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
             if seqlen == 1 and self.decode_kernel:
                 out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
             else:
@@ -347,11 +351,9 @@ class TransformerBlock(nn.Module):
         norm sums x itself. Same math and roundings as forward, except that the normalized input of a projection
         stays fp32 (the GPU kernel does not round it to the activation dtype)."""
         attn, ffn = self.attention, self.feed_forward
-        if attn.kv_cache is None:
-            raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
+        cache = attn.cache()
         qkv = fused_projection(attn.wqkv, x, norm=self.attention_norm, sums=sums,
                                sum_in=2 * index - 1)  # (1, 1, (H + 2 Hkv) D)
-        cache = attn.kv_cache
         out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
         h = fused_projection(attn.wo, out, residual=x, sums=sums, sum_out=2 * index)  # (1, 1, dim)
         act = fused_projection(ffn.w13, h, norm=self.ffn_norm, swiglu=True, sums=sums, sum_in=2 * index)  # (1, 1, I)
@@ -408,13 +410,13 @@ class Transformer(nn.Module):
         """
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
-        # Each query attends to cached positions up to its own; built per call, so no (S, S) buffer.
-        cache_pos = torch.arange(self.max_seq_length, device=idx.device)  # (S,)
-        mask = (cache_pos.unsqueeze(0) <= input_pos.unsqueeze(1)).view(1, 1, -1, self.max_seq_length)  # (1, 1, T, S)
         rope = self.rope[input_pos]  # (T, 2, D/2)
         x = self.tok_embeddings(idx)  # (B, T, dim)
         if self.fused_decode and idx.numel() == 1:
-            return self.decode_fused(x, rope, input_pos)
+            return self.decode_fused(x, rope, input_pos)  # needs no mask: the kernel reads keys 0..input_pos
+        # Each query attends to cached positions up to its own; built per call, so no (S, S) buffer.
+        cache_pos = torch.arange(self.max_seq_length, device=idx.device)  # (S,)
+        mask = (cache_pos.unsqueeze(0) <= input_pos.unsqueeze(1)).view(1, 1, -1, self.max_seq_length)  # (1, 1, T, S)
         for layer in self.layers:
             x = layer(x, rope, mask, input_pos, from_start)
         if logits_at is not None:

@@ -17,8 +17,9 @@ for one multiply-add, so the kernel is bound by memory bandwidth. `gemv` (one ro
   before `griddepcontrol.wait`, so the kernel streams its constant weights while the kernel before
   it drains; x is read and y written only after the wait;
 - fuses its decode neighbours on request (the batch-1 fused decode path): an RMSNorm of x in the
-  prologue (sum of squares in the K loop, 1/rms applied to the finished dot products), and either
-  silu(gate) * up (each program pairs gate rows with their up rows) or a residual add in the epilogue.
+  prologue (1/rms applied to the finished dot products; the sum of squares either computed in the K
+  loop or handed on by the kernel that wrote x), and either silu(gate) * up (each program pairs gate
+  rows with their up rows) or a residual add, with its sum of squares for the next norm, in the epilogue.
 
 `small_m_dot` (2..16 rows of x) runs the same product on the tensor cores, x padded to 16 rows,
 with Triton's software pipeliner keeping weight tiles in flight.
