@@ -193,12 +193,75 @@ def _decode_attention_qkv_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, ro
     return qkv.new_empty((batch, 1, qkv.shape[-1] - 2 * n_kv_heads * head_dim))
 
 
+# --- prefill from position 0: rope and cache write in one pass ---
+
+
+def prefill_rope_cache_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor) -> Tensor:
+    """The unfused model's steps: split qkv, rope q and k (model.apply_rope), write k and v into the caches at
+    positions 0..T-1; returns the rotated queries (B, T, H, D)."""
+    batch, length, _ = qkv.shape
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(batch, length, n_heads, head_dim), rope)  # (B, T, H, D)
+    k = apply_rope(k.view(batch, length, n_kv_heads, head_dim), rope)  # (B, T, Hkv, D)
+    k_cache[:batch, :, :length] = k.transpose(1, 2)
+    v_cache[:batch, :, :length] = v.view(batch, length, n_kv_heads, head_dim).transpose(1, 2)
+    return q
+
+
+def _check_prefill_rope_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor) -> None:
+    name = "redline.prefill_rope_cache"
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: k_cache and v_cache must be (B, Hkv, S, D) of one shape, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    cache_batch, n_kv_heads, seq_len, head_dim = k_cache.shape
+    if qkv.dim() != 3 or qkv.shape[-1] % head_dim or (qkv.shape[-1] // head_dim - 2 * n_kv_heads) <= 0 \
+            or (qkv.shape[-1] // head_dim - 2 * n_kv_heads) % n_kv_heads:
+        raise ValueError(f"{name}: qkv must be (B, T, (H + 2 Hkv) D) with H a multiple of Hkv={n_kv_heads} and "
+                         f"D={head_dim}, got {tuple(qkv.shape)}")
+    batch, length, _ = qkv.shape
+    if batch > cache_batch or length > seq_len:
+        raise ValueError(f"{name}: {batch} sequences of {length} tokens do not fit the cache {tuple(k_cache.shape)}; "
+                         "call setup_caches with a larger max_batch_size or max_seq_length")
+    if head_dim % 2 or rope.shape != (length, 2, head_dim // 2) or rope.dtype != torch.float32:
+        raise ValueError(f"{name}: rope must be the ({length}, 2, {head_dim // 2}) fp32 cos/sin rows of positions "
+                         f"0..{length - 1}, got {tuple(rope.shape)} of {rope.dtype}")
+    if qkv.dtype not in _FLOAT_DTYPES or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError(f"{name}: qkv and the caches must share one dtype of bf16, fp16 or fp32, "
+                         f"got {qkv.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: qkv and the caches must have unit stride along the last dim")
+    devices = {t.device for t in (qkv, k_cache, v_cache, rope)}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+@torch.library.custom_op("redline::prefill_rope_cache", mutates_args=("k_cache", "v_cache"))
+def prefill_rope_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor) -> Tensor:
+    """A prefill from position 0: qkv (B, T, (H + 2 Hkv) D) raw projections of positions 0..T-1, rope (T, 2, D/2)
+    fp32. Rotates q and k (rope), writes k and v into the caches at positions 0..T-1, returns the rotated queries
+    (B, T, H, D) contiguous. On the GPU it is one Triton kernel that reads qkv once."""
+    _check_prefill_rope_cache(qkv, k_cache, v_cache, rope)
+    if _kernel_supported(k_cache):
+        return _attention_module().prefill_rope_cache(qkv, k_cache, v_cache, rope.contiguous())
+    return prefill_rope_cache_reference(qkv, k_cache, v_cache, rope).contiguous()
+
+
+@prefill_rope_cache.register_fake
+def _prefill_rope_cache_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor) -> Tensor:
+    _check_prefill_rope_cache(qkv, k_cache, v_cache, rope)
+    batch, length, width = qkv.shape
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    return qkv.new_empty((batch, length, width // head_dim - 2 * n_kv_heads, head_dim))
+
+
 def route_decode_attention_to_kernel(model: torch.nn.Module) -> int:
     """Make one-token attention steps of every model.Attention call this op; returns how many layers."""
     count = 0
     for module in model.modules():
-        if hasattr(module, "decode_kernel") and hasattr(module, "kv_cache"):
-            module.decode_kernel = True
+        if hasattr(module, "attention_kernels") and hasattr(module, "kv_cache"):
+            module.attention_kernels = True
             count += 1
     return count
 

@@ -288,9 +288,10 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, args.q_size + 2 * args.kv_size, bias=False)
         self.wo = nn.Linear(args.q_size, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
-        # Set by the engine on GPUs: one-token steps then run torch.ops.redline.decode_attention (decode_attention.py),
-        # which reads only the valid cache positions, instead of masked SDPA over the whole cache.
-        self.decode_kernel = False
+        # Set by the engine (decode_attention.route_decode_attention_to_kernel, which registers the ops): one-token
+        # steps then run torch.ops.redline.decode_attention, which reads only the valid cache positions, and
+        # prefills from position 0 run torch.ops.redline.prefill_rope_cache (rope and cache write in one pass).
+        self.attention_kernels = False
 
     def cache(self) -> KVCache:
         if self.kv_cache is None:
@@ -300,18 +301,25 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
         a = self.args
         bsz, seqlen, _ = x.shape
-        q, k, v = self.wqkv(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rope(q.view(bsz, seqlen, a.n_head, a.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
-        k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
         cache = self.cache()
         gqa = a.n_kv_heads != a.n_head
+        if from_start and self.attention_kernels:
+            # Rope on q and k, and k and v straight into the cache, in one pass (a Triton kernel on the GPU).
+            q = torch.ops.redline.prefill_rope_cache(qkv, cache.k, cache.v, rope).transpose(1, 2)  # (B, H, T, D)
+            k, v = cache.k[:bsz, :, :seqlen], cache.v[:bsz, :, :seqlen]  # (B, Hkv, T, D)
+        else:
+            q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+            q = apply_rope(q.view(bsz, seqlen, a.n_head, a.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
+            k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
+            v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+            if from_start:
+                cache.write_prefix(k, v)
         if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
-            cache.write_prefix(k, v)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H, T, D)
         else:
             k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-            if seqlen == 1 and self.decode_kernel:
+            if seqlen == 1 and self.attention_kernels:
                 out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

@@ -22,6 +22,9 @@ instead:
   q and the new key with rope, and the split that owns the current position writes the key and value
   into the caches before its group reads them (one launch instead of rope and cache-write kernels).
 
+`prefill_rope_cache` serves a prefill from position 0: one pass over the qkv projection that rotates the
+queries and keys and writes keys and values straight into the caches (tiles of tokens x one head).
+
 Configs come from a deterministic table (`pick_config`), never from autotuning, so nothing compiles
 or benchmarks inside CUDA-graph capture. Only decode_attention.py imports this module, lazily.
 """
@@ -48,6 +51,7 @@ COMBINE_SPLIT_TILE = 16  # partials the combine kernel reads per step
 DOT_MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
 # Shared memory the pipelined K/V tiles of the tensor-core path may take (Hopper allows 227 KB a block).
 PIPELINE_SMEM_BYTES = 160 * 1024
+PREFILL_BLOCK_ELEMENTS = 4096  # elements per tile of the prefill rope kernel (32 tokens of a 128-wide head)
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,63 @@ def _combine_kernel(
         acc += tl.sum(w[:, None] * part, axis=0)
     out = acc / denom
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_rope_cache_kernel(
+    qkv_ptr, q_ptr, k_ptr, v_ptr, rope_ptr, T,
+    stride_xb, stride_xt, stride_qb, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """One (token block, head, batch row) tile of a prefill from position 0: rope on q and k heads, then q to
+    q_ptr (B, T, H, D) and k, v to the caches (B, Hkv, S, D) at positions 0..T-1. rope_ptr: (T, 2, D/2) fp32."""
+    pid_t = tl.program_id(0)
+    head = tl.program_id(1)  # [0, H): q heads, [H, H + Hkv): k heads, then v heads
+    b = tl.program_id(2).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    d = tl.arange(0, HEAD_DIM)
+    ok = (t < T)[:, None]
+    t64 = t.to(tl.int64)[:, None]
+    src = qkv_ptr + b * stride_xb + t64 * stride_xt + head * HEAD_DIM  # (BLOCK_T, 1) row starts
+    if head < N_HEADS + N_KV_HEADS:
+        x = tl.load(src + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        partner = tl.load(src + ((d + HALF) % HEAD_DIM)[None, :], mask=ok, other=0.0).to(tl.float32)
+        cos = tl.load(rope_ptr + t64 * HEAD_DIM + (d % HALF)[None, :], mask=ok, other=0.0)
+        sin = tl.load(rope_ptr + t64 * HEAD_DIM + HALF + (d % HALF)[None, :], mask=ok, other=0.0)
+        out = (x * cos + tl.where((d < HALF)[None, :], -partner, partner) * sin).to(q_ptr.dtype.element_ty)
+        if head < N_HEADS:
+            tl.store(q_ptr + b * stride_qb + t64 * stride_qt + head * HEAD_DIM + d[None, :], out, mask=ok)
+        else:
+            kh = head - N_HEADS
+            tl.store(k_ptr + b * stride_kb + kh * stride_kh + t64 * stride_ks + d[None, :], out, mask=ok)
+    else:
+        vh = head - N_HEADS - N_KV_HEADS
+        val = tl.load(src + d[None, :], mask=ok, other=0.0)
+        tl.store(v_ptr + b * stride_vb + vh * stride_vh + t64 * stride_vs + d[None, :], val, mask=ok)
+
+
+def prefill_rope_cache(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       rope: torch.Tensor) -> torch.Tensor:
+    """Rope and cache write for a prefill from position 0: qkv (B, T, (H + 2 Hkv) D) with unit stride along the
+    last dim, rope (T, 2, D/2) fp32 contiguous. Writes the rotated keys and the values into the caches at 0..T-1
+    and returns the rotated queries (B, T, H, D) contiguous. The caller (decode_attention.py) validates."""
+    batch, length, width = qkv.shape
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    n_heads = width // head_dim - 2 * n_kv_heads
+    q = torch.empty((batch, length, n_heads, head_dim), device=qkv.device, dtype=qkv.dtype)  # (B, T, H, D)
+    if q.numel() == 0:
+        return q
+    block_t = max(1, min(PREFILL_BLOCK_ELEMENTS // head_dim, triton.next_power_of_2(length)))
+    with torch.cuda.device(qkv.device) if qkv.is_cuda else contextlib.nullcontext():
+        _prefill_rope_cache_kernel[(triton.cdiv(length, block_t), n_heads + 2 * n_kv_heads, batch)](
+            qkv, q, k_cache, v_cache, rope, length,
+            qkv.stride(0), qkv.stride(1), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            N_HEADS=n_heads, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, num_warps=4,
+        )
+    return q
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,

@@ -276,7 +276,7 @@ def test_routed_model_decodes_like_sdpa():
         reference = prefill_then_decode_logits(model, ids, 5)
         assert route_decode_attention_to_kernel(model) == 2
         routed = prefill_then_decode_logits(model, ids, 5)
-    assert model.layers[0].attention.decode_kernel
+    assert model.layers[0].attention.attention_kernels
     torch.testing.assert_close(routed, reference, atol=1e-5, rtol=1e-5)
 
 
@@ -404,3 +404,108 @@ def test_set_fused_decode_needs_routed_linears():
     assert model.fused_decode
     da.set_fused_decode(model, False)
     assert not model.fused_decode
+
+
+# --- prefill from position 0: rope + cache write in one op ---
+
+
+def prefill_inputs(batch, n_heads, n_kv_heads, length, seq_len, head_dim, dtype=torch.float32, device="cpu", seed=0):
+    """Raw qkv (B, T, (H + 2 Hkv) D), caches filled with NaN (so untouched rows stay visible), rope rows 0..T-1."""
+    from model import ModelArgs, rope_table
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(batch, length, (n_heads + 2 * n_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
+    k = torch.full((batch + 1, n_kv_heads, seq_len, head_dim), float("nan"), device=device, dtype=dtype)
+    args = ModelArgs(dim=n_heads * head_dim, n_layer=1, n_head=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                     intermediate_size=8, vocab_size=8, block_size=seq_len)
+    return qkv, k, k.clone(), rope_table(args, seq_len, torch.device(device))[:length]  # rope (T, 2, D/2)
+
+
+def model_prefill_steps(qkv, k, v, rope):
+    """What the model does without the op: split, apply_rope, write_prefix."""
+    from model import apply_rope
+
+    batch, length, _ = qkv.shape
+    n_kv_heads, head_dim = k.shape[1], k.shape[3]
+    n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
+    q, kn, vn = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(batch, length, n_heads, head_dim), rope)  # (B, T, H, D)
+    k[:batch, :, :length] = apply_rope(kn.view(batch, length, n_kv_heads, head_dim), rope).transpose(1, 2)
+    v[:batch, :, :length] = vn.view(batch, length, n_kv_heads, head_dim).transpose(1, 2)
+    return q
+
+
+@pytest.mark.parametrize("layout", sorted(HEAD_LAYOUTS))
+def test_prefill_op_on_cpu_is_the_model_steps(layout):
+    n_heads, n_kv_heads = HEAD_LAYOUTS[layout]
+    qkv, k, v, rope = prefill_inputs(2, n_heads, n_kv_heads, 11, 40, 32)
+    k_ref, v_ref = k.clone(), v.clone()
+    q = torch.ops.redline.prefill_rope_cache(qkv, k, v, rope)
+    q_ref = model_prefill_steps(qkv, k_ref, v_ref, rope)
+    assert q.shape == (2, 11, n_heads, 32) and q.is_contiguous()
+    torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    torch.testing.assert_close(k, k_ref, rtol=0, atol=0, equal_nan=True)  # also: rows past T and batch row 2 untouched
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=0, equal_nan=True)
+    assert k[:2, :, 11:].isnan().all() and k[2].isnan().all() and not k[:2, :, :11].isnan().any()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(qkv=torch.zeros(1, 5, 100)), "qkv must be"),
+    (dict(qkv=torch.zeros(1, 41, 8 * 32)), "do not fit the cache"),
+    (dict(qkv=torch.zeros(3, 5, 8 * 32)), "do not fit the cache"),
+    (dict(rope=torch.zeros(4, 2, 16)), "rope must be"),
+    (dict(rope=torch.zeros(5, 2, 16, dtype=torch.float64)), "rope must be"),
+    (dict(qkv=torch.zeros(1, 5, 8 * 32, dtype=torch.float16)), "dtype"),
+    (dict(qkv=torch.zeros(1, 5, 16 * 32)[..., ::2]), "unit stride"),
+])
+def test_prefill_op_validation(change, match):
+    qkv, k, v, rope = prefill_inputs(1, 4, 2, 5, 40, 32)
+    args = dict(qkv=qkv, rope=rope)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.redline.prefill_rope_cache(args["qkv"], k, v, args["rope"])
+
+
+def test_prefill_op_opcheck_cpu():
+    qkv, k, v, rope = prefill_inputs(1, 8, 2, 7, 40, 32)
+    torch.library.opcheck(torch.ops.redline.prefill_rope_cache.default, (qkv, k.nan_to_num(), v.nan_to_num(), rope))
+
+
+def test_routed_model_prefills_from_start_like_the_unrouted_one():
+    """A from_start prefill through the op (then decode steps reading the cache it wrote) gives the same logits."""
+    from decode_attention import route_decode_attention_to_kernel
+    from model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("debug-tiny-llama3")).eval()  # GQA
+    ids = torch.randint(0, 512, (2, 16))
+
+    def run():
+        model.setup_caches(2, 32)
+        logits = [model(ids[:, :12], torch.arange(12), from_start=True)]
+        logits += [model(ids[:, p:p + 1], torch.tensor([p])) for p in range(12, 16)]
+        return torch.cat(logits, dim=1)
+
+    with torch.no_grad():
+        reference = run()
+        route_decode_attention_to_kernel(model)
+        routed = run()
+    torch.testing.assert_close(routed, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 32, 32, 2048, 128), (1, 32, 8, 2047, 128), (2, 8, 2, 37, 64), (1, 4, 4, 1, 128)],
+                         ids=["7b-2048", "8b-2047", "odd-b2", "one-token"])
+def test_gpu_prefill_kernel_matches_the_model_steps(shape, dtype):
+    batch, n_heads, n_kv_heads, length, head_dim = shape
+    qkv, k, v, rope = prefill_inputs(batch, n_heads, n_kv_heads, length, length + 5, head_dim, dtype, "cuda")
+    k_ref, v_ref = k.clone(), v.clone()
+    q = torch.ops.redline.prefill_rope_cache(qkv, k, v, rope)
+    q_ref = model_prefill_steps(qkv, k_ref, v_ref, rope)
+    # The kernel's fp32 rope may fuse a multiply-add: at most one step of the output dtype apart.
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(k, k_ref, equal_nan=True, **tol)
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=0, equal_nan=True)
+    assert k[:batch, :, length:].isnan().all() and k[batch].isnan().all()
