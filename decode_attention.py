@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from kernels import triton_importable
-from model import apply_rope
+from model import split_rotated_qkv
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _POS_DTYPES = (torch.int32, torch.int64)
@@ -108,9 +108,19 @@ def _check_position_and_devices(name: str, input_pos: Tensor, *tensors: Tensor) 
     if input_pos.shape != (1,) or input_pos.dtype not in _POS_DTYPES:
         raise ValueError(f"{name}: input_pos must be a (1,) int32/int64 tensor, "
                          f"got shape {tuple(input_pos.shape)} of {input_pos.dtype}")
-    devices = {t.device for t in (*tensors, input_pos)}
+    _check_one_device(name, *tensors, input_pos)
+
+
+def _check_one_device(name: str, *tensors: Tensor) -> None:
+    devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def _qkv_heads(qkv: Tensor, k_cache: Tensor) -> tuple[int, int, int]:
+    """(H, Hkv, D) of a fused qkv projection (..., (H + 2 Hkv) D) against its cache (B, Hkv, S, D)."""
+    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
+    return qkv.shape[-1] // head_dim - 2 * n_kv_heads, n_kv_heads, head_dim
 
 
 # --- the custom op ---
@@ -133,15 +143,12 @@ def _decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_po
 
 def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
                                    input_pos: Tensor) -> Tensor:
-    """The unfused model's steps: split qkv, rope q and k (model.apply_rope), write k and v into the caches at
+    """The unfused model's steps: split qkv, rope q and k (model.split_rotated_qkv), write k and v into the caches at
     input_pos, then decode attention; returns (B, 1, H D)."""
     batch = qkv.shape[0]
-    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
-    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(batch, 1, n_heads, head_dim), rope).transpose(1, 2)  # (B, H, 1, D)
-    k = apply_rope(k.view(batch, 1, n_kv_heads, head_dim), rope).transpose(1, 2)  # (B, Hkv, 1, D)
-    v = v.view(batch, 1, n_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, 1, D)
+    n_heads, n_kv_heads, head_dim = _qkv_heads(qkv, k_cache)
+    q, k, v = split_rotated_qkv(qkv, rope, n_heads, n_kv_heads, head_dim)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
     k_cache.index_copy_(2, input_pos, k)
     v_cache.index_copy_(2, input_pos, v)
     out = torch.ops.redline.decode_attention(q, k_cache, v_cache, input_pos)  # (B, H, 1, D)
@@ -197,16 +204,12 @@ def _decode_attention_qkv_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, ro
 
 
 def prefill_rope_cache_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor) -> Tensor:
-    """The unfused model's steps: split qkv, rope q and k (model.apply_rope), write k and v into the caches at
+    """The unfused model's steps: split qkv, rope q and k (model.split_rotated_qkv), write k and v into the caches at
     positions 0..T-1; returns the rotated queries (B, T, H, D)."""
     batch, length, _ = qkv.shape
-    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
-    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(batch, length, n_heads, head_dim), rope)  # (B, T, H, D)
-    k = apply_rope(k.view(batch, length, n_kv_heads, head_dim), rope)  # (B, T, Hkv, D)
+    q, k, v = split_rotated_qkv(qkv, rope, *_qkv_heads(qkv, k_cache))  # (B, T, H or Hkv, D)
     k_cache[:batch, :, :length] = k.transpose(1, 2)
-    v_cache[:batch, :, :length] = v.view(batch, length, n_kv_heads, head_dim).transpose(1, 2)
+    v_cache[:batch, :, :length] = v.transpose(1, 2)
     return q
 
 
@@ -232,9 +235,7 @@ def _check_prefill_rope_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rop
                          f"got {qkv.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"{name}: qkv and the caches must have unit stride along the last dim")
-    devices = {t.device for t in (qkv, k_cache, v_cache, rope)}
-    if len(devices) != 1:
-        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+    _check_one_device(name, qkv, k_cache, v_cache, rope)
 
 
 @torch.library.custom_op("redline::prefill_rope_cache", mutates_args=("k_cache", "v_cache"))
@@ -251,9 +252,8 @@ def prefill_rope_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tens
 @prefill_rope_cache.register_fake
 def _prefill_rope_cache_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor) -> Tensor:
     _check_prefill_rope_cache(qkv, k_cache, v_cache, rope)
-    batch, length, width = qkv.shape
-    n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-    return qkv.new_empty((batch, length, width // head_dim - 2 * n_kv_heads, head_dim))
+    n_heads, _, head_dim = _qkv_heads(qkv, k_cache)
+    return qkv.new_empty((*qkv.shape[:2], n_heads, head_dim))
 
 
 def route_decode_attention_to_kernel(model: torch.nn.Module) -> int:

@@ -224,6 +224,17 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     return out.type_as(x)
 
 
+def split_rotated_qkv(qkv: Tensor, rope: Tensor, n_heads: int, n_kv_heads: int,
+                      head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The fused projection qkv (B, T, (H + 2 Hkv) D) -> q (B, T, H, D) and k (B, T, Hkv, D) rotated with rope
+    (T, 2, D/2), and v (B, T, Hkv, D)."""
+    batch, length, _ = qkv.shape
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(batch, length, n_heads, head_dim), rope)
+    k = apply_rope(k.view(batch, length, n_kv_heads, head_dim), rope)
+    return q, k, v.view(batch, length, n_kv_heads, head_dim)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Normalized in fp32, rounded to x's dtype, then scaled (the order HF's LlamaRMSNorm uses)."""
     x32 = x.float()
@@ -309,10 +320,8 @@ class Attention(nn.Module):
             q = torch.ops.redline.prefill_rope_cache(qkv, cache.k, cache.v, rope).transpose(1, 2)  # (B, H, T, D)
             k, v = cache.k[:bsz, :, :seqlen], cache.v[:bsz, :, :seqlen]  # (B, Hkv, T, D)
         else:
-            q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-            q = apply_rope(q.view(bsz, seqlen, a.n_head, a.head_dim), rope).transpose(1, 2)  # (B, H, T, D)
-            k = apply_rope(k.view(bsz, seqlen, a.n_kv_heads, a.head_dim), rope).transpose(1, 2)  # (B, Hkv, T, D)
-            v = v.view(bsz, seqlen, a.n_kv_heads, a.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+            q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, T, D); k, v (B, Hkv, T, D)
             if from_start:
                 cache.write_prefix(k, v)
         if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
