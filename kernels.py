@@ -26,8 +26,8 @@ from torch import Tensor
 from model import rms_norm
 
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel,
-# which pads x to 16 rows); above it cuBLAS's matrix product does.
-SMALL_M = 16
+# which pads x to 16, 32 or 64 rows); above it cuBLAS's matrix product does.
+SMALL_M = 64
 # The int8 prefill path dequantizes the weight to x.dtype in row blocks of at most this many
 # elements (128 MB in bf16), so a large matrix (an lm_head) never needs a full-size copy.
 _DEQUANT_CHUNK_ELEMENTS = 1 << 26

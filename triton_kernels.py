@@ -21,8 +21,9 @@ for one multiply-add, so the kernel is bound by memory bandwidth. `gemv` (one ro
   loop or handed on by the kernel that wrote x), and either silu(gate) * up (each program pairs gate
   rows with their up rows) or a residual add, with its sum of squares for the next norm, in the epilogue.
 
-`small_m_dot` (2..16 rows of x) runs the same product on the tensor cores, x padded to 16 rows,
-with Triton's software pipeliner keeping weight tiles in flight.
+`small_m_dot` (2..64 rows of x) runs the same product on the tensor cores, x padded to 16, 32 or 64
+rows (one tile of rows, so each weight byte is still read once), with Triton's software pipeliner
+keeping weight tiles in flight.
 
 Configs come from deterministic tables (`pick_config`, `pick_dot_config`) measured on an H200,
 never from autotuning: nothing compiles or benchmarks inside CUDA-graph capture or torch.compile
@@ -45,7 +46,7 @@ try:  # Triton >= 3.3 exposes grid dependency control (PDL)
 except ImportError:  # pragma: no cover - old Triton: PDL is never requested then
     gdc_launch_dependents = gdc_wait = None
 
-DOT_MAX_M = 16  # rows of x the tensor-core kernel pads to
+DOT_MAX_M = 64  # rows of x the tensor-core kernel takes (padded to a power of two >= 16)
 
 # int8 -> fp32 conversion without I2F (a quarter of the FP32 rate on Hopper: it would cap an int8
 # GEMV near the memory rate). For s in [-128, 127], the float whose bits are 0x4B000000 | (s + 128)
@@ -267,15 +268,16 @@ def _small_m_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_INT8: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """y = x @ w.T (times s when W_INT8), fp32 accumulation, for M <= BLOCK_M rows of x.
+    """y = x @ w.T (times s when W_INT8), fp32 accumulation, for the rows of x in tile program_id(1).
 
     x rows are padded to BLOCK_M with zeros (masked loads; clamping them to row M-1 instead was
-    measured 10-40% slower at small M), so each weight tile is read once and used for every row.
-    The software pipeliner (num_stages) keeps weight tiles in flight through shared memory.
-    x: (M, K), w: (N, K), unit stride along K; y: (M, N), unit stride along N. Grid: (cdiv(N, BLOCK_N),).
+    measured 10-40% slower at small M), so with one tile of rows each weight tile is read once and
+    used for every row. The software pipeliner (num_stages) keeps weight tiles in flight through
+    shared memory. x: (M, K), w: (N, K), unit stride along K; y: (M, N), unit stride along N.
+    Grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)).
     """
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # rows past N re-read row N-1; they are not stored
     offs_k = tl.arange(0, BLOCK_K)
@@ -354,11 +356,29 @@ def _table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
     return GemvConfig(1, 2048, 4, 2, True)
 
 
-def pick_dot_config(n: int, k: int, w_bytes: int) -> DotConfig:
-    """The tensor-core kernel's config table (2..16 rows of x)."""
+def pick_dot_config(n: int, k: int, w_bytes: int, m: int = 16) -> DotConfig:
+    """The tensor-core kernel's config table (m: rows of x, 2..DOT_MAX_M)."""
+    if m > 16:
+        return _medium_m_config(n, k, w_bytes, m)
     if n >= 12288:
         return DotConfig(64, 256, 4, 3) if w_bytes == 1 else DotConfig(64, 128, 4, 4)
     return DotConfig(32, 256, 4, 4)
+
+
+def _medium_m_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
+    """17..64 rows of x (x padded to 32 or 64 rows): the best of 8 configs per 7B shape on an H200
+    (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64; BENCHMARKS.md, "Batch sizes")."""
+    if n < 8192:  # wo, w2: few output tiles, so narrow ones
+        if w_bytes == 1:
+            if m <= 32:
+                return DotConfig(16, 256, 4, 4)
+            return DotConfig(32, 256, 4, 3) if k < 8192 else DotConfig(32, 128, 4, 4)
+        return DotConfig(32, 256, 4, 3)
+    if w_bytes == 1 and m <= 32:
+        return DotConfig(64, 128, 4, 4) if n >= 32000 else DotConfig(64, 256, 4, 3)
+    if w_bytes == 2 and m <= 32 and n < 16384:
+        return DotConfig(32, 128, 4, 4)
+    return DotConfig(64, 64, 4, 5) if n < 16384 else DotConfig(128, 64, 4, 4)
 
 
 @functools.cache
@@ -431,7 +451,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
 
 def small_m_dot(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, config: DotConfig | None = None) -> torch.Tensor:
-    """y = x @ w.T (times scales[n] for int8 w) on the tensor cores, for M <= 16 rows of x.
+    """y = x @ w.T (times scales[n] for int8 w) on the tensor cores, for M <= DOT_MAX_M rows of x.
 
     x: (M, K) with unit stride along K; w: (N, K) with unit stride along K; out: (M, N) contiguous.
     """
@@ -443,13 +463,14 @@ def small_m_dot(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = 
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if k == 0 or n == 0 or m == 0:
         return out.zero_()
-    cfg = config or pick_dot_config(n, k, w.element_size())
+    cfg = config or pick_dot_config(n, k, w.element_size(), m)
+    block_m = max(16, triton.next_power_of_2(m))  # one tile of rows: every weight byte read once
     w_int8 = w.dtype == torch.int8
-    _small_m_dot_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _small_m_dot_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
         x, w, scales if w_int8 else w, out,
         m, n, k,
         x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=DOT_MAX_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         EVEN_K=k % cfg.block_k == 0, W_INT8=w_int8, IEEE=x.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -11,7 +11,7 @@ the share of it that the kernel reaches.
 
 --sweep times several (BLOCK_N, BLOCK_K, num_warps, depth, red) configs of the GEMV kernel per shape
 (and the best one without PDL); --msweep compares the ops with cuBLAS at M = 2, 4, 8, 16 on the 7B
-wo, w13 and w2 shapes (with --sweep also tensor-core kernel configs).
+wo, w13 and w2 shapes, or at the rows given by --m-rows (with --sweep also tensor-core kernel configs).
 """
 from __future__ import annotations
 
@@ -48,6 +48,9 @@ INT8_MODES = (2,)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the tensor-core kernel for 2 <= M <= 16
 DOT_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
              (32, 512, 4, 3), (64, 256, 4, 3)]
+# the same for 17..64 rows (x padded to 32 or 64 rows)
+MEDIUM_DOT_SWEEP = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5), (64, 128, 4, 4),
+                    (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3)]
 
 
 
@@ -212,7 +215,11 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     p.add_argument("--reps", type=int, default=15, help="timed graph replays (median)")
     p.add_argument("--sweep", action="store_true", help="also sweep Triton configs per shape at M=1")
-    p.add_argument("--msweep", action="store_true", help="also compare kernels and cuBLAS at M=2,4,8,16")
+    p.add_argument("--msweep", action="store_true", help="also compare kernels and cuBLAS at several M (--m-rows)")
+    p.add_argument("--m-rows", default="2,4,8,16",
+                   help="rows of x for --msweep (default 2,4,8,16: the wo, w13 and w2 shapes; any M above 16 "
+                        "also takes the 7B wqkv and lm_head shapes)")
+    p.add_argument("--dot-sweep", action="store_true", help="with --msweep: time tensor-core kernel configs too")
     p.add_argument("--no-table", action="store_true", help="skip the main table (sweeps only)")
     p.add_argument("--ncu-run", action="store_true", help="only launch a few kernels (to run under ncu)")
     args = p.parse_args(argv)
@@ -244,10 +251,13 @@ def main(argv=None) -> int:
             print(f"## sweep {model} {name} ({n}, {k}), {W.copies} copies", flush=True)
             for r in sweep_shape(W, 1, args.calls, args.reps, BF16_SWEEP, INT8_SWEEP):
                 report["sweep"].append(dict(shape=[n, k], m=1, **r))
-        if args.msweep and model == "7b" and name in ("wo", "w13", "w2"):
-            W = W or Weights(n, k)
-            for m in (2, 4, 8, 16):
-                report["msweep"] += msweep_shape(W, m, args.calls, args.reps, DOT_SWEEP if args.sweep else ())
+        if args.msweep and model == "7b":
+            for m in (int(v) for v in args.m_rows.split(",")):
+                if m <= 16 and name not in ("wo", "w13", "w2"):
+                    continue
+                W = W or Weights(n, k)
+                configs = (MEDIUM_DOT_SWEEP if m > 16 else DOT_SWEEP) if args.sweep or args.dot_sweep else ()
+                report["msweep"] += msweep_shape(W, m, args.calls, args.reps, configs)
         if not args.no_table:
             if (n, k) not in cache:
                 W = W or Weights(n, k)
@@ -280,7 +290,7 @@ def main(argv=None) -> int:
 
 
 def print_msweep(rows: list) -> None:
-    print("\n## 2..16 rows of x (7B shapes): µs per call, CUDA graph, weights rotated past L2\n")
+    print("\n## several rows of x (7B shapes): µs per call, CUDA graph, weights rotated past L2\n")
     print("| shape (N, K) | M | cuBLAS bf16 | redline bf16 | dequant + cuBLAS int8 | redline int8 |")
     print("|---|---|---|---|---|---|")
     for shape in sorted({tuple(r["shape"]) for r in rows}):

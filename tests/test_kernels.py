@@ -156,7 +156,7 @@ def _gpu_shapes():
     return out
 
 
-GPU_M = sorted({1, 2, 4, 8, SMALL_M, SMALL_M + 1})
+GPU_M = sorted({1, 2, 4, 8, 16, 17, 33, SMALL_M, SMALL_M + 1})
 _WEIGHTS: dict = {}
 
 
@@ -285,8 +285,8 @@ def test_gpu_kernel_bounds():
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one row"):
         tk.gemv(x, w)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        tk.small_m_dot(torch.randn(17, 64, device="cuda", dtype=torch.bfloat16), w)
+    with pytest.raises(ValueError, match=f"at most {tk.DOT_MAX_M} rows"):
+        tk.small_m_dot(torch.randn(tk.DOT_MAX_M + 1, 64, device="cuda", dtype=torch.bfloat16), w)
 
 
 @pytest.mark.gpu
@@ -298,7 +298,7 @@ def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
     n, k = shape
     w32, q, s = _weights(n, k, torch.float32)
     w = w32.to(x_dtype)
-    for m in (2, 5, 16):
+    for m in (2, 5, 16, 17, 40, 64):  # x padded to 16, 32 and 64 rows
         x = torch.randn(m, k, device="cuda", dtype=x_dtype)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=x_dtype)
         tk.small_m_dot(x, w, None, out)
