@@ -21,9 +21,10 @@ for one multiply-add, so the kernel is bound by memory bandwidth. `gemv` (one ro
   loop or handed on by the kernel that wrote x), and either silu(gate) * up (each program pairs gate
   rows with their up rows) or a residual add, with its sum of squares for the next norm, in the epilogue.
 
-`small_m_dot` (2..64 rows of x) runs the same product on the tensor cores, x padded to 16, 32 or 64
-rows (one tile of rows, so each weight byte is still read once), with Triton's software pipeliner
-keeping weight tiles in flight.
+`small_m_dot` (2 or more rows of x) runs the same product on the tensor cores, x padded to 16, 32 or 64
+rows (up to 64 rows one tile of rows, so each weight byte is still read once; more rows take several
+tiles, whose programs run next to each other so the weight tile comes from L2 after the first), with
+Triton's software pipeliner keeping weight tiles in flight.
 
 Configs come from deterministic tables (`pick_config`, `pick_dot_config`) measured on an H200,
 never from autotuning: nothing compiles or benchmarks inside CUDA-graph capture or torch.compile
@@ -46,7 +47,7 @@ try:  # Triton >= 3.3 exposes grid dependency control (PDL)
 except ImportError:  # pragma: no cover - old Triton: PDL is never requested then
     gdc_launch_dependents = gdc_wait = None
 
-DOT_MAX_M = 64  # rows of x the tensor-core kernel takes (padded to a power of two >= 16)
+DOT_MAX_BLOCK_M = 64  # rows of x per tile of the tensor-core kernel by default (padded to a power of two >= 16)
 
 # int8 -> fp32 conversion without I2F (a quarter of the FP32 rate on Hopper: it would cap an int8
 # GEMV near the memory rate). For s in [-128, 127], the float whose bits are 0x4B000000 | (s + 128)
@@ -274,10 +275,11 @@ def _small_m_dot_kernel(
     measured 10-40% slower at small M), so with one tile of rows each weight tile is read once and
     used for every row. The software pipeliner (num_stages) keeps weight tiles in flight through
     shared memory. x: (M, K), w: (N, K), unit stride along K; y: (M, N), unit stride along N.
-    Grid: (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)).
+    Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): the row tiles that share a weight tile run next to each other, so
+    with several row tiles the weight tile is read from HBM about once and from L2 after that.
     """
-    pid = tl.program_id(0)
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # rows past N re-read row N-1; they are not stored
     offs_k = tl.arange(0, BLOCK_K)
@@ -320,6 +322,7 @@ class DotConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    block_m: int = 0  # rows of x per tile; 0: M rounded up to a power of two in [16, DOT_MAX_BLOCK_M]
 
 
 def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu: bool = False,
@@ -357,7 +360,9 @@ def _table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
 
 
 def pick_dot_config(n: int, k: int, w_bytes: int, m: int = 16) -> DotConfig:
-    """The tensor-core kernel's config table (m: rows of x, 2..DOT_MAX_M)."""
+    """The tensor-core kernel's config table (m: rows of x, 2 or more)."""
+    if m > DOT_MAX_BLOCK_M:  # several tiles of rows (int8 only: bf16 goes to cuBLAS there)
+        return DotConfig(128, 64, 8, 4, 128) if n >= 32000 else DotConfig(128, 64, 4, 4, 64)
     if m > 16:
         return _medium_m_config(n, k, w_bytes, m)
     if n >= 12288:
@@ -451,22 +456,20 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
 
 def small_m_dot(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, config: DotConfig | None = None) -> torch.Tensor:
-    """y = x @ w.T (times scales[n] for int8 w) on the tensor cores, for M <= DOT_MAX_M rows of x.
+    """y = x @ w.T (times scales[n] for int8 w) on the tensor cores, x in tiles of rows.
 
     x: (M, K) with unit stride along K; w: (N, K) with unit stride along K; out: (M, N) contiguous.
     """
     m, k = x.shape
     n = w.shape[0]
-    if m > DOT_MAX_M:
-        raise ValueError(f"small_m_dot handles at most {DOT_MAX_M} rows of x, got {m}")
     if out is None:
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if k == 0 or n == 0 or m == 0:
         return out.zero_()
     cfg = config or pick_dot_config(n, k, w.element_size(), m)
-    block_m = max(16, triton.next_power_of_2(m))  # one tile of rows: every weight byte read once
+    block_m = cfg.block_m or min(DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     w_int8 = w.dtype == torch.int8
-    _small_m_dot_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
+    _small_m_dot_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))](
         x, w, scales if w_int8 else w, out,
         m, n, k,
         x.stride(0), w.stride(0), out.stride(0),

@@ -50,7 +50,12 @@ DOT_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4),
              (32, 512, 4, 3), (64, 256, 4, 3)]
 # the same for 17..64 rows (x padded to 32 or 64 rows)
 MEDIUM_DOT_SWEEP = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5), (64, 128, 4, 4),
-                    (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3)]
+                    (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3),
+                    (32, 256, 4, 3, 32), (64, 128, 4, 4, 32), (128, 64, 4, 4, 32), (64, 64, 4, 5, 32)]
+# more than 64 rows: several row tiles (the 5th field is the rows per tile)
+LARGE_DOT_SWEEP = [(64, 64, 4, 4, 64), (128, 64, 4, 4, 64), (128, 64, 8, 3, 64), (64, 128, 4, 3, 64),
+                   (128, 128, 8, 3, 64), (256, 64, 8, 3, 64), (128, 128, 8, 3, 128), (128, 64, 8, 4, 128),
+                   (256, 64, 8, 3, 128), (64, 128, 4, 3, 32)]
 
 
 
@@ -193,7 +198,8 @@ def msweep_shape(W: Weights, m: int, calls: int, reps: int, dot_configs=()) -> l
     run("redline", "int8", lambda i: torch.ops.redline.int8_linear(x, W.q[i % nq], W.s[i % nq]), ref8)
     for c in dot_configs:
         cfg = tk.DotConfig(*c)
-        run(f"dot{c}", "bf16", lambda i, cfg=cfg: tk.small_m_dot(x, W.w[i % nw], config=cfg), ref16)
+        if m <= 64:  # above 64 rows bf16 stays on cuBLAS
+            run(f"dot{c}", "bf16", lambda i, cfg=cfg: tk.small_m_dot(x, W.w[i % nw], config=cfg), ref16)
         run(f"dot{c}", "int8", lambda i, cfg=cfg: tk.small_m_dot(x, W.q[i % nq], W.s[i % nq], config=cfg), ref8)
     return out
 
@@ -256,7 +262,8 @@ def main(argv=None) -> int:
                 if m <= 16 and name not in ("wo", "w13", "w2"):
                     continue
                 W = W or Weights(n, k)
-                configs = (MEDIUM_DOT_SWEEP if m > 16 else DOT_SWEEP) if args.sweep or args.dot_sweep else ()
+                configs = ((LARGE_DOT_SWEEP if m > 64 else MEDIUM_DOT_SWEEP if m > 16 else DOT_SWEEP)
+                           if args.sweep or args.dot_sweep else ())
                 report["msweep"] += msweep_shape(W, m, args.calls, args.reps, configs)
         if not args.no_table:
             if (n, k) not in cache:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import SMALL_M, int8_linear_reference, linear_reference
+from kernels import INT8_DOT_MAX_M, SMALL_M, int8_linear_reference, linear_reference
 
 # (N, K) of the decode GEMVs that matter.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -156,7 +156,7 @@ def _gpu_shapes():
     return out
 
 
-GPU_M = sorted({1, 2, 4, 8, 16, 17, 33, SMALL_M, SMALL_M + 1})
+GPU_M = sorted({1, 2, 4, 8, 16, 17, 33, SMALL_M, SMALL_M + 1, 200, INT8_DOT_MAX_M, INT8_DOT_MAX_M + 1})
 _WEIGHTS: dict = {}
 
 
@@ -190,6 +190,7 @@ def test_gpu_gemv_matches_reference(shape, m, dtype, no_tf32):
     w, q, s = _weights(n, k, dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     assert kernels.gemv_supported(x) == (m <= SMALL_M)
+    assert kernels.gemv_supported(x, INT8_DOT_MAX_M) == (m <= INT8_DOT_MAX_M)
     out = torch.ops.redline.linear(x, w)
     assert out.shape == (m, n) and out.dtype == dtype and out.is_contiguous()
     err = rel_err(out, linear_reference(x, w))
@@ -280,13 +281,11 @@ def test_gpu_gemv_configs(shape, cfg, no_tf32):
 def test_gpu_kernel_bounds():
     import triton_kernels as tk
 
-    assert SMALL_M == tk.DOT_MAX_M
+    assert SMALL_M == tk.DOT_MAX_BLOCK_M  # up to SMALL_M rows, one tile of rows: each weight byte read once
     x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one row"):
         tk.gemv(x, w)
-    with pytest.raises(ValueError, match=f"at most {tk.DOT_MAX_M} rows"):
-        tk.small_m_dot(torch.randn(tk.DOT_MAX_M + 1, 64, device="cuda", dtype=torch.bfloat16), w)
 
 
 @pytest.mark.gpu
@@ -298,7 +297,7 @@ def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
     n, k = shape
     w32, q, s = _weights(n, k, torch.float32)
     w = w32.to(x_dtype)
-    for m in (2, 5, 16, 17, 40, 64):  # x padded to 16, 32 and 64 rows
+    for m in (2, 5, 16, 17, 40, 64, 65, 200):  # x padded to 16, 32 and 64 rows; then several tiles of rows
         x = torch.randn(m, k, device="cuda", dtype=x_dtype)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=x_dtype)
         tk.small_m_dot(x, w, None, out)
@@ -306,6 +305,25 @@ def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
         out.fill_(float("nan"))
         tk.small_m_dot(x, q, s, out)
         assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(32, 64, 4, 3, 16), (64, 128, 4, 4, 32), (128, 64, 4, 4, 64), (128, 64, 8, 4, 128)])
+def test_gpu_small_m_dot_row_tiles(config, no_tf32):
+    """Explicit rows per tile: every tile of rows, the partial last one included, is computed and stored."""
+    import triton_kernels as tk
+
+    n, k = 4097, 2056
+    w32, q, s = _weights(n, k, torch.float32)
+    w = w32.to(torch.bfloat16)
+    for m in (1, 37, 129, 300):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tk.small_m_dot(x, w, None, out, config=tk.DotConfig(*config))
+        assert rel_err(out, linear_reference(x, w)) <= 1e-2, m
+        out.fill_(float("nan"))
+        tk.small_m_dot(x, q, s, out, config=tk.DotConfig(*config))
+        assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2, m
 
 
 @pytest.mark.gpu
