@@ -361,8 +361,8 @@ def _table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
 
 def pick_dot_config(n: int, k: int, w_bytes: int, m: int = 16) -> DotConfig:
     """The tensor-core kernel's config table (m: rows of x, 2 or more)."""
-    if m > DOT_MAX_BLOCK_M:  # several tiles of rows (int8 only: bf16 goes to cuBLAS there)
-        return DotConfig(128, 64, 8, 4, 128) if n >= 32000 else DotConfig(128, 64, 4, 4, 64)
+    if m > DOT_MAX_BLOCK_M:
+        return _row_tiles_config(n, w_bytes, m)
     if m > 16:
         return _medium_m_config(n, k, w_bytes, m)
     if n >= 12288:
@@ -384,6 +384,22 @@ def _medium_m_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
     if w_bytes == 2 and m <= 32 and n < 16384:
         return DotConfig(32, 128, 4, 4)
     return DotConfig(64, 64, 4, 5) if n < 16384 else DotConfig(128, 64, 4, 4)
+
+
+def _row_tiles_config(n: int, w_bytes: int, m: int) -> DotConfig:
+    """More than 64 rows of x (several tiles of rows): the best of 10 configs per 7B shape at 128 and 256 rows
+    on an H200 (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 128,256)."""
+    if n >= 32000:
+        return DotConfig(128, 64, 8, 4, 128)
+    if n < 8192 and m <= 128:  # wo, w2
+        return DotConfig(64, 128, 4, 3, 64)
+    if w_bytes == 1:
+        return DotConfig(128, 64, 4, 4, 64)
+    if n < 8192:
+        return DotConfig(128, 128, 8, 3, 64)
+    if m <= 128:
+        return DotConfig(64, 64, 4, 4, 64) if n < 16384 else DotConfig(128, 64, 8, 3, 64)
+    return DotConfig(128, 64, 8, 3, 64) if n < 16384 else DotConfig(128, 64, 8, 4, 128)
 
 
 @functools.cache

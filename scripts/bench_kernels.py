@@ -198,8 +198,7 @@ def msweep_shape(W: Weights, m: int, calls: int, reps: int, dot_configs=()) -> l
     run("redline", "int8", lambda i: torch.ops.redline.int8_linear(x, W.q[i % nq], W.s[i % nq]), ref8)
     for c in dot_configs:
         cfg = tk.DotConfig(*c)
-        if m <= 64:  # above 64 rows bf16 stays on cuBLAS
-            run(f"dot{c}", "bf16", lambda i, cfg=cfg: tk.small_m_dot(x, W.w[i % nw], config=cfg), ref16)
+        run(f"dot{c}", "bf16", lambda i, cfg=cfg: tk.small_m_dot(x, W.w[i % nw], config=cfg), ref16)
         run(f"dot{c}", "int8", lambda i, cfg=cfg: tk.small_m_dot(x, W.q[i % nq], W.s[i % nq], config=cfg), ref8)
     return out
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import INT8_DOT_MAX_M, SMALL_M, int8_linear_reference, linear_reference
+from kernels import SMALL_M, int8_linear_reference, linear_reference
 
 # (N, K) of the decode GEMVs that matter.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -156,7 +156,7 @@ def _gpu_shapes():
     return out
 
 
-GPU_M = sorted({1, 2, 4, 8, 16, 17, 33, SMALL_M, SMALL_M + 1, 200, INT8_DOT_MAX_M, INT8_DOT_MAX_M + 1})
+GPU_M = sorted({1, 2, 4, 8, 16, 17, 33, 64, 65, 200, SMALL_M, SMALL_M + 1})
 _WEIGHTS: dict = {}
 
 
@@ -190,7 +190,6 @@ def test_gpu_gemv_matches_reference(shape, m, dtype, no_tf32):
     w, q, s = _weights(n, k, dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     assert kernels.gemv_supported(x) == (m <= SMALL_M)
-    assert kernels.gemv_supported(x, INT8_DOT_MAX_M) == (m <= INT8_DOT_MAX_M)
     out = torch.ops.redline.linear(x, w)
     assert out.shape == (m, n) and out.dtype == dtype and out.is_contiguous()
     err = rel_err(out, linear_reference(x, w))
@@ -281,7 +280,6 @@ def test_gpu_gemv_configs(shape, cfg, no_tf32):
 def test_gpu_kernel_bounds():
     import triton_kernels as tk
 
-    assert SMALL_M == tk.DOT_MAX_BLOCK_M  # up to SMALL_M rows, one tile of rows: each weight byte read once
     x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one row"):
