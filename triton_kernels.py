@@ -269,7 +269,8 @@ def _small_m_dot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, W_INT8: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """y = x @ w.T (times s when W_INT8), fp32 accumulation, for the rows of x in tile program_id(1).
+    """y = x @ w.T (times s when W_INT8), fp32 accumulation, for the tile of rows program_id(0) of x and the
+    tile of output columns program_id(1).
 
     x rows are padded to BLOCK_M with zeros (masked loads; clamping them to row M-1 instead was
     measured 10-40% slower at small M), so with one tile of rows each weight tile is read once and
@@ -324,6 +325,16 @@ class DotConfig:
     num_stages: int
     block_m: int = 0  # rows of x per tile; 0: M rounded up to a power of two in [16, DOT_MAX_BLOCK_M]
 
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"DotConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+        if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"DotConfig.block_m must be 0 (from M) or a power of two >= 16, got {self.block_m}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
 
 def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu: bool = False,
                 residual: bool = False) -> GemvConfig:
@@ -372,7 +383,7 @@ def pick_dot_config(n: int, k: int, w_bytes: int, m: int = 16) -> DotConfig:
 
 def _medium_m_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
     """17..64 rows of x (x padded to 32 or 64 rows): the best of 8 configs per 7B shape on an H200
-    (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64; BENCHMARKS.md, "Batch sizes")."""
+    (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64; BENCHMARKS.md, "Kernels")."""
     if n < 8192:  # wo, w2: few output tiles, so narrow ones
         if w_bytes == 1:
             if m <= 32:

@@ -284,6 +284,10 @@ def test_gpu_kernel_bounds():
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one row"):
         tk.gemv(x, w)
+    with pytest.raises(ValueError, match="block_m"):
+        tk.DotConfig(32, 64, 4, 3, 24)
+    with pytest.raises(ValueError, match="block_k"):
+        tk.DotConfig(32, 8, 4, 3)
 
 
 @pytest.mark.gpu
