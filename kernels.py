@@ -79,32 +79,28 @@ def int8_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 # --- validation ---
 
 
-def _check_linear(x: Tensor, weight: Tensor) -> None:
+def _check_x_and_weight(name: str, x: Tensor, weight: Tensor) -> None:
+    """What both linear ops need: a 2-D weight (N, K) and a float x (..., K)."""
     if weight.dim() != 2:
-        raise ValueError(f"redline.linear: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+        raise ValueError(f"{name}: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
     if x.dim() < 1:
-        raise ValueError("redline.linear: x must have at least one dimension (..., K)")
+        raise ValueError(f"{name}: x must have at least one dimension (..., K)")
     if x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"redline.linear: x has K={x.shape[-1]} but weight {tuple(weight.shape)} expects K={weight.shape[1]}")
+        raise ValueError(f"{name}: x has K={x.shape[-1]} but weight {tuple(weight.shape)} expects K={weight.shape[1]}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"redline.linear: x must be bf16, fp16 or fp32, got {x.dtype}")
+        raise ValueError(f"{name}: x must be bf16, fp16 or fp32, got {x.dtype}")
+
+
+def _check_linear(x: Tensor, weight: Tensor) -> None:
+    _check_x_and_weight("redline.linear", x, weight)
     if weight.dtype != x.dtype:
         raise ValueError(f"redline.linear: weight dtype {weight.dtype} must match x dtype {x.dtype}")
 
 
 def _check_int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
-    if weight.dim() != 2:
-        raise ValueError(f"redline.int8_linear: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
-    if weight.dtype != torch.int8:
+    if weight.dim() == 2 and weight.dtype != torch.int8:
         raise ValueError(f"redline.int8_linear: weight must be int8, got {weight.dtype}; quantize it first")
-    if x.dim() < 1:
-        raise ValueError("redline.int8_linear: x must have at least one dimension (..., K)")
-    if x.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"redline.int8_linear: x has K={x.shape[-1]} but weight {tuple(weight.shape)} expects K={weight.shape[1]}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"redline.int8_linear: x must be bf16, fp16 or fp32, got {x.dtype}")
+    _check_x_and_weight("redline.int8_linear", x, weight)
     if scales.dim() != 1 or scales.shape[0] != weight.shape[0]:
         raise ValueError(
             f"redline.int8_linear: scales must have shape ({weight.shape[0]},) (one per output row), "
