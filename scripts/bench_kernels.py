@@ -8,10 +8,12 @@ the share of it that the kernel reaches.
 
     python scripts/bench_kernels.py --json out/bench_kernels.json
     python scripts/bench_kernels.py --sweep --msweep --json out/sweep.json   # also try configs
+    python scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64,256 --no-table   # batches
 
 --sweep times several (BLOCK_N, BLOCK_K, num_warps, depth, red) configs of the GEMV kernel per shape
 (and the best one without PDL); --msweep compares the ops with cuBLAS at M = 2, 4, 8, 16 on the 7B
-wo, w13 and w2 shapes, or at the rows given by --m-rows (with --sweep also tensor-core kernel configs).
+wo, w13 and w2 shapes, or at the rows given by --m-rows (with --sweep or --dot-sweep also tensor-core kernel
+configs).
 """
 from __future__ import annotations
 
