@@ -27,7 +27,7 @@ from model import rms_norm
 
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel, in one
 # tile of up to 64 rows, so each weight byte is read once, or in several); above it cuBLAS's matrix product
-# does. On an H200 the 7B model decoded batches of 64-256 2.3-3.3x faster in bf16 this way than with cuBLAS,
+# does. On an H200 the 7B model decoded batches of 64-256 2.5-3.3x faster in bf16 this way than with cuBLAS,
 # whose kernels ran several times slower inside the model than alone; for int8 the tensor-core kernel was
 # 1.8-2.8x faster than dequantizing and calling cuBLAS at 256 rows, and about even at 2048.
 SMALL_M = 256
