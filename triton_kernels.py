@@ -370,7 +370,7 @@ def _table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
     return GemvConfig(1, 2048, 4, 2, True)
 
 
-def pick_dot_config(n: int, k: int, w_bytes: int, m: int = 16) -> DotConfig:
+def pick_dot_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
     """The tensor-core kernel's config table (m: rows of x, 2 or more)."""
     if m > DOT_MAX_BLOCK_M:
         return _row_tiles_config(n, w_bytes, m)
