@@ -3,11 +3,11 @@
     torch.ops.redline.linear(x, weight)               == F.linear(x, weight)
     torch.ops.redline.int8_linear(x, weight, scales)  == (x @ weight.T.float()) * scales, in x.dtype
 
-On a CUDA/HIP device with at most SMALL_M rows of x (decode, batches, short prompts), the ops run
-the Triton kernels in triton_kernels.py, which dequantize int8 weights in registers: one row (batch-1
-decode) runs the matrix-vector kernel, which reads every weight byte once; 2..SMALL_M rows run the
-tensor-core kernel. With more rows (long prompts) the work is a matrix product: cuBLAS does it (for
-int8 on the weight dequantized in row blocks). On the CPU: plain PyTorch.
+On a CUDA/HIP device with few rows of x (decode, batches, short prompts; `triton_row_limit`), the ops
+run the Triton kernels in triton_kernels.py, which dequantize int8 weights in registers: one row (batch-1
+decode) runs the matrix-vector kernel, which reads every weight byte once; more rows run the tensor-core
+kernel. With more rows (long prompts) the work is a matrix product: cuBLAS does it (for int8 on the
+weight dequantized in row blocks). On the CPU: plain PyTorch.
 
 The ops are opaque to torch.compile (custom_op + register_fake), so `fullgraph=True` traces
 through them and `mode="reduce-overhead"` captures their kernels in the model's CUDA graph.
@@ -28,9 +28,13 @@ from model import rms_norm
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel, in one
 # tile of up to 64 rows, so each weight byte is read once, or in several); above it cuBLAS's matrix product
 # does. On an H200 the 7B model decoded batches of 64-256 2.5-3.3x faster in bf16 this way than with cuBLAS,
-# whose kernels ran several times slower inside the model than alone; for int8 the tensor-core kernel was
-# 1.8-2.8x faster than dequantizing and calling cuBLAS at 256 rows, and about even at 2048.
+# whose kernels ran several times slower inside the decode step than alone; for int8 the tensor-core kernel
+# was 1.8-2.8x faster than dequantizing and calling cuBLAS at 256 rows, and about even at 2048.
 SMALL_M = 256
+# A float prompt (x (B, T, K) with T > 1 tokens) leaves the Triton kernels above this many rows: in a
+# prefill cuBLAS shows no slowdown and is the faster one (7B bf16 time to first token at 128 / 256 tokens:
+# 5.6-5.8 / 7.0-7.4 ms on cuBLAS, 6.8-6.9 / 9.0-9.1 ms on the tensor-core kernel; about even at 64).
+PROMPT_SMALL_M = 64
 # The int8 prefill path dequantizes the weight to x.dtype in row blocks of at most this many
 # elements (128 MB in bf16), so a large matrix (an lm_head) never needs a full-size copy.
 _DEQUANT_CHUNK_ELEMENTS = 1 << 26
@@ -55,12 +59,20 @@ def gemv_available() -> bool:
     return torch.cuda.is_available() and triton_importable()
 
 
-def gemv_supported(x: Tensor) -> bool:
-    """True when the ops run redline's Triton kernels for this x: a CUDA/HIP tensor of a float
-    dtype with at most SMALL_M rows (x.numel() // x.shape[-1]), with Triton importable."""
+def triton_row_limit(shape: tuple[int, ...], quantized: bool) -> int:
+    """The most rows of an x of this shape (..., K) that the Triton kernels take: SMALL_M, or PROMPT_SMALL_M
+    for float weights and a prompt (x (..., T, K) with T > 1 tokens per sequence)."""
+    prompt = len(shape) >= 3 and shape[-2] > 1
+    return PROMPT_SMALL_M if prompt and not quantized else SMALL_M
+
+
+def gemv_supported(x: Tensor, quantized: bool = False) -> bool:
+    """True when the ops run redline's Triton kernels for this x (int8 weights with quantized): a CUDA/HIP
+    tensor of a float dtype with at most triton_row_limit rows (x.numel() // x.shape[-1]), with Triton
+    importable."""
     if not x.is_cuda or x.dtype not in _FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
         return False
-    return x.numel() // x.shape[-1] <= SMALL_M and triton_importable()
+    return x.numel() // x.shape[-1] <= triton_row_limit(tuple(x.shape), quantized) and triton_importable()
 
 
 # --- references (plain PyTorch, fp32 accumulation) ---
@@ -174,7 +186,7 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,)."""
     _check_int8_linear(x, weight, scales)
-    if gemv_supported(x):
+    if gemv_supported(x, quantized=True):
         return _small_m(x, weight, scales)
     if x.is_cuda:
         return _int8_matmul(x, weight, scales)

@@ -107,6 +107,21 @@ def _rotated(ptr, offs_d, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(q, k, v, s_idx, length, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One block of keys into the online softmax: k, v (BLOCK_S, D) at positions s_idx (BLOCK_S,)."""
+    s_ok = s_idx < length
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_S)
+    scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
+    # Every block in range holds a valid key, so m_new is finite and alpha never sees -inf - -inf.
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])  # (BLOCK_G, BLOCK_S)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, D)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, rope_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -118,10 +133,11 @@ def _split_kernel(
 ):
     """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of the token at input_pos; the kernel
     rotates q and the new key (rope_ptr: cos and sin at input_pos, (2, D/2) fp32), and the split that owns
-    input_pos writes the key and value into the caches before any program of its group reads them."""
-    if USE_PDL:  # everything below reads what the kernels before produced
-        gdc_wait()
-        gdc_launch_dependents()
+    input_pos writes the key and value into the caches before any program of its group reads them.
+
+    With ROPE_QKV the split's first block of keys and values is loaded before the PDL wait: those cache rows
+    (before input_pos) were written by earlier steps, and input_pos and the rope row by the step's start, so
+    the HBM reads overlap the qkv projection's last wave. The row at input_pos comes from the projection."""
     pid_group = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     b = (pid_group // N_KV_HEADS).to(tl.int64)
@@ -137,20 +153,34 @@ def _split_kernel(
     heads = kvh * GROUP + offs_g  # (BLOCK_G,) the query heads that share this KV head
     k_base = k_ptr + b * stride_kb + kvh * stride_kh
     v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    pos = length - 1
+    s_first = first * BLOCK_S + offs_s  # (BLOCK_S,) positions of the first block
     if ROPE_QKV:
         HALF: tl.constexpr = HEAD_DIM // 2
         cos = tl.load(rope_ptr + offs_d % HALF)  # (D,) cos of pair d % (D/2)
         sin = tl.load(rope_ptr + HALF + offs_d % HALF)
+        early = ((s_first < pos) & (first < last))[:, None]  # rows before input_pos only
+        k_first = tl.load(k_base + s_first[:, None] * stride_ks + offs_d[None, :], mask=early, other=0.0)
+        v_first = tl.load(v_base + s_first[:, None] * stride_vs + offs_d[None, :], mask=early, other=0.0)
+    if USE_PDL:  # everything below reads what the kernels before produced
+        gdc_wait()
+        gdc_launch_dependents()
+
+    if ROPE_QKV:
         q_rows = q_ptr + b * stride_qb + tl.minimum(heads, N_KV_HEADS * GROUP - 1)[:, None] * HEAD_DIM
         # Padded rows re-read the last head (in bounds, finite) and are never stored.
         q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(k_ptr.dtype.element_ty)
         q = tl.where(row_ok[:, None], q, 0.0)  # (BLOCK_G, D)
         if split == active - 1:  # this split holds input_pos: store the token's key and value first
-            pos = length - 1
             new_k = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + kvh) * HEAD_DIM
             new_v = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + N_KV_HEADS + kvh) * HEAD_DIM
-            tl.store(k_base + pos * stride_ks + offs_d, _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty))
-            tl.store(v_base + pos * stride_vs + offs_d, tl.load(new_v + offs_d))
+            k_new = _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty)  # (D,)
+            v_new = tl.load(new_v + offs_d)
+            tl.store(k_base + pos * stride_ks + offs_d, k_new)
+            tl.store(v_base + pos * stride_vs + offs_d, v_new)
+            at_pos = (s_first == pos)[:, None]  # all False unless the first block is the last
+            k_first = tl.where(at_pos, k_new[None, :], k_first)
+            v_first = tl.where(at_pos, v_new[None, :], v_first)
         tl.debug_barrier()  # the stores above are seen by every thread of this program that reads the cache
     else:
         # Padded rows load zeros (finite scores, never stored); an idle split (no keys) loads nothing.
@@ -160,21 +190,18 @@ def _split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_G], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for blk in range(first, last):
+    start = first
+    if ROPE_QKV:
+        if first < last:
+            m_i, l_i, acc = _attend_block(q, k_first, v_first, s_first, length, m_i, l_i, acc, qk_scale,
+                                          DOT_PRECISION)
+        start = first + 1
+    for blk in range(start, last):
         s_idx = blk * BLOCK_S + offs_s  # (BLOCK_S,)
-        s_ok = s_idx < length  # keys past input_pos are never loaded
-        k = tl.load(k_base + s_idx[:, None] * stride_ks + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_S)
-        scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
-        # Every block in range holds a valid key, so m_new is finite and alpha never sees -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])  # (BLOCK_G, BLOCK_S)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + s_idx[:, None] * stride_vs + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_G, D)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        s_ok = (s_idx < length)[:, None]  # keys past input_pos are never loaded
+        k = tl.load(k_base + s_idx[:, None] * stride_ks + offs_d[None, :], mask=s_ok, other=0.0)
+        v = tl.load(v_base + s_idx[:, None] * stride_vs + offs_d[None, :], mask=s_ok, other=0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, s_idx, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -194,13 +221,13 @@ def _combine_kernel(
     N_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr,
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    _, _, active = _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S)  # the split kernel never writes input_pos
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     b = row // N_HEADS
     h = row % N_HEADS
-    _, _, active = _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S)
     base = row * num_splits
     offs = tl.arange(0, SPLITS_P2)
     m = tl.load(m_ptr + base + offs, mask=offs < active, other=float("-inf"))  # (SPLITS_P2,)

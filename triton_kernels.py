@@ -213,9 +213,17 @@ def _gemv_kernel(
     wa = _load(w_ptrs, 0, KW, offs_kw, not NO_MASK, True)
     if DEPTH == 2:
         wb = _load(w_ptrs, BKW, KW, offs_kw, not NO_MASK, True)
+    if W_INT8:  # constant, like the weights
+        scale = tl.load(s_ptr + rows).to(tl.float32)  # (BLOCK_N,)
     if USE_PDL:
         gdc_launch_dependents()
         gdc_wait()
+    # The epilogue's inputs from the kernels before, loaded now so that their latency hides behind the K loop
+    # rather than adding to each program's tail.
+    if NORM == 2:
+        sq_in = tl.sum(tl.load(sq_in_ptr + tl.arange(0, SQ_LANES)))
+    if RESIDUAL:
+        res = tl.load(r_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
 
     if DEPTH == 2:
         for kb in range(2, nb):
@@ -244,9 +252,9 @@ def _gemv_kernel(
     if NORM == 1:
         out = out * tl.rsqrt(tl.sum(ss) / K + eps)
     if NORM == 2:
-        out = out * tl.rsqrt(tl.sum(tl.load(sq_in_ptr + tl.arange(0, SQ_LANES))) / K + eps)
+        out = out * tl.rsqrt(sq_in / K + eps)
     if W_INT8:
-        out = out * tl.load(s_ptr + rows).to(tl.float32)
+        out = out * scale
     out_ty = y_ptr.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.trans(tl.reshape(out, (2, HALF))))  # (HALF,) each
@@ -254,7 +262,7 @@ def _gemv_kernel(
         act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
         out = act * up.to(out_ty).to(tl.float32)
     if RESIDUAL:
-        out = out.to(out_ty).to(tl.float32) + tl.load(r_ptr + offs_n, mask=offs_n < N, other=0).to(tl.float32)
+        out = out.to(out_ty).to(tl.float32) + res
     tl.store(y_ptr + offs_n, out.to(out_ty), mask=offs_n < N)
     if SQ_OUT:  # one fire-and-forget float add per program, spread over the kernel's lifetime
         y = tl.where(offs_n < N, out.to(out_ty).to(tl.float32), 0.0)

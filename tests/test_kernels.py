@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import SMALL_M, int8_linear_reference, linear_reference
+from kernels import PROMPT_SMALL_M, SMALL_M, int8_linear_reference, linear_reference
 
 # (N, K) of the decode GEMVs that matter.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -83,6 +83,15 @@ def test_non_contiguous_x_cpu():
 
 def test_gemv_supported_is_false_on_cpu():
     assert not kernels.gemv_supported(torch.randn(1, 64))
+
+
+def test_triton_row_limit_sends_float_prompts_to_cublas_sooner():
+    assert PROMPT_SMALL_M < SMALL_M
+    assert kernels.triton_row_limit((64, 1, 4096), quantized=False) == SMALL_M  # a decode batch: 1 token each
+    assert kernels.triton_row_limit((200, 4096), quantized=False) == SMALL_M  # 2-D x: rows, no token axis
+    assert kernels.triton_row_limit((1, 128, 4096), quantized=False) == PROMPT_SMALL_M  # a prompt
+    assert kernels.triton_row_limit((2, 3, 4096), quantized=False) == PROMPT_SMALL_M
+    assert kernels.triton_row_limit((1, 128, 4096), quantized=True) == SMALL_M  # int8 keeps the kernel
 
 
 def test_validation_errors():
@@ -198,6 +207,19 @@ def test_gpu_gemv_matches_reference(shape, m, dtype, no_tf32):
     assert out8.shape == (m, n) and out8.dtype == dtype
     err8 = rel_err(out8, int8_linear_reference(x, q, s))
     assert err8 <= 1e-2, f"int8_linear rel err {err8:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [PROMPT_SMALL_M, PROMPT_SMALL_M + 1, SMALL_M])
+def test_gpu_prompt_rows_route_by_weight_dtype(tokens, no_tf32):
+    """A float prompt of more than PROMPT_SMALL_M tokens runs cuBLAS, an int8 one the Triton kernel: both correct."""
+    n, k = 1000, 1000
+    w, q, s = _weights(n, k, torch.bfloat16)
+    x = torch.randn(1, tokens, k, device="cuda", dtype=torch.bfloat16)
+    assert kernels.gemv_supported(x) == (tokens <= PROMPT_SMALL_M)
+    assert kernels.gemv_supported(x, quantized=True)
+    assert rel_err(torch.ops.redline.linear(x, w), linear_reference(x, w)) <= 1e-2
+    assert rel_err(torch.ops.redline.int8_linear(x, q, s), int8_linear_reference(x, q, s)) <= 1e-2
 
 
 @pytest.mark.gpu
