@@ -162,7 +162,7 @@ def _split_kernel(
         early = ((s_first < pos) & (first < last))[:, None]  # rows before input_pos only
         k_first = tl.load(k_base + s_first[:, None] * stride_ks + offs_d[None, :], mask=early, other=0.0)
         v_first = tl.load(v_base + s_first[:, None] * stride_vs + offs_d[None, :], mask=early, other=0.0)
-    if USE_PDL:  # everything below reads what the kernels before produced
+    if USE_PDL:  # everything below reads what the kernels before produced (input_pos, above, is set before the step)
         gdc_wait()
         gdc_launch_dependents()
 
