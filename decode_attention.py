@@ -147,7 +147,7 @@ def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor
     input_pos, then decode attention; returns (B, 1, H D)."""
     batch = qkv.shape[0]
     n_heads, n_kv_heads, head_dim = _qkv_heads(qkv, k_cache)
-    q, k, v = split_rotated_qkv(qkv, rope, n_heads, n_kv_heads, head_dim)
+    q, k, v = split_rotated_qkv(qkv, rope[input_pos], n_heads, n_kv_heads, head_dim)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
     k_cache.index_copy_(2, input_pos, k)
     v_cache.index_copy_(2, input_pos, v)
@@ -166,9 +166,11 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
     if qkv.dim() != 3 or qkv.shape[:2] != (batch, 1) or width % head_dim or width // head_dim <= 2 * n_kv_heads:
         raise ValueError(f"{name}: qkv must be (B, 1, (H + 2 Hkv) D) with H a multiple of Hkv={n_kv_heads} and "
                          f"D={head_dim}, got {tuple(qkv.shape)}")
-    if head_dim % 2 or rope.shape != (1, 2, head_dim // 2) or rope.dtype != torch.float32:
-        raise ValueError(f"{name}: rope must be the (1, 2, {head_dim // 2}) fp32 cos/sin row at input_pos, "
-                         f"got {tuple(rope.shape)} of {rope.dtype}")
+    seq_len = k_cache.shape[2]
+    if (head_dim % 2 or rope.dim() != 3 or rope.shape[1:] != (2, head_dim // 2) or rope.shape[0] < seq_len
+            or rope.dtype != torch.float32):
+        raise ValueError(f"{name}: rope must be the fp32 cos/sin table (S, 2, {head_dim // 2}) with S >= the cache "
+                         f"length {seq_len} (the kernel reads row input_pos), got {tuple(rope.shape)} of {rope.dtype}")
     if (width // head_dim - 2 * n_kv_heads) % n_kv_heads or qkv.dtype != k_cache.dtype:
         raise ValueError(f"{name}: qkv ({qkv.dtype}) must match the cache dtype ({k_cache.dtype}) and hold a "
                          f"multiple of {n_kv_heads} query heads")
@@ -183,8 +185,9 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
 
 @torch.library.custom_op("redline::decode_attention_qkv", mutates_args=("k_cache", "v_cache"))
 def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-    """One decode token's attention from its raw qkv projection: rotates q and k with rope (cos, sin at
-    input_pos), writes k and v into the caches at input_pos, attends over keys 0..input_pos; (B, 1, H D).
+    """One decode token's attention from its raw qkv projection: rotates q and k with rope (the model's cos/sin
+    table; row input_pos is read on the device, so no gather kernel runs before this op), writes k and v into the
+    caches at input_pos, attends over keys 0..input_pos; (B, 1, H D).
     On the GPU it is one kernel (two with a long cache: the split partials are combined)."""
     _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
     if _kernel_supported(k_cache):  # qkv's device and dtype match the cache's (checked above)

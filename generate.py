@@ -365,11 +365,18 @@ class LLM:
         pinned = self.device.type == "cuda"
         host = torch.empty(batch, dtype=torch.long, pin_memory=pinned)
         ready = torch.cuda.Event() if pinned else None
+        # Tokens go to the host on a side stream, so the device-to-host copy never sits between two replays.
+        copier = torch.cuda.Stream(self.device) if pinned else None
 
         def to_host(token: Tensor) -> None:
-            host.copy_(token.view(-1), non_blocking=pinned)
-            if ready is not None:
-                ready.record()
+            if copier is None:
+                host.copy_(token.view(-1))
+                return
+            copier.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(copier):
+                host.copy_(token.view(-1), non_blocking=True)
+                ready.record(copier)
+            token.record_stream(copier)  # its memory is not reused before the copy has read it
 
         def read_host() -> list[int]:
             if ready is not None:
@@ -382,7 +389,10 @@ class LLM:
                 # Copied out of the CUDA graph's pool: the next graph replay may reuse that memory.
                 token = self._prefill_fn(self.model, padded, positions, last, *args).clone()  # (B, 1)
                 to_host(token)
-            input_pos = torch.tensor([prompt_len], device=self.device)
+            # Decode step i reads position prompt_len + i - 1 from this table: a slice per step instead of an
+            # in-place increment, which would be one more kernel between graph replays. Made in inference mode,
+            # like the warm-up's position, so the compiled step's guards match.
+            decode_positions = torch.arange(prompt_len, prompt_len + new_tokens, device=self.device)  # (N,)
             paused = 0.0  # the profiler's own bookkeeping (starting, stopping) is kept out of every timing
             for step in range(1, new_tokens + 1):
                 if recorder is not None:
@@ -392,8 +402,8 @@ class LLM:
                 with region("decode_step"):
                     if step < new_tokens:
                         self._mark_step()
+                        input_pos = decode_positions[step - 1:step]  # (1,)
                         nxt = self._decode_fn(self.model, token, input_pos, *args).clone()  # (B, 1)
-                        input_pos += 1
                     tokens = read_host()  # the previous step's; the next one is already queued
                     arrived = time.perf_counter() - paused
                     if step < new_tokens:

@@ -427,10 +427,12 @@ class Transformer(nn.Module):
         """
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
-        rope = self.rope[input_pos]  # (T, 2, D/2)
         x = self.tok_embeddings(idx)  # (B, T, dim)
         if self.fused_decode and idx.numel() == 1:
-            return self.decode_fused(x, rope, input_pos)  # needs no mask: the kernel reads keys 0..input_pos
+            # The attention kernel reads the rope row at input_pos itself: a gather here would be one more kernel,
+            # which inductor re-emits before several layers' attention.
+            return self.decode_fused(x, self.rope, input_pos)  # needs no mask: the kernel reads keys 0..input_pos
+        rope = self.rope[input_pos]  # (T, 2, D/2)
         # Each query attends to cached positions up to its own; built per call, so no (S, S) buffer.
         cache_pos = torch.arange(self.max_seq_length, device=idx.device)  # (S,)
         mask = (cache_pos.unsqueeze(0) <= input_pos.unsqueeze(1)).view(1, 1, -1, self.max_seq_length)  # (1, 1, T, S)
@@ -442,7 +444,8 @@ class Transformer(nn.Module):
 
     def decode_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
         """One token, batch 1: each block in five kernels (TransformerBlock.decode_fused); the final norm rides
-        in the output head's GEMV. The blocks accumulate their outputs' sums of squares in norm_sums."""
+        in the output head's GEMV. The blocks accumulate their outputs' sums of squares in norm_sums. rope is the
+        whole (S, 2, D/2) table: the attention kernel picks row input_pos."""
         self.norm_sums.zero_()
         for i, layer in enumerate(self.layers):
             x = layer.decode_fused(x, rope, input_pos, self.norm_sums, i)

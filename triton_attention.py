@@ -132,11 +132,11 @@ def _split_kernel(
     DOT_PRECISION: tl.constexpr, ROPE_QKV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of the token at input_pos; the kernel
-    rotates q and the new key (rope_ptr: cos and sin at input_pos, (2, D/2) fp32), and the split that owns
+    rotates q and the new key (rope_ptr: the (S, 2, D/2) fp32 cos/sin table; row input_pos), and the split that owns
     input_pos writes the key and value into the caches before any program of its group reads them.
 
     With ROPE_QKV the split's first block of keys and values is loaded before the PDL wait: those cache rows
-    (before input_pos) were written by earlier steps, and input_pos and the rope row by the step's start, so
+    (before input_pos) were written by earlier steps, input_pos by the step's start and the rope table at setup, so
     the HBM reads overlap the qkv projection's last wave. The row at input_pos comes from the projection."""
     pid_group = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
@@ -157,14 +157,18 @@ def _split_kernel(
     s_first = first * BLOCK_S + offs_s  # (BLOCK_S,) positions of the first block
     if ROPE_QKV:
         HALF: tl.constexpr = HEAD_DIM // 2
-        cos = tl.load(rope_ptr + offs_d % HALF)  # (D,) cos of pair d % (D/2)
-        sin = tl.load(rope_ptr + HALF + offs_d % HALF)
+        rope_row = rope_ptr + pos * HEAD_DIM  # row input_pos of the table (pos is clamped into the cache)
+        cos = tl.load(rope_row + offs_d % HALF)  # (D,) cos of pair d % (D/2)
+        sin = tl.load(rope_row + HALF + offs_d % HALF)
         early = ((s_first < pos) & (first < last))[:, None]  # rows before input_pos only
         k_first = tl.load(k_base + s_first[:, None] * stride_ks + offs_d[None, :], mask=early, other=0.0)
         v_first = tl.load(v_base + s_first[:, None] * stride_vs + offs_d[None, :], mask=early, other=0.0)
-    if USE_PDL:  # everything below reads what the kernels before produced (input_pos, above, is set before the step)
-        gdc_wait()
+    if USE_PDL:
+        # Trigger first: the combine kernel, and through its own early trigger the output projection, get their
+        # programs resident now, so wo streams its first weight blocks while attention runs. The wait still
+        # orders every read below (input_pos, above, is set before the step).
         gdc_launch_dependents()
+        gdc_wait()
 
     if ROPE_QKV:
         q_rows = q_ptr + b * stride_qb + tl.minimum(heads, N_KV_HEADS * GROUP - 1)[:, None] * HEAD_DIM
@@ -222,9 +226,9 @@ def _combine_kernel(
     BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     _, _, active = _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S)  # the split kernel never writes input_pos
-    if USE_PDL:
-        gdc_wait()
+    if USE_PDL:  # trigger before the wait, like the split kernel: wo's programs start loading weights now
         gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     b = row // N_HEADS
     h = row % N_HEADS
@@ -322,8 +326,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
                          input_pos: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
     """Rope, cache write and attention for one token: qkv (B, 1, (H + 2 Hkv) D) raw projections at input_pos,
-    rope (1, 2, D/2) fp32 (cos, sin at input_pos). Writes the rotated key and the value into the caches at
-    input_pos and returns (B, 1, H D) contiguous. The caller (decode_attention.py) validates."""
+    rope (S', 2, D/2) fp32, the cos/sin table with S' >= the cache length S (row input_pos is read on the device).
+    Writes the rotated key and the value into the caches at input_pos and returns (B, 1, H D) contiguous. The
+    caller (decode_attention.py) validates."""
     batch = qkv.shape[0]
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads

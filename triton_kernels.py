@@ -360,6 +360,10 @@ def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu:
             return GemvConfig(8, 1024, 4, 2, True)  # 7B wqkv+norm 16.2 us (table: 17.4)
         if residual:
             return GemvConfig(4, 2048, 4, 1, True)  # 7B wo+residual 6.0 us (table: 6.6)
+    if w_bytes == 2 and residual and k < 8192:
+        # wo after attention, in the model (sixth session): 286.8 / 286.1 tok/s against 285.3 / 285.0 with the
+        # one-row table row; half the programs, each streaming both rows before its PDL wait.
+        return GemvConfig(2, 2048, 4, 2, True)
     cfg = _table_config(n, k, w_bytes)
     if (fused_input or swiglu) and cfg.block_n == 1:
         return GemvConfig(2, cfg.block_k, cfg.num_warps, cfg.depth, cfg.red)

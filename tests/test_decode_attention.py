@@ -284,7 +284,7 @@ def test_routed_model_decodes_like_sdpa():
 
 
 def qkv_inputs(batch, n_heads, n_kv_heads, seq_len, head_dim, pos, dtype=torch.float32, device="cpu", seed=0):
-    """Raw qkv (B, 1, (H + 2 Hkv) D), caches with random history, and the rope row at pos."""
+    """Raw qkv (B, 1, (H + 2 Hkv) D), caches with random history, and the rope table (the op reads row pos)."""
     from model import ModelArgs, rope_table
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -293,14 +293,15 @@ def qkv_inputs(batch, n_heads, n_kv_heads, seq_len, head_dim, pos, dtype=torch.f
     v = torch.randn(batch, n_kv_heads, seq_len, head_dim, generator=gen, device=device).to(dtype)
     args = ModelArgs(dim=n_heads * head_dim, n_layer=1, n_head=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                      intermediate_size=8, vocab_size=8, block_size=seq_len)
-    rope = rope_table(args, seq_len, torch.device(device))[pos:pos + 1]  # (1, 2, D/2)
+    rope = rope_table(args, seq_len, torch.device(device))  # (S, 2, D/2): the op reads row pos
     return qkv, k, v, rope, torch.tensor([pos], device=device)
 
 
 def unfused_steps(qkv, k, v, rope, pos):
-    """What the model's Attention does for one token, on copies of the caches."""
+    """What the model's Attention does for one token, on copies of the caches (rope: the whole table)."""
     from model import apply_rope
 
+    rope = rope[pos:pos + 1]  # (1, 2, D/2)
     batch, n_kv_heads, _, head_dim = k.shape
     n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
     q_, k_, v_ = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
@@ -328,8 +329,10 @@ def test_qkv_op_on_cpu_is_rope_cache_write_and_attention(layout, pos):
 
 @pytest.mark.parametrize("change,match", [
     (dict(qkv=torch.zeros(1, 1, 100)), "qkv must be"),
-    (dict(rope=torch.zeros(1, 2, 8)), "rope must be"),
-    (dict(rope=torch.zeros(1, 2, 16, dtype=torch.float64)), "rope must be"),
+    (dict(rope=torch.zeros(40, 2, 8)), "rope must be"),
+    (dict(rope=torch.zeros(40, 2, 16, dtype=torch.float64)), "rope must be"),
+    (dict(rope=torch.zeros(39, 2, 16)), "S >= the cache length 40"),  # row input_pos could fall outside it
+    (dict(rope=torch.zeros(1, 2, 16)), "rope must be"),  # the old single-row form
     (dict(pos=torch.tensor([1.0])), "input_pos must be"),
     (dict(qkv=torch.zeros(1, 1, 8 * 32, dtype=torch.float16)), "dtype"),
 ])
@@ -369,23 +372,20 @@ def test_gpu_qkv_kernel_in_a_cuda_graph():
     import triton_attention as ta
 
     qkv, k, v, rope, ip = qkv_inputs(1, 32, 8, 2304, 128, 0, torch.bfloat16, "cuda")
-    rope_buf = rope.clone()
     for splits in (1, 8):
         cfg = ta.DecodeConfig(num_splits=splits, block_s=64)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            ta.decode_attention_qkv(qkv, k.clone(), v.clone(), rope_buf, ip, config=cfg)  # compile outside capture
+            ta.decode_attention_qkv(qkv, k.clone(), v.clone(), rope, ip, config=cfg)  # compile outside capture
         torch.cuda.current_stream().wait_stream(s)
         k_run, v_run = k.clone(), v.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = ta.decode_attention_qkv(qkv, k_run, v_run, rope_buf, ip, config=cfg)
+            out = ta.decode_attention_qkv(qkv, k_run, v_run, rope, ip, config=cfg)
         for p in (5, 100, 2303, 64):
-            _, _, _, rope_p, _ = qkv_inputs(1, 32, 8, 2304, 128, p, torch.bfloat16, "cuda")
-            rope_buf.copy_(rope_p)
-            ip.fill_(p)
-            ref, _, _ = unfused_steps(qkv.float(), k_run.float(), v_run.float(), rope_p, p)
+            ip.fill_(p)  # the replay reads the new position's rope row from the table
+            ref, _, _ = unfused_steps(qkv.float(), k_run.float(), v_run.float(), rope, p)
             graph.replay()
             assert rel_err(out, ref) <= BF16_TOL, (splits, p)
 
