@@ -48,6 +48,7 @@ LOG2E = 1.4426950408889634
 TARGET_PROGRAMS_PER_SM = 2
 MAX_SPLITS = 256
 COMBINE_SPLIT_TILE = 16  # partials the combine kernel reads per step
+SHORT_CACHE_BLOCK_S = 32  # keys per block when the cache is too short to give every wanted split a 64-key block
 DOT_MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
 # Shared memory the pipelined K/V tiles of the tensor-core path may take (Hopper allows 227 KB a block).
 PIPELINE_SMEM_BYTES = 160 * 1024
@@ -83,6 +84,10 @@ def pick_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_di
     block_s = 64 if head_dim <= 128 else 32
     groups = batch * n_kv_heads
     splits = math.ceil(programs_per_sm * sms / groups)
+    if math.ceil(seq_len / block_s) < splits:
+        # A short cache has fewer blocks than the splits wanted: 32-key blocks let twice the programs share the
+        # keys (H200, 256-key cache, batch 1: 294.7 vs 292.0 tok/s for the 7B shape, 266.2 vs 264.0 for the 8B).
+        block_s = SHORT_CACHE_BLOCK_S
     splits = max(1, min(splits, MAX_SPLITS, math.ceil(seq_len / block_s)))
     return DecodeConfig(num_splits=splits, block_s=block_s)
 

@@ -212,7 +212,10 @@ def test_gpu_split_count_depends_on_shape_only():
     a = ta.pick_config(1, 32, 8, 8192, 128, sms=132)
     assert a == ta.pick_config(1, 32, 8, 8192, 128, sms=132)
     assert 1 < a.num_splits <= 8192 // a.block_s
-    assert ta.pick_config(1, 32, 8, 128, 128, sms=132).num_splits <= 2  # never more splits than key blocks
+    short = ta.pick_config(1, 32, 8, 128, 128, sms=132)
+    assert (short.block_s, short.num_splits) == (ta.SHORT_CACHE_BLOCK_S, 4)  # never more splits than key blocks
+    assert ta.pick_config(1, 32, 32, 256, 128, sms=132).block_s == ta.SHORT_CACHE_BLOCK_S  # 4 blocks of 64 < 9
+    assert ta.pick_config(1, 32, 32, 2304, 128, sms=132).block_s == 64  # 36 blocks of 64: enough for 9 splits
     assert ta.pick_config(64, 32, 32, 256, 128, sms=132).num_splits == 1  # enough groups to fill the GPU
     with pytest.raises(ValueError, match="block_s"):
         ta.DecodeConfig(num_splits=4, block_s=48)
