@@ -46,6 +46,11 @@ LOG2E = 1.4426950408889634
 # (scripts/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes): 1 per SM was 10-35%
 # slower on full long caches, 4 per SM within about +-7% of 2, 8 per SM mostly slower.
 TARGET_PROGRAMS_PER_SM = 2
+# Long caches get more splits, up to MAX_PROGRAMS_PER_SM, so that no split walks more than this many keys: in the
+# model on an H200, the 7B shape at a 4096-key cache decoded 249.8 / 362.2 tok/s (bf16 / int8) with 17 splits
+# against 244.4 / 356.7 with 9 (455 keys each); the 8B shape at 8192 keys (33 splits of 248) was even either way.
+MAX_SPLIT_KEYS = 256
+MAX_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 256
 COMBINE_SPLIT_TILE = 16  # partials the combine kernel reads per step
 SHORT_CACHE_BLOCK_S = 32  # keys per block when the cache is too short to give every wanted split a 64-key block
@@ -84,6 +89,7 @@ def pick_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_di
     block_s = 64 if head_dim <= 128 else 32
     groups = batch * n_kv_heads
     splits = math.ceil(programs_per_sm * sms / groups)
+    splits = max(splits, min(math.ceil(seq_len / MAX_SPLIT_KEYS), math.ceil(MAX_PROGRAMS_PER_SM * sms / groups)))
     if math.ceil(seq_len / block_s) < splits:
         # A short cache has fewer blocks than the splits wanted: 32-key blocks let twice the programs share the
         # keys (H200, 256-key cache, batch 1: 294.7 vs 292.0 tok/s for the 7B shape, 266.2 vs 264.0 for the 8B).

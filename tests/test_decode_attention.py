@@ -217,6 +217,10 @@ def test_gpu_split_count_depends_on_shape_only():
     assert ta.pick_config(1, 32, 32, 256, 128, sms=132).block_s == ta.SHORT_CACHE_BLOCK_S  # 4 blocks of 64 < 9
     assert ta.pick_config(1, 32, 32, 2304, 128, sms=132).block_s == 64  # 36 blocks of 64: enough for 9 splits
     assert ta.pick_config(64, 32, 32, 256, 128, sms=132).num_splits == 1  # enough groups to fill the GPU
+    # Long caches: splits of at most MAX_SPLIT_KEYS keys, up to MAX_PROGRAMS_PER_SM programs per SM.
+    assert ta.pick_config(1, 32, 32, 4096, 128, sms=132).num_splits == 4096 // ta.MAX_SPLIT_KEYS  # 16, not 9
+    assert ta.pick_config(1, 32, 8, 8192, 128, sms=132).num_splits == 33  # 2 per SM already gives 248 keys each
+    assert ta.pick_config(16, 32, 32, 4096, 128, sms=132).num_splits == 2  # capped at 4 programs per SM
     with pytest.raises(ValueError, match="block_s"):
         ta.DecodeConfig(num_splits=4, block_s=48)
 
