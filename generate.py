@@ -268,7 +268,6 @@ class LLM:
     def _compile(self) -> None:
         import torch._inductor.config as inductor_config
 
-        inductor_config.coordinate_descent_tuning = True
         inductor_config.triton.unique_kernel_names = True
         inductor_config.fx_graph_cache = True
         # Each prefill bucket, batch size and sampling mode is its own graph; never fall back to eager silently.
