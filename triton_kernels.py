@@ -117,16 +117,21 @@ def _dot_part(acc, wf, x, RED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.
 
 
 @triton.jit
-def _load(ptrs, k0, K, offs_k, MASK: tl.constexpr, WEIGHT: tl.constexpr):
+def _load(ptrs, k0, K, offs_k, MASK: tl.constexpr, WEIGHT: tl.constexpr, BYPASS_L1: tl.constexpr = False):
     # k0, K and offs_k count loaded elements (int32 words in the packed int8 weight path).
-    # Weights are read once: evict_first keeps them from pushing x and y out of L2.
+    # Weights are read once: evict_first keeps them from pushing x and y out of L2. BYPASS_L1 (int8 weights) loads
+    # them past L1 instead (".cg"): in the 7B model 462.3 / 462.7 tok/s against 459.6-460.2; bf16 lost 0.6% that way.
     if MASK:
-        if WEIGHT:
+        if WEIGHT and BYPASS_L1:
+            return tl.load(ptrs + k0, mask=(k0 + offs_k)[None, :] < K, other=0, cache_modifier=".cg")
+        elif WEIGHT:
             return tl.load(ptrs + k0, mask=(k0 + offs_k)[None, :] < K, other=0, eviction_policy="evict_first")
         else:
             return tl.load(ptrs + k0, mask=(k0 + offs_k)[None, :] < K, other=0)
     else:
-        if WEIGHT:
+        if WEIGHT and BYPASS_L1:
+            return tl.load(ptrs + k0, cache_modifier=".cg")
+        elif WEIGHT:
             return tl.load(ptrs + k0, eviction_policy="evict_first")
         else:
             return tl.load(ptrs + k0)
@@ -210,9 +215,9 @@ def _gemv_kernel(
 
     # Prologue: the first DEPTH weight blocks. They do not depend on the previous kernel, so with
     # PDL they stream in while it drains; x (and r) are read only after the wait.
-    wa = _load(w_ptrs, 0, KW, offs_kw, not NO_MASK, True)
+    wa = _load(w_ptrs, 0, KW, offs_kw, not NO_MASK, True, W_INT8)
     if DEPTH == 2:
-        wb = _load(w_ptrs, BKW, KW, offs_kw, not NO_MASK, True)
+        wb = _load(w_ptrs, BKW, KW, offs_kw, not NO_MASK, True, W_INT8)
     if W_INT8:  # constant, like the weights
         scale = tl.load(s_ptr + rows).to(tl.float32)  # (BLOCK_N,)
     if USE_PDL:
@@ -227,7 +232,7 @@ def _gemv_kernel(
 
     if DEPTH == 2:
         for kb in range(2, nb):
-            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True)
+            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True, W_INT8)
             # block kb - 2 < nb - 1 is a full block: no mask on x
             acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (kb - 2) * BLOCK_K, K, offs_k, False,
                             W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
@@ -241,7 +246,7 @@ def _gemv_kernel(
                         W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
     else:
         for kb in range(1, nb):
-            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True)
+            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True, W_INT8)
             acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (kb - 1) * BLOCK_K, K, offs_k, False,
                             W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
             wa = wc
