@@ -47,8 +47,8 @@ LOG2E = 1.4426950408889634
 # slower on full long caches, 4 per SM within about +-7% of 2, 8 per SM mostly slower.
 TARGET_PROGRAMS_PER_SM = 2
 # Long caches get more splits, up to MAX_PROGRAMS_PER_SM, so that no split walks more than this many keys: in the
-# model on an H200, the 7B shape at a 4096-key cache decoded 249.8 / 362.2 tok/s (bf16 / int8) with 17 splits
-# against 244.4 / 356.7 with 9 (455 keys each); the 8B shape at 8192 keys (33 splits of 248) was even either way.
+# model on an H200, the 7B shape at a 4096-key cache decoded 249.8 / 363.4 tok/s (bf16 / int8) with 16 splits
+# against 244.8 / 355.6 with 9 (455 keys each); the 8B shape at 8192 keys keeps 33 splits of 248 keys.
 MAX_SPLIT_KEYS = 256
 MAX_PROGRAMS_PER_SM = 4
 MAX_SPLITS = 256
