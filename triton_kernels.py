@@ -361,10 +361,18 @@ def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu:
     (BENCHMARKS.md, "Fused decode").
     """
     if w_bytes == 1 and k < 8192 and not swiglu:
+        if fused_input and 8192 <= n < 16384:
+            # 7B wqkv+norm in the model (eighth session): one warp per program, 473.8 / 472.4 / 473.3 / 473.7 / 474.4
+            # tok/s against 456.8-457.4 with (8, 1024, 4, 2); the 8B wqkv (6144 rows) lost 3% that way.
+            return GemvConfig(8, 512, 1, 2, True)
         if fused_input and n < 16384:
-            return GemvConfig(8, 1024, 4, 2, True)  # 7B wqkv+norm 16.2 us (table: 17.4)
+            return GemvConfig(8, 1024, 4, 2, True)  # 7B wqkv+norm 16.2 us in isolation (table: 17.4)
         if residual:
             return GemvConfig(4, 2048, 4, 1, True)  # 7B wo+residual 6.0 us (table: 6.6)
+    if w_bytes == 1 and swiglu and k < 8192 and n < 24576:
+        # 7B gate/up+norm in the model (eighth session): 476.3 / 476.1 tok/s against 473.8 / 472.4 with the table's
+        # (4, 512, 2, 2); the 8B one (28672 rows) measured 385.0 against 386.3, so it keeps the table row.
+        return GemvConfig(8, 512, 2, 2, True)
     if w_bytes == 2 and residual and k < 8192:
         # wo after attention, in the model (sixth session): 286.8 / 286.1 tok/s against 285.3 / 285.0 with the
         # one-row table row; half the programs, each streaming both rows before its PDL wait.
