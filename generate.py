@@ -25,6 +25,7 @@ from checkpoint import CheckpointInfo, build_model, dtype_from_name, dtype_name,
 from decode_attention import route_decode_attention_to_kernel, set_fused_decode
 from kernels import gemv_available, route_linears_to_kernels
 from model import Transformer
+from quantize import model_quantization
 from tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 200
@@ -521,7 +522,7 @@ class LLM:
         out.update(
             model=self.model_name if self.name is not None or self.info is None else str(self.info.path),
             dtype=dtype_name(self.model.cache_dtype),
-            quantization=self.info.scheme if self.info else "none",
+            quantization=model_quantization(self.model),  # the model as it runs: quantize= changes it after loading
             device=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             torch_version=torch.__version__,
             compiled=self.compile,

@@ -89,11 +89,16 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
     _swap_linears(model, lambda lin: Int8Linear(lin.in_features, lin.out_features, device=lin.weight.device))
 
 
+def model_quantization(model: nn.Module) -> str:
+    """The scheme the model runs in now: "int8" once quantized (from its checkpoint or in memory), else "none"."""
+    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"
+
+
 @torch.no_grad()
 def quantize_(model: nn.Module, mode: str) -> nn.Module:
     """Quantize a loaded model in place (used by `LLM.load(path, quantize="int8")`)."""
     quantization_metadata(mode, model.args.tie_word_embeddings)  # validates the mode
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
+    if model_quantization(model) != "none":
         raise ValueError("the model is already quantized; load the unquantized checkpoint to quantize it")
 
     def build(lin: nn.Linear) -> Int8Linear:

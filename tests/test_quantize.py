@@ -95,7 +95,9 @@ def test_file_is_at_most_55_percent_of_bf16(bf16_checkpoint, int8_checkpoint):
     assert ratio <= MAX_SIZE_RATIO, ratio
 
 
-def test_llm_loads_int8_without_flags_and_quantizes_on_load(bf16_checkpoint, int8_checkpoint, tiny_llm_checkpoint):
+def test_llm_loads_int8_without_flags_and_quantizes_on_load(bf16_checkpoint, int8_checkpoint, tiny_llm_checkpoint,
+                                                          tmp_path):
+    import gzip
     import shutil
 
     for path in (bf16_checkpoint, int8_checkpoint):  # the tokenizer sits beside the checkpoint
@@ -107,6 +109,10 @@ def test_llm_loads_int8_without_flags_and_quantizes_on_load(bf16_checkpoint, int
     b = on_load.generate("def f(x):", max_new_tokens=16, ignore_eos=True)
     assert a.token_ids == b.token_ids
     assert a.stats.model_bytes_per_token < 0.6 * LLM.load(bf16_checkpoint, device="cpu").bytes_per_token
+    # A model quantized on load is int8 in its trace too, though its checkpoint says "none".
+    trace = tmp_path / "int8.json.gz"
+    on_load.generate("def f(x):", max_new_tokens=8, ignore_eos=True, profile=trace)
+    assert json.loads(gzip.decompress(trace.read_bytes()))["redline"]["stats"]["quantization"] == "int8"
     with pytest.raises(ValueError, match="already quantized"):
         LLM.load(int8_checkpoint, device="cpu", quantize="int8")
 
