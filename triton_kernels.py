@@ -353,12 +353,13 @@ def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu:
                 residual: bool = False) -> GemvConfig:
     """The GEMV config table: deterministic, from the shape alone (n: rows of w).
 
-    Measured on an H200 (CUDA graph of 20 calls, weights rotated past L2, see benchmarks/kernel-notes.md):
-    a BLOCK_K that divides K matters for the long-K down projections (a partial last block costs
-    a masked pass); int8 wants small per-thread work (it is instruction-bound, not memory-bound).
+    Measured on an H200, most rows alone (CUDA graph of 20 calls, weights rotated past L2; see
+    benchmarks/kernel-notes.md): a BLOCK_K that divides K matters for the long-K down projections (a
+    partial last block costs a masked pass).
     fused_input (a norm in the prologue) and swiglu need at least 2 rows per program (the second pairs
     a gate row with its up row); the fused int8 rows come from a sweep of the fused kernels
-    (BENCHMARKS.md, "Fused decode").
+    (BENCHMARKS.md, "Fused decode"), and three int8 rows from a sweep inside the model, where they beat the
+    isolated winners by 3-4% (BENCHMARKS.md, "Eighth session").
     """
     if w_bytes == 1 and k < 8192 and not swiglu:
         if fused_input and 8192 <= n < 16384:
