@@ -366,8 +366,10 @@ def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu:
             # 7B wqkv+norm in the model (eighth session): one warp per program, 473.8 / 472.4 / 473.3 / 473.7 / 474.4
             # tok/s against 456.8-457.4 with (8, 1024, 4, 2); the 8B wqkv (6144 rows) lost 3% that way.
             return GemvConfig(8, 512, 1, 2, True)
-        if fused_input and n < 16384:
-            return GemvConfig(8, 1024, 4, 2, True)  # 7B wqkv+norm 16.2 us in isolation (table: 17.4)
+        if fused_input and n < 8192:
+            # 8B wqkv+norm (6144 rows) in the model (ninth session): 416.7 / 417.0 tok/s against 415.0 / 414.9 with
+            # (8, 1024, 4, 2), alternating in one call
+            return GemvConfig(4, 1024, 4, 2, True)
         if residual:
             return GemvConfig(4, 2048, 4, 1, True)  # 7B wo+residual 6.0 us (table: 6.6)
     if w_bytes == 1 and swiglu and k < 8192 and n < 24576:

@@ -9,7 +9,7 @@
 Models come from the registry (`model.ModelArgs.from_name`) and get random weights of a realistic scale, so nothing
 is downloaded. What each number means:
 - decode tok/s: tokens after the first over the time after the first (batch B: B x that, the aggregate), median of
-  --runs generations after one warm-up generation; measured with the shortest prompt and the smallest cache.
+  --runs generations after one warm-up generation (two per prompt length for compiled prefill on a GPU); measured with the shortest prompt and the smallest cache.
 - limit tok/s: B x read bandwidth / bytes each decode step reads (weights, the embedding table excluded); the
   bandwidth is a large bf16 `sum` timed with CUDA events in the same process (median of 20).
 - TTFT: start of `generate` to the first new token on the host. Prefill TFLOP/s = useful FLOPs / TTFT, with
@@ -267,7 +267,7 @@ class PrefillRecord:
     flops: float
     tflops: float  # flops / ttft
     decode_tok_s: float  # median decode rate after this prompt, with this cache
-    warmup_s: float
+    warmup_s: float  # wall time of the warm-up generations (two for compiled prefill on a GPU)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0 or self.ttft_s <= 0:
@@ -487,12 +487,15 @@ def median(values: Sequence[float]) -> float:
 def measure_prefill(llm: generate.LLM, args: ModelArgs, prompts: Tensor, lengths: Sequence[int], new_tokens: int,
                     runs: int, compiled_prefill: bool, log: Any, what: str = "") -> list[PrefillRecord]:
     """TTFT per prompt length. The longest goes first, so the cache grows once and the others reuse it; each
-    length gets a warm-up generation (cache growth recompiles decode; compiled prefill compiles per bucket)."""
+    length gets a warm-up generation (cache growth recompiles decode; compiled prefill compiles per bucket), and
+    compiled prefill on a GPU a second one: its first call compiles the bucket and its second records the bucket's
+    CUDA graph, 15-20 ms longer than a replay (one timed run in five took that until the ninth session)."""
     records = []
+    warmups = 2 if compiled_prefill and llm.device.type == "cuda" else 1
     for length in sorted(set(lengths), reverse=True):
         batch_prompts = prompts[:, :length]
         log(f"{what}prefill T={length}{' (compiled)' if compiled_prefill else ''}: warm-up")
-        warm = timed_generation(llm, batch_prompts, new_tokens)
+        warm_s = sum(timed_generation(llm, batch_prompts, new_tokens).wall_s for _ in range(warmups))
         timings = [timed_generation(llm, batch_prompts, new_tokens) for _ in range(runs)]
         ttfts = [t.ttft_s for t in timings]
         ttft = median(ttfts)
@@ -500,7 +503,7 @@ def measure_prefill(llm: generate.LLM, args: ModelArgs, prompts: Tensor, lengths
         records.append(PrefillRecord(
             prompt_tokens=length, compiled_prefill=compiled_prefill, cache_len=llm.model.max_seq_length,
             ttft_s=ttft, ttft_runs_s=ttfts, flops=flops, tflops=flops / ttft / 1e12,
-            decode_tok_s=median([t.decode_tok_s for t in timings]), warmup_s=warm.wall_s,
+            decode_tok_s=median([t.decode_tok_s for t in timings]), warmup_s=warm_s,
         ))
     return sorted(records, key=lambda r: r.prompt_tokens)
 
@@ -891,7 +894,8 @@ NOTES = [
     "measured with the shortest prompt and the smallest KV cache, after one discarded warm-up generation",
     "limit tok/s = batch x read bandwidth / bytes per decode step (weights, embedding table excluded); "
     "'limit with KV' also counts reading the whole static KV cache each step",
-    "TTFT: start of generate to the first new token on the host (median); prefill TFLOP/s = FLOPs / TTFT with "
+    "TTFT: start of generate to the first new token on the host (median, after one warm-up generation per prompt "
+    "length, two with compiled prefill on a GPU: compile, then CUDA-graph recording); prefill TFLOP/s = FLOPs / TTFT with "
     "FLOPs = B x (2 x block matmul params x T + 2 x head params + 4 x n_layer x T^2/2 x n_head x head_dim)",
     "HF decode tok/s = (N - n_short) / (t(N) - t(n_short)): prefill cancels out; HF static = transformers' own "
     "compiled decode (cache_implementation='static', compile_config mode reduce-overhead)",
