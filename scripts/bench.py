@@ -9,7 +9,8 @@
 Models come from the registry (`model.ModelArgs.from_name`) and get random weights of a realistic scale, so nothing
 is downloaded. What each number means:
 - decode tok/s: tokens after the first over the time after the first (batch B: B x that, the aggregate), median of
-  --runs generations after one warm-up generation (two per prompt length for compiled prefill on a GPU); measured with the shortest prompt and the smallest cache.
+  --runs generations after one warm-up generation (two per prompt length for compiled prefill on a GPU); measured
+  with the shortest prompt and the smallest cache.
 - limit tok/s: B x read bandwidth / bytes each decode step reads (weights, the embedding table excluded); the
   bandwidth is a large bf16 `sum` timed with CUDA events in the same process (median of 20).
 - TTFT: start of `generate` to the first new token on the host. Prefill TFLOP/s = useful FLOPs / TTFT, with
@@ -895,8 +896,8 @@ NOTES = [
     "limit tok/s = batch x read bandwidth / bytes per decode step (weights, embedding table excluded); "
     "'limit with KV' also counts reading the whole static KV cache each step",
     "TTFT: start of generate to the first new token on the host (median, after one warm-up generation per prompt "
-    "length, two with compiled prefill on a GPU: compile, then CUDA-graph recording); prefill TFLOP/s = FLOPs / TTFT with "
-    "FLOPs = B x (2 x block matmul params x T + 2 x head params + 4 x n_layer x T^2/2 x n_head x head_dim)",
+    "length, two with compiled prefill on a GPU: compile, then CUDA-graph recording); "
+    "prefill TFLOP/s = FLOPs / TTFT with FLOPs = B x (2 x block matmul params x T + 2 x head params + 4 x n_layer x T^2/2 x n_head x head_dim)",
     "HF decode tok/s = (N - n_short) / (t(N) - t(n_short)): prefill cancels out; HF static = transformers' own "
     "compiled decode (cache_implementation='static', compile_config mode reduce-overhead)",
     "peak memory: torch.cuda.max_memory_allocated over a timed generation; overhead = peak - weights - KV cache",
