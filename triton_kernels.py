@@ -358,8 +358,8 @@ def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu:
     partial last block costs a masked pass).
     fused_input (a norm in the prologue) and swiglu need at least 2 rows per program (the second pairs
     a gate row with its up row); the fused int8 rows come from a sweep of the fused kernels
-    (BENCHMARKS.md, "Fused decode"), and three int8 rows from a sweep inside the model, where they beat the
-    isolated winners by 3-4% (BENCHMARKS.md, "Eighth session").
+    (BENCHMARKS.md, "Fused decode"), and four int8 rows from sweeps inside the model, where they beat the
+    isolated winners (BENCHMARKS.md, "Eighth session" and "Ninth session").
     """
     if w_bytes == 1 and k < 8192 and not swiglu:
         if fused_input and 8192 <= n < 16384:
