@@ -896,8 +896,8 @@ NOTES = [
     "limit tok/s = batch x read bandwidth / bytes per decode step (weights, embedding table excluded); "
     "'limit with KV' also counts reading the whole static KV cache each step",
     "TTFT: start of generate to the first new token on the host (median, after one warm-up generation per prompt "
-    "length, two with compiled prefill on a GPU: compile, then CUDA-graph recording); "
-    "prefill TFLOP/s = FLOPs / TTFT with FLOPs = B x (2 x block matmul params x T + 2 x head params + 4 x n_layer x T^2/2 x n_head x head_dim)",
+    "length, two with compiled prefill on a GPU: compile, then CUDA-graph recording); prefill TFLOP/s = FLOPs / "
+    "TTFT with FLOPs = B x (2 x block matmul params x T + 2 x head params + 4 x n_layer x T^2/2 x n_head x head_dim)",
     "HF decode tok/s = (N - n_short) / (t(N) - t(n_short)): prefill cancels out; HF static = transformers' own "
     "compiled decode (cache_implementation='static', compile_config mode reduce-overhead)",
     "peak memory: torch.cuda.max_memory_allocated over a timed generation; overhead = peak - weights - KV cache",
