@@ -281,8 +281,8 @@ def test_gpu_gemv_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no_t
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [(1, 2048, 4, 2, True), (2, 1024, 4, 2), (2, 1024, 2, 2, True), (4, 512, 2, 2, True),
-                                 (8, 1024, 4, 2, True), (8, 512, 1, 2, True), (8, 512, 2, 2, True), (4, 1024, 4, 2, True),
-                                 (2, 2048, 4, 1), (1, 4096, 8, 2), (2, 128, 4, 2)])
+                                 (8, 1024, 4, 2, True), (8, 512, 1, 2, True), (8, 512, 2, 2, True),
+                                 (4, 1024, 4, 2, True), (2, 2048, 4, 1), (1, 4096, 8, 2), (2, 128, 4, 2)])
 @pytest.mark.parametrize("shape", [(4096, 11008), (4096, 14336), (33, 4100), (50, 72)])
 def test_gpu_gemv_configs(shape, cfg, no_tf32):
     """Every config the table may pick is correct, also when BLOCK_K does not divide K."""
