@@ -24,7 +24,7 @@ def test_probe_command_runs_bench_as_a_child_with_the_measured_settings():
 
 def test_a_failing_child_is_a_failed_probe_with_its_last_error_line():
     cfg = bench.parse_args(["--model", "debug-tiny", "--device", "cpu", "--prompt-lengths", "4"])
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ""}  # without the checkout on the path the child cannot import the project
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ""}  # no checkout on the path: the imports fail
     result = bench_compile_time.run_probe(cfg, "debug-tiny", "none", env)
     assert not result.ok and result.first_token_s is None and result.wall_s > 0
     assert result.error.startswith("exit 1: ModuleNotFoundError: No module named ")

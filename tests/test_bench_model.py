@@ -18,7 +18,8 @@ def test_prefill_flops_match_the_performance_notes():
 
 
 def test_random_model_has_realistic_weights():
-    model = bench_model.build_random_model(ModelArgs.from_name("debug-tiny"), torch.device("cpu"), torch.bfloat16, "none")
+    args = ModelArgs.from_name("debug-tiny")
+    model = bench_model.build_random_model(args, torch.device("cpu"), torch.bfloat16, "none")
     for name, p in model.named_parameters():
         assert p.dtype == torch.bfloat16 and p.device.type == "cpu"
         values = p.float()
