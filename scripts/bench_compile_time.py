@@ -22,6 +22,7 @@ from scripts.bench_report import fmt
 if TYPE_CHECKING:
     from scripts.bench import BenchConfig
 
+# The checkout: the children run from it, with it on PYTHONPATH.
 ROOT = Path(__file__).resolve().parents[1]
 # The child is bench.py itself, with --ttft-probe.
 BENCH_SCRIPT = ROOT / "scripts" / "bench.py"

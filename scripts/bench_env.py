@@ -14,6 +14,7 @@ import torch
 
 from profiling import read_bandwidth_gb_s
 
+# The checkout, whose git commit the record names.
 ROOT = Path(__file__).resolve().parents[1]
 # Timed reads behind the bandwidth figure: their median is reported, so one slow read does not move it.
 BANDWIDTH_REPEATS = 20
