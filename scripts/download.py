@@ -15,6 +15,7 @@ Failures (offline, gated, not found, bad repo id) print one line on stderr and e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import re
@@ -23,11 +24,11 @@ import socket
 import sys
 from pathlib import Path
 
-try:  # imported at module level so that tests can monkeypatch these names
-    from huggingface_hub import HfApi, snapshot_download
-except ImportError:  # pragma: no cover - huggingface_hub is a declared dependency
-    HfApi = None  # type: ignore[assignment]
-    snapshot_download = None  # type: ignore[assignment]
+from huggingface_hub import HfApi, snapshot_download  # module names, so that tests can monkeypatch them
+# huggingface_hub.utils holds every one of these from 0.24 on (1.x and 2.x define them in huggingface_hub.errors and
+# re-export them here; 0.24 has the HTTP ones only here), so one import serves every supported version.
+from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError,
+                                   OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError)
 
 EXIT_ERROR = 2
 
@@ -51,59 +52,29 @@ class DownloadError(Exception):
     """A failure that is reported as one line on stderr (exit code 2)."""
 
 
-# --------------------------------------------------------------------------------------
-# huggingface_hub exception classes, resolved by name so that 0.24+, 1.x and 2.x all work
-# (they moved from huggingface_hub.utils to huggingface_hub.errors over time).
-# --------------------------------------------------------------------------------------
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The connection-failure base classes of the HTTP library the installed huggingface_hub talks through."""
+    found: list[type[BaseException]] = []
+    # huggingface_hub 0.x uses requests, 1.x httpx and 2.x httpx2; only the one in use need be installed.
+    with contextlib.suppress(ImportError):
+        import requests
+
+        found += [requests.ConnectionError, requests.Timeout]
+    with contextlib.suppress(ImportError):
+        import httpx
+
+        found.append(httpx.TransportError)
+    with contextlib.suppress(ImportError):
+        import httpx2
+
+        found.append(httpx2.TransportError)
+    return tuple(found)
 
 
-class _Never(Exception):
-    """Stand-in for an exception class the installed huggingface_hub does not have."""
-
-
-def _hf_exception(name: str) -> type[BaseException]:
-    for module_name in ("huggingface_hub.errors", "huggingface_hub.utils"):
-        try:
-            module = __import__(module_name, fromlist=[name])
-        except ImportError:
-            continue
-        cls = getattr(module, name, None)
-        if isinstance(cls, type) and issubclass(cls, BaseException):
-            return cls
-    return _Never
-
-
-GatedRepoError = _hf_exception("GatedRepoError")
-RepositoryNotFoundError = _hf_exception("RepositoryNotFoundError")
-RevisionNotFoundError = _hf_exception("RevisionNotFoundError")
-LocalEntryNotFoundError = _hf_exception("LocalEntryNotFoundError")
-HfHubHTTPError = _hf_exception("HfHubHTTPError")
-OfflineModeIsEnabled = _hf_exception("OfflineModeIsEnabled")
-HFValidationError = _hf_exception("HFValidationError")
-
-# Connection-level failures of the HTTP stacks huggingface_hub has used (requests in 0.x,
-# httpx in 1.x, httpx2 later; urllib3/httpcore underneath), matched by class name so that
-# none of them has to be importable.
-_CONNECTION_ERROR_NAMES = frozenset(
-    {
-        "ConnectionError",
-        "ConnectError",
-        "ConnectTimeout",
-        "ConnectTimeoutError",
-        "Timeout",
-        "TimeoutException",
-        "ReadTimeout",
-        "ReadTimeoutError",
-        "PoolTimeout",
-        "NetworkError",
-        "ProxyError",
-        "SSLError",
-        "NewConnectionError",
-        "NameResolutionError",
-        "MaxRetryError",
-    }
-)
-_HTTP_MODULE_PREFIXES = ("requests", "urllib3", "httpx", "httpx2", "httpcore", "httpcore2")
+# What "the Hub cannot be reached" looks like, anywhere in an exception's chain: offline mode, a file missing from the
+# cache while the Hub was out of reach, the socket-level errors, and the HTTP library's connect/timeout failures.
+CONNECTION_ERRORS = (OfflineModeIsEnabled, LocalEntryNotFoundError, ConnectionError, TimeoutError, socket.gaierror,
+                     *_transport_errors())
 
 
 def _exception_chain(err: BaseException):
@@ -120,16 +91,7 @@ def _exception_chain(err: BaseException):
 
 
 def _is_connection_error(err: BaseException) -> bool:
-    for e in _exception_chain(err):
-        if isinstance(e, (OfflineModeIsEnabled, LocalEntryNotFoundError)):
-            return True
-        if isinstance(e, (ConnectionError, TimeoutError, socket.gaierror, socket.timeout)):
-            return True
-        for cls in type(e).__mro__:
-            module = (cls.__module__ or "").split(".")[0]
-            if cls.__name__ in _CONNECTION_ERROR_NAMES and module.startswith(_HTTP_MODULE_PREFIXES):
-                return True
-    return False
+    return any(isinstance(e, CONNECTION_ERRORS) for e in _exception_chain(err))
 
 
 def _root_cause(err: BaseException) -> str:
@@ -317,8 +279,6 @@ def download_checkpoint(
     """
     org, name = validate_repo_id(repo_id)
     local_dir = Path(checkpoint_dir) / org / name
-    if HfApi is None or snapshot_download is None:  # pragma: no cover
-        raise DownloadError("huggingface_hub is not installed: pip install 'huggingface_hub>=0.24'")
     try:
         repo_files = list_repo_files(repo_id, token)
     except Exception as err:  # noqa: BLE001 - classified below, re-raised if unknown

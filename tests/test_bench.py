@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model import ModelArgs
-from scripts import bench
+from scripts import bench, bench_model, bench_redline
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -61,11 +61,11 @@ def test_one_record_per_model_quant_batch_with_sane_numbers(full_run):
         assert r["bandwidth_gb_s"] is None and r["limit_tok_s"] is None and r["pct_of_limit"] is None
         assert r["peak_memory_bytes"] is None and r["overhead_bytes"] is None
         assert r["kv_cache_bytes"] > 0 and r["weights_bytes"] > r["bytes_per_token"] > 0
-        assert r["n_params"] == bench.param_counts(args)["total"]
+        assert r["n_params"] == bench_model.param_counts(args)["total"]
         assert sorted(p["prompt_tokens"] for p in r["prefill"]) == [4, 8]
         for p in r["prefill"]:
             assert p["ttft_s"] > 0 and p["decode_tok_s"] > 0 and p["compiled_prefill"] is False
-            assert p["flops"] == bench.prefill_flops(args, p["prompt_tokens"], r["batch_size"])
+            assert p["flops"] == bench_model.prefill_flops(args, p["prompt_tokens"], r["batch_size"])
             assert p["tflops"] == pytest.approx(p["flops"] / p["ttft_s"] / 1e12)
     by_key = {(r["quant"], r["batch_size"]): r for r in records}
     assert by_key[("int8", 1)]["bytes_per_token"] < by_key[("none", 1)]["bytes_per_token"]
@@ -122,36 +122,6 @@ def test_plot_is_a_png(full_run):
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]  # written atomically
 
 
-def synthetic_report() -> dict:
-    def record(model, quant, tok_s, limit):
-        return {"model": model, "quant": quant, "dtype": "bfloat16", "batch_size": 1, "decode_tok_s": tok_s,
-                "limit_tok_s": limit}
-
-    def hf(model, mode, tok_s):
-        return {"model": model, "mode": mode, "compiled": True, "decode_tok_s": tok_s}
-
-    return {"bandwidth_gb_s": 4200.0, "env": {}, "compile_times": [],
-            "records": [record("A", "none", 280.0, 318.0), record("A", "int8", 520.0, 620.0),
-                        record("B", "none", 250.0, 290.0), record("B", "int8", 470.0, 560.0)],
-            "hf": [hf("A", "eager", 64.0), hf("A", "static+compiled", 165.0), hf("B", "eager", 60.0),
-                   hf("B", "static+compiled", None)]}
-
-
-def test_plot_series_groups_engines_per_model_with_limits():
-    models, series, limits = bench.plot_series(synthetic_report())
-    assert models == ["A", "B"]
-    assert series == {"Redline bf16": [280.0, 250.0], "Redline int8": [520.0, 470.0],
-                      "HF eager": [64.0, 60.0], "HF static+compiled": [165.0, None]}
-    assert limits == {"Redline bf16": [318.0, 290.0], "Redline int8": [620.0, 560.0]}
-
-
-@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
-def test_plot_with_limit_lines_and_a_missing_bar(tmp_path):
-    path = tmp_path / "plot.png"
-    bench.write_plot(synthetic_report(), path)
-    assert path.read_bytes().startswith(PNG_SIGNATURE)
-
-
 def test_merge_reports_saved_runs_together(full_run, tmp_path):
     _, _, report, folder = full_run
     saved = folder / "out.json"
@@ -164,14 +134,14 @@ def test_merge_reports_saved_runs_together(full_run, tmp_path):
 
 
 def test_a_failed_configuration_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch, capsys):
-    build = bench.build_random_model
+    build = bench_redline.build_random_model
 
     def build_or_fail(args, device, dtype, quant, seed=0):
         if quant == "int8":
             raise RuntimeError("CUDA out of memory (simulated)")
         return build(args, device, dtype, quant, seed)
 
-    monkeypatch.setattr(bench, "build_random_model", build_or_fail)
+    monkeypatch.setattr(bench_redline, "build_random_model", build_or_fail)
     out = tmp_path / "partial.json"
     rc, stdout = run_main(TINY + ["--new-tokens", "4", "--runs", "1", "--quant", "int8,none", "--json", str(out)])
     assert rc == 1
@@ -195,53 +165,6 @@ def test_compile_time_runs_child_processes_cold_then_warm(tmp_path, monkeypatch)
         assert probe["ok"], probe["error"]
         assert 0 < probe["main_s"] <= probe["built_s"] <= probe["first_token_s"] <= probe["end_s"] <= probe["wall_s"]
     assert "Time to first token after process start" in stdout
-
-
-def test_prefill_flops_match_the_performance_notes():
-    # PERFORMANCE.md: a 2048-token Llama-2-7B prefill is about 27.6 TFLOP.
-    args = ModelArgs.from_name("Llama-2-7B")
-    assert bench.param_counts(args)["total"] == 6_738_415_616  # the published Llama-2-7B count
-    assert bench.prefill_flops(args, 2048) == pytest.approx(27.6e12, rel=0.005)
-    assert bench.prefill_flops(args, 2048, batch=4) == pytest.approx(4 * bench.prefill_flops(args, 2048))
-    assert bench.param_counts(ModelArgs.from_name("Llama-3-8B"))["total"] == 8_030_261_248
-
-
-def test_random_model_has_realistic_weights():
-    model = bench.build_random_model(ModelArgs.from_name("debug-tiny"), torch.device("cpu"), torch.bfloat16, "none")
-    for name, p in model.named_parameters():
-        assert p.dtype == torch.bfloat16 and p.device.type == "cpu"
-        values = p.float()
-        assert (values != 0).float().mean() > 0.95, name
-        if p.dim() >= 2:
-            assert values.std().item() == pytest.approx(bench.WEIGHT_STD, rel=0.2), name
-        else:
-            assert values.mean().item() == pytest.approx(1.0, abs=0.02), name
-
-
-def test_random_model_int8_and_tied():
-    from quantize import Int8Linear
-
-    args = ModelArgs.from_name("debug-tiny")
-    dense = bench.build_random_model(args, torch.device("cpu"), torch.bfloat16, "none")
-    quant = bench.build_random_model(args, torch.device("cpu"), torch.bfloat16, "int8")
-    assert isinstance(quant.layers[0].attention.wqkv, Int8Linear) and isinstance(quant.output, Int8Linear)
-    assert bench.weights_bytes(quant) < bench.weights_bytes(dense)
-    tied_args = ModelArgs(dim=32, n_layer=1, n_head=2, intermediate_size=64, vocab_size=64, block_size=32,
-                          tie_word_embeddings=True)
-    tied = bench.build_random_model(tied_args, torch.device("cpu"), torch.float32, "none")
-    assert tied.output.weight is tied.tok_embeddings.weight
-    assert bench.weights_bytes(tied) == 4 * bench.param_counts(tied_args)["total"]
-
-
-def test_hf_config_matches_the_registry_model():
-    pytest.importorskip("transformers")
-    args = ModelArgs.from_name("debug-tiny-llama3")
-    config = bench.hf_llama_config(args)
-    assert config.rope_parameters["rope_type"] == "llama3"
-    assert config.rope_parameters["rope_theta"] == args.rope_base
-    assert config.num_key_value_heads == args.n_kv_heads and config.head_dim == args.head_dim
-    hf = bench.build_hf_model(args, torch.device("cpu"), torch.float32)  # raises if the parameter counts differ
-    assert hf.dtype == torch.float32
 
 
 BAD_ARGUMENTS = [

@@ -77,7 +77,8 @@ def _one_error_line(capsys) -> str:
 
 
 def _http_error(cls, status: int, message: str = "boom"):
-    response = SimpleNamespace(status_code=status, headers={}, request=None, url="https://huggingface.co/x")
+    # json: huggingface_hub 0.x reads the server's message from the body of the response.
+    response = SimpleNamespace(status_code=status, headers={}, request=None, url="https://huggingface.co/x", json=dict)
     try:
         return cls(message, response=response)
     except TypeError:  # very old / new signature without a response keyword
@@ -216,18 +217,29 @@ def test_bad_repo_id(tmp_path, monkeypatch, capsys, repo_id):
     assert hub.tokens == [] and hub.calls == []
 
 
-class ConnectError(Exception):
-    """Looks like httpx.ConnectError / requests.ConnectionError (matched by module + name)."""
+def _transport_connect_errors(message: str) -> list[Exception]:
+    """A connect failure from each installed HTTP library that huggingface_hub has used (0.x requests, 1.x httpx,
+    2.x httpx2), as its own code raises it."""
+    errs: list[Exception] = []
+    if importlib.util.find_spec("httpx2") is not None:
+        import httpx2
 
+        errs.append(httpx2.ConnectError(message))
+    if importlib.util.find_spec("httpx") is not None:
+        import httpx
 
-ConnectError.__module__ = "httpx"
+        errs.append(httpx.ConnectError(message))
+    if importlib.util.find_spec("requests") is not None:
+        import requests
+
+        errs.append(requests.ConnectionError(message))
+    return errs
 
 
 def _offline_errors():
-    errs = [ConnectionError("[Errno 111] Connection refused"), ConnectError("[Errno -2] Name or service not known")]
-    if download.OfflineModeIsEnabled is not download._Never:
-        errs.append(download.OfflineModeIsEnabled("offline mode is enabled"))
-    return errs
+    return [ConnectionError("[Errno 111] Connection refused"),
+            *_transport_connect_errors("[Errno -2] Name or service not known"),
+            download.OfflineModeIsEnabled("offline mode is enabled")]
 
 
 @pytest.mark.parametrize("error", _offline_errors(), ids=lambda e: type(e).__name__)
@@ -239,12 +251,25 @@ def test_offline_listing_error(tmp_path, monkeypatch, capsys, error):
     assert "already-downloaded directory" in line
 
 
-def test_offline_download_error_wrapped_in_local_entry_not_found(tmp_path, monkeypatch, capsys):
-    cause = ConnectError("connection reset")
+@pytest.mark.parametrize("cause", _transport_connect_errors("connection refused"), ids=lambda e: type(e).__module__)
+def test_connection_failure_found_anywhere_in_the_chain(cause):
     try:
         try:
             raise cause
-        except ConnectError as c:
+        except Exception as c:
+            raise RuntimeError("listing failed") from c
+    except RuntimeError as e:
+        assert download._is_connection_error(e)
+    assert not download._is_connection_error(RuntimeError("listing failed"))
+    assert not download._is_connection_error(_http_error(download.HfHubHTTPError, 503))
+
+
+def test_offline_download_error_wrapped_in_local_entry_not_found(tmp_path, monkeypatch, capsys):
+    cause = ConnectionResetError("connection reset")
+    try:
+        try:
+            raise cause
+        except ConnectionResetError as c:
             raise download.LocalEntryNotFoundError("cannot find the requested files in the local cache") from c
     except download.LocalEntryNotFoundError as e:
         err = e

@@ -1,0 +1,91 @@
+"""Registry models with random weights of a realistic scale, and the counts the benchmark derives from a config:
+parameters, prefill FLOPs, bytes of weights and of the KV cache."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from model import ModelArgs, Transformer
+
+# The weight formats a random model can be built in: the dense dtype, or int8 per channel (quantize.py).
+QUANT_CHOICES = ("none", "int8")
+WEIGHT_STD = 0.02  # the initializer scale of Llama-family checkpoints; norm gains are drawn around 1
+
+
+def param_counts(args: ModelArgs) -> dict[str, int]:
+    """Parameter counts from the config: the embedding, the matmuls inside the blocks, the output head, and all."""
+    per_layer = (args.dim * (args.q_size + 2 * args.kv_size) + args.q_size * args.dim
+                 + args.dim * 2 * args.intermediate_size + args.intermediate_size * args.dim)
+    embedding = args.vocab_size * args.dim
+    head = args.vocab_size * args.dim
+    norms = (2 * args.n_layer + 1) * args.dim
+    total = embedding + args.n_layer * per_layer + norms + (0 if args.tie_word_embeddings else head)
+    return {"embedding": embedding, "block_matmuls": args.n_layer * per_layer, "head": head, "total": total}
+
+
+def prefill_flops(args: ModelArgs, prompt_tokens: int, batch: int = 1) -> float:
+    """Useful FLOPs of one prefill: block matmuls over every token, the head once, causal attention."""
+    counts = param_counts(args)
+    t = prompt_tokens
+    attention = 4 * args.n_layer * (t * t / 2) * args.n_head * args.head_dim
+    return float(batch * (2 * counts["block_matmuls"] * t + 2 * counts["head"] + attention))
+
+
+@torch.no_grad()
+def fill_random_(model: torch.nn.Module, seed: int) -> None:
+    """Matrices ~ N(0, 0.02), norm gains ~ N(1, 0.02): never zeros, so speed is measured on real-looking data."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for _, p in model.named_parameters():  # a tied table appears once
+        mean = 0.0 if p.dim() >= 2 else 1.0
+        p.normal_(mean, WEIGHT_STD, generator=gen)
+
+
+def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: str,
+                       seed: int = 0) -> Transformer:
+    """The registry model on `device` in `dtype` with random weights, quantized in place when asked."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to(dtype=dtype)
+    model.to_empty(device=device)
+    if args.tie_word_embeddings:  # to_empty gives each module its own tensor; tie them again
+        model.output.weight = model.tok_embeddings.weight
+    fill_random_(model, seed)
+    if quant != "none":
+        from quantize import quantize_
+
+        quantize_(model, quant)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the bf16 matrices are gone; give their blocks back
+    return model.eval()
+
+
+def weight_tensors(model: Transformer) -> list[Tensor]:
+    """Every weight in memory once (parameters and quantized buffers; not the KV cache or the rope table)."""
+    seen: set[int] = set()
+    out = []
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in seen or "kv_cache" in name or name == "rope":
+            continue
+        seen.add(id(t))
+        out.append(t)
+    return out
+
+
+def weights_bytes(model: Transformer) -> int:
+    return sum(t.numel() * t.element_size() for t in weight_tensors(model))
+
+
+def kv_cache_bytes(model: Transformer) -> int:
+    total = 0
+    for layer in model.layers:
+        cache = layer.attention.kv_cache
+        if cache is not None:
+            total += cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()
+    return total
+
+
+def random_prompts(vocab_size: int, batch: int, length: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, length), generator=gen)  # (B, T)
+
