@@ -304,7 +304,7 @@ class RedlineRecord:
     warmup_s: float  # wall time of the warm-up generation
     prefill: list[PrefillRecord] = field(default_factory=list)
     kernels: bool = False  # the bf16 linears ran Redline's Triton GEMVs (else cuBLAS via inductor)
-    fused: bool = False  # batch-1 decode ran the fused path (model.TransformerBlock.decode_fused)
+    fused: bool = False  # batch-1 decode ran the fused path (kernels.FusedDecode)
     profile_path: str | None = None  # --profile: a trace of one more generation
     profile_decode_tok_s: float | None = None  # that generation's decode rate (profiler overhead = vs decode_tok_s)
 
