@@ -76,7 +76,7 @@ def test_interrupted_write_leaves_no_file(hf_dir, tmp_path, monkeypatch):
         ("gpt2", "unsupported architecture 'GPT2LMHeadModel'"),
         ("missing_tensor", "model.layers.1.mlp.down_proj.weight"),
         ("extra_tensor", "model.layers.0.mlp.extra.weight"),
-        ("wrong_shape", "layers.0.attention.wo.weight has shape"),
+        ("wrong_shape", "model.layers.0.self_attn.o_proj.weight has shape (64, 63)"),
         ("no_config", "config.json not found"),
     ],
 )
