@@ -153,7 +153,9 @@ def write_atomically(path: Path, write: Any) -> None:
     remove_stale_temp_files(path.parent)
     tmp = _create_temp_file(path)
     try:
+        mode = tmp.stat().st_mode & 0o777  # 0o666 less the umask
         write(tmp)
+        os.chmod(tmp, mode)  # some writers (safetensors) recreate the file as 0600
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
