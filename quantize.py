@@ -69,8 +69,11 @@ def quantized_linear_names(n_layer: int, tie_word_embeddings: bool) -> list[str]
 
 
 def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embeddings: bool) -> dict[str, Tensor]:
+    from checkpoint import progress
+
     out = dict(tensors)
-    for name in quantized_linear_names(n_layer, tie_word_embeddings):
+    names = quantized_linear_names(n_layer, tie_word_embeddings)
+    for name in progress(names, len(names), "quantizing"):
         weight = out.pop(f"{name}.weight")
         out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(weight)
     return out
@@ -150,20 +153,22 @@ class QuantizeArgs:
 
 
 def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path | None = None) -> Path:
+    """Write a quantized copy of an unquantized checkpoint; the input is never overwritten."""
     info = read_checkpoint_info(checkpoint_path)
     if info.scheme != "none":
         raise ValueError(f"{info.path} is already quantized ({info.scheme}); quantize the unquantized checkpoint")
     quantization = quantization_metadata(mode, info.args.tie_word_embeddings)
     out_path = Path(out) if out is not None else info.path.with_name(f"{info.path.name.split('.')[0]}.{mode}.safetensors")
-    if out_path.resolve() == info.path.resolve():
-        raise ValueError(f"--out {out_path} would overwrite the input; choose another file name")
+    check_checkpoint_output(out_path, inputs=[info.path])
     tensors = quantize_state_dict(load_tensors(info), info.args.n_layer, info.args.tie_word_embeddings)
     new_info = CheckpointInfo(path=out_path, args=info.args, dtype=info.dtype, quantization=quantization)
     return save_checkpoint(out_path, tensors, new_info)
 
 
 def parse_args(argv: list[str] | None) -> QuantizeArgs:
-    parser = argparse.ArgumentParser(description="Write a weight-only quantized copy of a Redline checkpoint.")
+    from checkpoint import OneLineArgumentParser
+
+    parser = OneLineArgumentParser(description="Write a weight-only quantized copy of a Redline checkpoint.")
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     parser.add_argument("--mode", required=True, help=f"quantization mode: {', '.join(QUANT_MODES)}")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: beside the input, NAME.MODE.safetensors)")
@@ -178,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         before = resolve_checkpoint_path(cfg.checkpoint_path).stat().st_size
         path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out)
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the disk or the file system, not the input: say which file and why
+        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
         return 2
     after = path.stat().st_size
     print(f"{path}\nsize: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({after / before:.1%})")

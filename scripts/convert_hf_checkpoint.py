@@ -4,17 +4,19 @@ python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [-
 """
 from __future__ import annotations
 
-import argparse
 import json
+import pickle
 import re
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, is_redline_file, save_checkpoint
+from checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, dtype_from_name, expected_shapes,
+                        is_redline_file, progress, save_checkpoint)
 from model import ModelArgs
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
@@ -48,9 +50,11 @@ def read_hf_config(checkpoint_dir: Path) -> ModelArgs:
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found; download the model first (scripts/download.py)")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {config_path} ({exc.strerror}); check its permissions") from None
     return ModelArgs.from_hf_config(config)
 
 
@@ -76,15 +80,53 @@ def read_hf_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
             except (SafetensorError, OSError, ValueError) as exc:
                 raise ValueError(f"cannot read {path} ({exc}); the file is truncated or corrupt, re-download it") from None
         else:
-            try:
-                shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # torch raises several types for corrupt or unsafe pickles
-                raise ValueError(f"cannot read {path} safely ({type(exc).__name__}); re-download it or use safetensors") from None
+            shard = read_torch_file(path)
         clash = set(shard) & set(tensors)
         if clash:
             raise ValueError(f"tensor {sorted(clash)[0]} appears in more than one shard ({path.name})")
         tensors.update(shard)
     return tensors
+
+
+def read_torch_file(path: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model*.bin state dict, unpickled with weights_only=True (tensors only, never arbitrary objects).
+    Zip-format files are memory-mapped; the legacy (pre-1.6) format cannot be, so it is read into memory."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "not a tensor file"
+        raise ValueError(f"{path} holds more than plain tensors, so it is not loaded (weights_only=True refused it: "
+                         f"{reason[:200]}); use the model's safetensors weights") from None
+    except Exception as exc:  # torch raises several types for a truncated or corrupt file
+        raise ValueError(f"cannot read {path} ({type(exc).__name__}); the file is truncated or corrupt, re-download "
+                         f"it") from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ValueError(f"{path} is not a state dict of named tensors; use the model's safetensors weights")
+    return state
+
+
+def hf_shape(name: str, args: ModelArgs) -> tuple[int, ...]:
+    """The shape config.json implies for one HF tensor (checked before fusing, so a mis-split q/k/v or gate/up
+    whose concatenation has the right size is still caught)."""
+    part = re.sub(r"^model\.layers\.\d+\.", "", name)
+    return {
+        "model.embed_tokens.weight": (args.vocab_size, args.dim), "lm_head.weight": (args.vocab_size, args.dim),
+        "model.norm.weight": (args.dim,), "input_layernorm.weight": (args.dim,),
+        "post_attention_layernorm.weight": (args.dim,),
+        "self_attn.q_proj.weight": (args.q_size, args.dim), "self_attn.k_proj.weight": (args.kv_size, args.dim),
+        "self_attn.v_proj.weight": (args.kv_size, args.dim), "self_attn.o_proj.weight": (args.dim, args.q_size),
+        "mlp.gate_proj.weight": (args.intermediate_size, args.dim), "mlp.up_proj.weight": (args.intermediate_size, args.dim),
+        "mlp.down_proj.weight": (args.dim, args.intermediate_size),
+    }[part]
+
+
+def check_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
+    expected = hf_shape(name, args)
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json implies {expected}; the "
+                         f"weights do not belong to this config")
+    if not tensor.is_floating_point():
+        raise ValueError(f"tensor {name} is {tensor.dtype}, not floating point; Redline converts unquantized HF weights")
 
 
 def map_hf_tensors(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -105,6 +147,7 @@ def map_hf_tensors(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
                 raise ValueError(f"tensor {name} belongs to layer {layer}, but config.json has {args.n_layer} layers")
             local, index = LAYER_PARTS[part]
             target = f"layers.{layer}.{local}"
+        check_hf_tensor(name, tensor, args)
         if index is None:
             out[target] = tensor
         else:
@@ -144,23 +187,38 @@ def _natural_key(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
+def checkpoint_folder(checkpoint_dir: Path) -> Path:
+    try:
+        exists, is_dir = checkpoint_dir.exists(), checkpoint_dir.is_dir()
+    except OSError as exc:
+        raise ValueError(f"cannot read {checkpoint_dir} ({exc.strerror}); check its permissions") from None
+    if not exists:
+        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist; download the model first")
+    if not is_dir:
+        raise ValueError(f"--checkpoint_dir {checkpoint_dir} is not a folder; pass the HF model folder (config.json "
+                         f"and weights)")
+    return checkpoint_dir
+
+
 def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = None,
                           dtype: torch.dtype | str = torch.bfloat16) -> Path:
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {checkpoint_dir} does not exist; download the model first")
+    """Write one Redline checkpoint from an HF folder. Everything is checked before the output is written, and the
+    output may never be one of the files read."""
+    checkpoint_dir = checkpoint_folder(Path(checkpoint_dir))
     dtype = dtype_from_name(dtype)
     args = read_hf_config(checkpoint_dir)
-    tensors = map_hf_tensors(read_hf_tensors(hf_weight_files(checkpoint_dir)), args)
-    check_shapes(tensors, args)
-    tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    files = hf_weight_files(checkpoint_dir)
     out_path = Path(out) if out is not None else checkpoint_dir / DEFAULT_OUT_NAME
+    check_checkpoint_output(out_path, inputs=[checkpoint_dir / "config.json", *files])
+    tensors = map_hf_tensors(read_hf_tensors(files), args)
+    check_shapes(tensors, args)
+    tensors = {name: t.to(dtype) for name, t in progress(tensors.items(), len(tensors), "converting")}
     info = CheckpointInfo(path=out_path, args=args, dtype=dtype)
     return save_checkpoint(out_path, tensors, info)
 
 
 def parse_args(argv: list[str] | None) -> ConvertArgs:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint_dir", type=Path, required=True, help="HF checkpoint folder (config.json + weights)")
     parser.add_argument("--out", type=Path, default=None, help=f"output file (default: CHECKPOINT_DIR/{DEFAULT_OUT_NAME})")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
@@ -173,8 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         path = convert_hf_checkpoint(cfg.checkpoint_dir, cfg.out, cfg.dtype)
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the disk or the file system, not the input: say which file and why
+        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
         return 2
     print(path)
     return 0

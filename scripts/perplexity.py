@@ -3,7 +3,8 @@
 python scripts/perplexity.py --checkpoint_path X --text FILE [FILE ...] [--max_seq_len 512] [--stride 256]
 
 Each file is one document: BOS + text + EOS (as the demo model was trained). A window of max_seq_len tokens
-moves by `stride`; each token is scored once, by the first window that sees it with the most context.
+(at most the model's context; default 512 or the context if shorter) moves by `stride`; every token after the
+first is scored exactly once, by the first window that sees it with the most context.
 On the GPU the forward pass is compiled (one fixed window shape, so it compiles once).
 """
 from __future__ import annotations
@@ -19,14 +20,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from checkpoint import OneLineArgumentParser, check_output_path, write_atomically
 from generate import LLM
+
+
+# The default window: long enough for a stable estimate, short enough for a quick CPU run of a small model.
+DEFAULT_WINDOW = 512
 
 
 @dataclass(frozen=True)
 class PerplexityArgs:
     checkpoint_path: Path
     text: tuple[Path, ...]
-    max_seq_len: int = 512
+    max_seq_len: int | None = None  # None: DEFAULT_WINDOW, or the model's context if that is shorter
     stride: int | None = None
     device: str | None = None
     dtype: str | None = None
@@ -35,18 +41,34 @@ class PerplexityArgs:
     json: Path | None = None
 
     def __post_init__(self) -> None:
-        if self.max_seq_len < 2:
+        if self.max_seq_len is not None and self.max_seq_len < 2:
             raise ValueError(f"--max_seq_len must be at least 2, got {self.max_seq_len}")
-        # A window's first token has no context inside it, so windows must overlap by at least one token.
-        if self.stride is not None and not 1 <= self.stride < self.max_seq_len:
-            raise ValueError(f"--stride must be between 1 and --max_seq_len - 1 ({self.max_seq_len - 1}), got {self.stride}")
+        if self.stride is not None and self.stride < 1:
+            raise ValueError(f"--stride must be at least 1, got {self.stride}")
+        if self.max_seq_len is not None and self.stride is not None:
+            window_and_stride(self.max_seq_len, self.stride, self.max_seq_len)
         for path in self.text:
+            if path.is_dir():
+                raise ValueError(f"--text {path} is a folder; pass the text files inside it")
             if not path.is_file():
                 raise FileNotFoundError(f"text file {path} does not exist")
+        if self.json is not None:
+            check_output_path(self.json, inputs=[*self.text, self.checkpoint_path], flag="--json")
 
-    @property
-    def window_stride(self) -> int:
-        return self.stride if self.stride is not None else self.max_seq_len // 2
+
+def window_and_stride(max_seq_len: int | None, stride: int | None, context: int) -> tuple[int, int]:
+    """The window and step to score with: the window never exceeds the model's context, and consecutive windows
+    overlap (a window's first token has no context inside it)."""
+    window = min(DEFAULT_WINDOW, context) if max_seq_len is None else max_seq_len
+    if window > context:
+        raise ValueError(f"--max_seq_len {window} is longer than the model's context ({context} tokens); "
+                         f"pass --max_seq_len {context} or less")
+    if window < 2:
+        raise ValueError(f"a window needs at least 2 tokens, but the model's context is {context}")
+    stride = window // 2 if stride is None else stride
+    if not 1 <= stride < window:
+        raise ValueError(f"--stride must be between 1 and the window - 1 ({window - 1}), got {stride}")
+    return window, stride
 
 
 @dataclass(frozen=True)
@@ -64,6 +86,8 @@ class Perplexity:
 
 def scored_windows(n_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     """(start, end, first_scored) per window: targets [first_scored, end) are counted, each exactly once."""
+    if not 1 <= stride < window:
+        raise ValueError(f"stride {stride} must be at least 1 and below the window ({window})")
     spans, scored_until = [], 1  # the first token has nothing to be predicted from
     for start in range(0, n_tokens, stride):
         end = min(start + window, n_tokens)
@@ -91,7 +115,7 @@ def document_perplexity(ids: list[int], window: int, stride: int,
 
 def evaluate(llm: LLM, texts: Sequence[str], window: int, stride: int) -> list[Perplexity]:
     model = llm.model
-    window = min(window, model.args.block_size)
+    window, stride = window_and_stride(window, stride, model.args.block_size)
     model.setup_caches(1, window)
     positions = torch.arange(window, device=llm.device)
 
@@ -109,41 +133,61 @@ def evaluate(llm: LLM, texts: Sequence[str], window: int, stride: int) -> list[P
 
 
 def parse_args(argv: Sequence[str] | None) -> PerplexityArgs:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint_path", type=Path, required=True)
     p.add_argument("--text", type=Path, nargs="+", required=True, help="text files, each scored as one document")
-    p.add_argument("--max_seq_len", type=int, default=512)
-    p.add_argument("--stride", type=int, default=None, help="window step (default: max_seq_len // 2)")
+    p.add_argument("--max_seq_len", type=int, default=None,
+                   help=f"window length (default: {DEFAULT_WINDOW}, or the model's context if shorter)")
+    p.add_argument("--stride", type=int, default=None, help="window step (default: window // 2)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--quantize", default=None, help="quantize on load (int8)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here (checked before the run)")
     ns = p.parse_args(argv)
     return PerplexityArgs(**{**vars(ns), "text": tuple(ns.text)})
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = parse_args(argv)
-        llm = LLM.load(cfg.checkpoint_path, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile,
-                       quantize=cfg.quantize)
-        texts = [path.read_text(encoding="utf-8", errors="replace") for path in cfg.text]
-        per_file = evaluate(llm, texts, cfg.max_seq_len, cfg.window_stride)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+def read_texts(paths: Sequence[Path]) -> list[str]:
+    texts = []
+    for path in paths:
+        try:
+            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+        except OSError as exc:
+            raise ValueError(f"cannot read --text {path} ({exc.strerror}); check its permissions") from None
+    return texts
+
+
+def run(cfg: PerplexityArgs) -> int:
+    texts = read_texts(cfg.text)
+    llm = LLM.load(cfg.checkpoint_path, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile, quantize=cfg.quantize)
+    window, stride = window_and_stride(cfg.max_seq_len, cfg.stride, llm.model.args.block_size)
+    per_file = evaluate(llm, texts, window, stride)
     total = sum(per_file, Perplexity(0, 0.0))
+    if cfg.json is not None:
+        record = {"checkpoint": str(llm.info.path), "quantization": llm.info.scheme,
+                  "dtype": str(llm.model.cache_dtype), "max_seq_len": window, "stride": stride,
+                  "tokens": total.tokens, "perplexity": total.value,
+                  "files": {str(p): asdict(r) | {"perplexity": r.value} for p, r in zip(cfg.text, per_file)}}
+        write_atomically(cfg.json, lambda tmp: tmp.write_text(json.dumps(record, indent=2), encoding="utf-8"))
     for path, result in zip(cfg.text, per_file):
         print(f"{path}: {result.tokens} tokens, perplexity {result.value:.3f}")
     print(f"total: {total.tokens} tokens, perplexity {total.value:.4f}")
-    if cfg.json is not None:
-        record = {"checkpoint": str(llm.info.path), "quantization": llm.info.scheme,
-                  "dtype": str(llm.model.cache_dtype), "max_seq_len": cfg.max_seq_len, "stride": cfg.window_stride,
-                  "tokens": total.tokens, "perplexity": total.value,
-                  "files": {str(p): asdict(r) | {"perplexity": r.value} for p, r in zip(cfg.text, per_file)}}
-        cfg.json.write_text(json.dumps(record, indent=2))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return run(parse_args(argv))
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the disk or the file system: say which file and why
+        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scripts.perplexity import main, scored_windows
 
@@ -51,3 +53,122 @@ def test_bad_arguments(tiny_llm_checkpoint, tmp_path, capsys):
         assert main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def one_line(code: int, err: str, message: str) -> None:
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert message in err, err
+
+
+@pytest.fixture
+def long_doc(tmp_path, tiny_llm_checkpoint):
+    """A text longer than the tiny model's 256-token context, and its token count with BOS and EOS."""
+    from tokenizer import load_tokenizer
+
+    doc = tmp_path / "long.txt"
+    doc.write_text("The quick brown fox jumps over the lazy dog. def add(a, b): return a + b\n" * 30)
+    tok = load_tokenizer(tiny_llm_checkpoint[0])
+    n_ids = 1 + len(tok.encode(doc.read_text())) + 1
+    assert n_ids > 2 * 256
+    return doc, n_ids
+
+
+@pytest.mark.parametrize("max_seq_len", ["257", "1024", "2048"])
+def test_window_over_the_context_is_refused_naming_it(tiny_llm_checkpoint, long_doc, capsys, max_seq_len):
+    code = main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--text", str(long_doc[0]),
+                 "--max_seq_len", max_seq_len, "--device", "cpu"])
+    one_line(code, capsys.readouterr().err, f"--max_seq_len {max_seq_len} is longer than the model's context (256 tokens)")
+
+
+@pytest.mark.parametrize("argv", [[], ["--max_seq_len", "256"], ["--max_seq_len", "256", "--stride", "255"],
+                                  ["--max_seq_len", "100", "--stride", "7"]])
+def test_every_token_is_scored_once_whatever_the_window(tiny_llm_checkpoint, long_doc, tmp_path, argv):
+    """The default window (512) exceeds this model's context, so the default run must use the context instead."""
+    out_json = tmp_path / "r.json"
+    assert main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--text", str(long_doc[0]), "--device", "cpu",
+                 "--json", str(out_json), *argv]) == 0
+    record = json.loads(out_json.read_text())
+    assert record["tokens"] == long_doc[1] - 1
+    assert record["max_seq_len"] <= 256 and 1 <= record["stride"] < record["max_seq_len"]
+
+
+def test_sliding_windows_match_hf_scored_window_by_window(tiny_llm_checkpoint, long_doc, tmp_path):
+    path, hf_model = tiny_llm_checkpoint
+    from tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    ids = torch.tensor([tok.bos_id] + tok.encode(long_doc[0].read_text()) + [tok.eos_ids[0]])
+    nll = 0.0
+    with torch.no_grad():
+        for start, end, first in scored_windows(len(ids), 200, 150):
+            logits = hf_model(ids[start:end].unsqueeze(0)).logits[0].float()
+            nll += F.cross_entropy(logits[first - start - 1:end - start - 1], ids[first:end], reduction="sum").item()
+    out_json = tmp_path / "r.json"
+    assert main(["--checkpoint_path", str(path), "--text", str(long_doc[0]), "--device", "cpu", "--max_seq_len", "200",
+                 "--stride", "150", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["perplexity"] == pytest.approx(math.exp(nll / (len(ids) - 1)), rel=1e-4)
+
+
+def test_folder_as_text_is_named_a_folder(tiny_llm_checkpoint, tmp_path, capsys):
+    code = main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--text", str(tmp_path)])
+    one_line(code, capsys.readouterr().err, "is a folder")
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "a_folder", "the_text"])
+def test_bad_json_path_fails_before_the_model_loads(tiny_llm_checkpoint, tmp_path, capsys, monkeypatch, where):
+    import scripts.perplexity as perplexity
+
+    doc = tmp_path / "a.txt"
+    doc.write_text("hello")
+    target = {"under_a_file": doc / "r.json", "a_folder": tmp_path, "the_text": doc}[where]
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the --json path was checked")
+
+    monkeypatch.setattr(perplexity.LLM, "load", must_not_load)
+    code = main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--text", str(doc), "--json", str(target)])
+    one_line(code, capsys.readouterr().err, "--json")
+    assert doc.read_text() == "hello"
+
+
+def test_ctrl_c_is_one_line_and_status_130(tiny_llm_checkpoint, tmp_path, capsys, monkeypatch):
+    import scripts.perplexity as perplexity
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(perplexity, "evaluate", interrupted)
+    doc = tmp_path / "a.txt"
+    doc.write_text("hello")
+    assert main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--text", str(doc), "--json", str(tmp_path / "r.json")]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]
+
+
+def test_stride_not_below_the_window_is_refused_by_the_window_function():
+    with pytest.raises(ValueError, match="stride"):
+        scored_windows(100, 16, 16)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_arguments_give_a_result_or_one_line(tiny_llm_checkpoint, tmp_path, capsys, data):
+    from checkpoint import TEMP_FILE
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The quick brown fox.\n" * 3)
+    values = [str(tiny_llm_checkpoint[0]), str(doc), str(tmp_path), str(tmp_path / "r.json"), str(doc / "r.json"),
+              str(tmp_path / "missing.txt"), "0", "1", "2", "64", "300", "-5", "x", "cpu", "float32", "int8", "int4", ""]
+    flags = ["--checkpoint_path", "--text", "--max_seq_len", "--stride", "--json", "--device", "--dtype", "--quantize",
+             "--no-compile"]
+    text = st.text("-abcdefgijklmnopqrstuvwxyz_=./0123456789", max_size=8).filter(lambda a: not a.startswith("-h"))
+    argv = data.draw(st.lists(st.sampled_from(flags + values) | text, max_size=8))
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    if code == 0:
+        assert "total:" in out
+    else:
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    assert doc.read_text() == "The quick brown fox.\n" * 3
+    assert not [p for p in tmp_path.iterdir() if TEMP_FILE.fullmatch(p.name)]

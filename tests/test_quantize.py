@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 from checkpoint import load_tensors, read_checkpoint_info
@@ -149,3 +151,60 @@ def test_cli_errors_are_one_line(bf16_checkpoint, int8_checkpoint, capsys, argv_
     code = main(argv_for(bf16_checkpoint, int8_checkpoint))
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_cli_refuses_an_out_that_is_the_input_through_a_link(bf16_checkpoint, tmp_path, capsys, link):
+    import os
+
+    out = tmp_path / "alias.safetensors"
+    (out.symlink_to if link == "symlink" else lambda target: os.link(target, out))(bf16_checkpoint)
+    before = bf16_checkpoint.read_bytes()
+    assert main(["--checkpoint_path", str(bf16_checkpoint), "--mode", "int8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "overwrite the input" in err and err.count("\n") == 1
+    assert bf16_checkpoint.read_bytes() == before
+
+
+def test_cli_ctrl_c_is_one_line_and_status_130(bf16_checkpoint, tmp_path, capsys, monkeypatch):
+    import quantize
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantize, "quantize_int8", interrupted)
+    assert main(["--checkpoint_path", str(bf16_checkpoint), "--mode", "int8", "--out", str(tmp_path / "q.safetensors")]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted" in err and list(tmp_path.iterdir()) == []
+
+
+def test_cli_progress_bar_only_on_a_terminal(bf16_checkpoint, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert main(["--checkpoint_path", str(bf16_checkpoint), "--mode", "int8", "--out", str(tmp_path / "q.safetensors")]) == 0
+    assert "quantizing" in capsys.readouterr().err
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cli_random_arguments_give_a_result_or_one_line(bf16_checkpoint, int8_checkpoint, tmp_path, capsys, data):
+    from checkpoint import TEMP_FILE
+
+    values = [str(bf16_checkpoint), str(bf16_checkpoint.parent), str(int8_checkpoint), str(tmp_path / "q.safetensors"),
+              str(tmp_path / "q.bin"), str(tmp_path / "missing.safetensors"), str(bf16_checkpoint / "x.safetensors"),
+              "/proc/self/environ", "", "int8", "int4", "none"]
+    words = st.sampled_from(["--checkpoint_path", "--mode", "--out", "--mode=", "--x"] + values)
+    text = st.text("-abcdefgijklmnopqrstuvwxyz_=./", max_size=10).filter(lambda a: not a.startswith("-h"))
+    argv = data.draw(st.lists(words | text, max_size=6))
+    before = bf16_checkpoint.read_bytes()
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    if code == 0:
+        assert read_checkpoint_info(out.splitlines()[0]).scheme == "int8"
+    else:
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
+    assert bf16_checkpoint.read_bytes() == before
+    for folder in (bf16_checkpoint.parent, tmp_path):
+        assert not [p for p in folder.iterdir() if TEMP_FILE.fullmatch(p.name)]
