@@ -8,10 +8,10 @@
 
 `encode(text)` gives the ids Hugging Face's `AutoTokenizer.from_pretrained(dir)(text)["input_ids"]` gives:
 special-token text in the input (`<|im_start|>`) becomes its special id, and BOS/EOS are added by each
-tokenizer's own rule. A tokenizer.json follows its post-processor, or, where tokenizer_config.json sets
-`add_bos_token`/`add_eos_token` (or the file has no post-processor), a BOS/EOS template built from those flags
-(transformers' rule). SentencePiece and tiktoken tokenizers add BOS unless tokenizer_config.json says otherwise,
-as HF's Llama tokenizers do. `encode(text, add_special_tokens=False)` adds no BOS/EOS; `encode_text(text)`
+tokenizer's own rule. A tokenizer.json follows its post-processor alone (transformers 5 ignores
+tokenizer_config.json's `add_bos_token`/`add_eos_token` when a tokenizer.json is present, and a file without a
+post-processor adds nothing). SentencePiece and tiktoken tokenizers add BOS unless tokenizer_config.json's
+`add_bos_token` says otherwise, as HF's Llama tokenizers do. `encode(text, add_special_tokens=False)` adds no BOS/EOS; `encode_text(text)`
 treats special-token text as plain text as well.
 
 `apply_chat_template(messages)` renders the checkpoint's own Jinja chat template (tokenizer_config.json's
@@ -383,26 +383,15 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"{path} is not a readable Hugging Face tokenizer.json ({exc}).") from exc
         config = _read_json(path.parent / "tokenizer_config.json")
         self.split_special_tokens = bool(config.get("split_special_tokens", False))
+        self.tokenizer.encode_special_tokens = self.split_special_tokens  # False: special text in input is special
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.special_tokens = _special_token_strings(path.parent, config)
         self.bos_id, self.eos_ids = self._bos_and_eos(path.parent)
-        self.add_bos = bool(config.get("add_bos_token", False)) and self.bos_id is not None
-        self.add_eos = bool(config.get("add_eos_token", False)) and bool(self.eos_ids)
-        if "add_bos_token" in config or "add_eos_token" in config or self.tokenizer.post_processor is None:
-            self.tokenizer.post_processor = self._bos_eos_template()
+        added = self.tokenizer.encode("", add_special_tokens=True).ids  # what the post-processor adds
+        self.add_bos = bool(added) and added[0] == self.bos_id
+        self.add_eos = bool(added) and added[-1] in self.eos_ids
         has_llama3_headers = self.tokenizer.token_to_id("<|start_header_id|>") is not None
         self.fallback_chat_format = "llama3" if has_llama3_headers else None
-
-    def _bos_eos_template(self) -> Any:
-        """The post-processor transformers builds from add_bos_token/add_eos_token."""
-        from tokenizers import processors
-
-        bos = self.special_tokens.get("bos_token") if self.add_bos else None
-        eos = self.special_tokens.get("eos_token") if self.add_eos else None
-        single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
-        pair = single + " " + " ".join([*([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
-        specials = [(t, self.tokenizer.token_to_id(t)) for t in (bos, eos) if t]
-        return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def _bos_and_eos(self, directory: Path) -> tuple[int | None, tuple[int, ...]]:
         """tokenizer_config.json's bos_token/eos_token, else config.json's bos_token_id/eos_token_id."""

@@ -88,7 +88,7 @@ def generation_config(reader: Any) -> dict[str, Any]:
 def byte_level_tokenizer_json(reader: Any, tokens: list[str], types: list[int]) -> str:
     """tokenizer.json for a byte-level BPE vocabulary: the merges, the pre-tokenizer regex its `pre` names,
     control tokens as special added tokens and user-defined tokens as plain added tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZER_REGEX:
@@ -111,6 +111,14 @@ def byte_level_tokenizer_json(reader: Any, tokens: list[str], types: list[int]) 
     user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
     tok.add_special_tokens(special)
     tok.add_tokens(user)
+    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:  # the post-processor is what decides, for transformers and for Redline alike
+        ends = [(tokens[bos], bos)] * add_bos + [(tokens[eos], eos)] * add_eos
+        single = " ".join([f"{tokens[bos]}:0"] * add_bos + ["$A:0"] + [f"{tokens[eos]}:0"] * add_eos)
+        pair = single + " " + " ".join([f"{tokens[bos]}:1"] * add_bos + ["$B:1"] + [f"{tokens[eos]}:1"] * add_eos)
+        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=ends)
     return tok.to_str()
 
 
