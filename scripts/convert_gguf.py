@@ -19,7 +19,7 @@ import torch
 
 from checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, save_checkpoint
 from model import ModelArgs, RopeScaling
-from scripts.gguf_tokenizer import write_tokenizer_files
+from scripts.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 
 # Block sizes (values per block) and bytes per block of the types whose blocks this file unpacks itself.
 BLOCK_VALUES = 32
@@ -242,11 +242,12 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
     reader = read_gguf(cfg.gguf)
     rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     args = model_args(reader, tensor_to_float(rope) if rope is not None else None)
+    tokenizer = tokenizer_files(reader)  # built before anything is written, so a bad tokenizer leaves no files
     tensors = redline_tensors(reader, args)
     check_shapes(tensors, args)
     tensors = {name: t.to(cfg.dtype) for name, t in tensors.items()}
     path = save_checkpoint(cfg.out, tensors, CheckpointInfo(path=cfg.out, args=args, dtype=cfg.dtype))
-    write_tokenizer_files(reader, cfg.out.parent)
+    write_tokenizer_files(tokenizer, cfg.out.parent)
     return path
 
 

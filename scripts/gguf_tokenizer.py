@@ -36,29 +36,34 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def write_tokenizer_files(reader: Any, out_dir: Path) -> list[Path]:
-    """Write the tokenizer, tokenizer_config.json and generation_config.json for `reader` into `out_dir`."""
+def tokenizer_files(reader: Any) -> dict[str, bytes]:
+    """The tokenizer, tokenizer_config.json and generation_config.json for `reader`, by file name; empty when the
+    GGUF file carries no tokenizer. Raises ValueError for a tokenizer kind Redline cannot rebuild."""
     kind = _field(reader, "tokenizer.ggml.model")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if kind is None or not tokens:
-        raise ValueError("the GGUF file carries no tokenizer (tokenizer.ggml.model/tokens); it cannot be used alone")
+        return {}
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     if kind == "gpt2":
-        path = out_dir / "tokenizer.json"
-        data = byte_level_tokenizer_json(reader, tokens, types).encode("utf-8")
+        files = {"tokenizer.json": byte_level_tokenizer_json(reader, tokens, types).encode("utf-8")}
         default_add_bos = False
     elif kind == "llama":
-        path = out_dir / "tokenizer.model"
-        data = sentencepiece_model(reader, tokens, types)
+        files = {"tokenizer.model": sentencepiece_model(reader, tokens, types)}
         default_add_bos = True
     else:
         raise ValueError(f"unsupported GGUF tokenizer {kind!r}; Redline converts 'gpt2' (BPE) and 'llama' (SentencePiece)")
-    written = [_write(path, data)]
-    written.append(_write(out_dir / "tokenizer_config.json", _json(tokenizer_config(reader, tokens, default_add_bos))))
-    written.append(_write(out_dir / "generation_config.json", _json(generation_config(reader))))
-    stale = out_dir / ("tokenizer.model" if kind == "gpt2" else "tokenizer.json")
-    if stale.is_file():  # a tokenizer of the other kind would be loaded first or mixed with these files
-        stale.unlink()
+    files["tokenizer_config.json"] = _json(tokenizer_config(reader, tokens, default_add_bos))
+    files["generation_config.json"] = _json(generation_config(reader))
+    return files
+
+
+def write_tokenizer_files(files: dict[str, bytes], out_dir: Path) -> list[Path]:
+    """Write `files` into `out_dir`, each atomically, removing a tokenizer of the other kind left there (it would
+    be loaded first, or mixed with these files)."""
+    written = [_write(out_dir / name, data) for name, data in files.items()]
+    for other in ("tokenizer.model", "tokenizer.json"):
+        if files and other not in files and (out_dir / other).is_file():
+            (out_dir / other).unlink()
     return written
 
 
@@ -187,5 +192,9 @@ def _json(value: dict[str, Any]) -> bytes:
 
 
 def _write(path: Path, data: bytes) -> Path:
-    write_atomically(path, lambda tmp: tmp.write_bytes(data))
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(data)
+        tmp.chmod(0o644)  # readable like any other file in a checkpoint folder
+
+    write_atomically(path, write)
     return path
