@@ -147,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         from checkpoint import resolve_checkpoint_path
+        from tokenizer import copy_tokenizer_files
 
         before = resolve_checkpoint_path(cfg.checkpoint_path).stat().st_size
         path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out)
+        copy_tokenizer_files(resolve_checkpoint_path(cfg.checkpoint_path).parent, path.parent)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

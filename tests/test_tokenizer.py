@@ -549,3 +549,17 @@ def test_copy_tokenizer_files_never_onto_itself(sp_tokenizer_dir, tmp_path):
     assert (directory / "tokenizer.model").read_bytes() == before
     with pytest.raises(FileNotFoundError):
         tk.copy_tokenizer_files(tmp_path / "missing", tmp_path / "out")
+
+
+def test_converter_and_quantizer_clis_copy_the_tokenizer_beside_out(tiny_llm_checkpoint, tmp_path):
+    from quantize import main as quantize_main
+    from scripts.convert_hf_checkpoint import main as convert_main
+
+    source = tiny_llm_checkpoint[0].parent
+    converted = tmp_path / "converted" / "model.safetensors"
+    assert convert_main(["--checkpoint_dir", str(source), "--out", str(converted), "--dtype", "float32"]) == 0
+    quantized = tmp_path / "quantized" / "model.int8.safetensors"
+    assert quantize_main(["--checkpoint_path", str(converted), "--mode", "int8", "--out", str(quantized)]) == 0
+    for folder in (converted.parent, quantized.parent):
+        assert (folder / "tokenizer.model").read_bytes() == (source / "tokenizer.model").read_bytes()
+        assert load_tokenizer(folder).encode("hello") == load_tokenizer(source).encode("hello")
