@@ -11,8 +11,8 @@ special-token text in the input (`<|im_start|>`) becomes its special id, and BOS
 tokenizer's own rule. A tokenizer.json follows its post-processor alone (transformers 5 ignores
 tokenizer_config.json's `add_bos_token`/`add_eos_token` when a tokenizer.json is present, and a file without a
 post-processor adds nothing). SentencePiece and tiktoken tokenizers add BOS unless tokenizer_config.json's
-`add_bos_token` says otherwise, as HF's Llama tokenizers do. `encode(text, add_special_tokens=False)` adds no BOS/EOS; `encode_text(text)`
-treats special-token text as plain text as well.
+`add_bos_token` says otherwise, as HF's Llama tokenizers do. `encode(text, add_special_tokens=False)` adds no
+BOS/EOS; `encode_text(text)` treats special-token text as plain text as well.
 
 `apply_chat_template(messages)` renders the checkpoint's own Jinja chat template (tokenizer_config.json's
 "chat_template", or chat_template.jinja beside it) as transformers renders it, then encodes the text without

@@ -254,7 +254,8 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
 def parse_args(argv: list[str] | None) -> GGUFConvertArgs:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
-    parser.add_argument("--out", type=Path, default=None, help="output file (default: beside the input, NAME.redline.safetensors)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output file (default: beside the input, NAME.redline.safetensors)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     parser.add_argument("--dequantize", action="store_true",
                         help="dequantize every quantized tensor to --dtype (the only mode for now)")

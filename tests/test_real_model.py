@@ -23,7 +23,8 @@ REAL_TEXT_TOKENS = 512
 PROMPTS = ("What is the capital of France?", "Write a Python function that reverses a string.",
            "Give me three tips for sleeping better.")
 ENCODE_TEXTS = [
-    "Hello world", "", " ", "\n\n\t  \r\n", "héllo wörld — naïve café, Straße, 日本語, 中文, 한국어, Привет 🚀👍🏽🦙",
+    "Hello world", "", " ", "\n\n\t  \r\n",
+    "héllo wörld — naïve café, Straße, 日本語, 中文, 한국어, Привет 🚀👍🏽🦙",
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
     "   leading and trailing   ", "<|im_start|>user\nhi<|im_end|>", "x = {'a': [1, 2.5e-3]}  // 10 /* c */",
     "The year 2024 had 366 days; 1234567890.",

@@ -422,7 +422,8 @@ def test_encode_rejects_non_strings(tiktoken_tokenizer_dir):
 
 # --- agreement with Hugging Face transformers ---
 
-HF_TEXTS = ["Hello world", "", "  two spaces\n\n\ttab\r\n", "<s>special</s> text", "déjà vu 日本語 🚀", "x = [1, 2]  # c"]
+HF_TEXTS = ["Hello world", "", "  two spaces\n\n\ttab\r\n", "<s>special</s> text", "déjà vu 日本語 🚀",
+            "x = [1, 2]  # c"]
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
@@ -489,7 +490,8 @@ def test_chat_template_matches_transformers(hf_tokenizer_dir, tmp_path, template
     if where == "config":
         config["chat_template"] = template
     elif where == "list":
-        config["chat_template"] = [{"name": "tool_use", "template": "{{ 'wrong' }}"}, {"name": "default", "template": template}]
+        config["chat_template"] = [{"name": "tool_use", "template": "{{ 'wrong' }}"},
+                                   {"name": "default", "template": template}]
     directory = _hf_dir(hf_tokenizer_dir, tmp_path, config, template_file=template if where == "jinja" else None)
     ours, theirs = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
     assert ours.chat_format == "template"
