@@ -47,11 +47,14 @@ def test_make_demo_works_on_a_fresh_clone(smollm2_checkpoint, tmp_path):
         pytest.skip("generate.py has no --chat option, which `make demo` uses")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{REPO}", str(clone)], check=True)
-    # The download is what the smollm2_checkpoint fixture already did: seed the clone's cache with the GGUF (a link),
-    # so the clone converts it itself but does not download it again.
+    # The download is what the smollm2_checkpoint fixture already did: seed the clone's cache with the GGUF, so the
+    # clone converts it itself but does not download it again.
     cache = clone / DEFAULT_DIR
     cache.mkdir(parents=True)
-    os.link(gguf_path(REPO / DEFAULT_DIR), gguf_path(cache))
+    try:
+        os.link(gguf_path(REPO / DEFAULT_DIR), gguf_path(cache))
+    except OSError:  # another filesystem
+        shutil.copy2(gguf_path(REPO / DEFAULT_DIR), gguf_path(cache))
     # The install step is what `make test` already ran; skip it so the clone does not re-point the editable install.
     run = subprocess.run(["make", "-s", "demo", f"PYTHON={sys.executable}", "SKIP_SETUP=1"], cwd=clone,
                          capture_output=True, text=True, timeout=900)
