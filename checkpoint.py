@@ -192,6 +192,8 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
         raise ValueError(f"cannot read checkpoint {path} ({exc.strerror}); check that path and its permissions") from None
     if not exists:
         raise FileNotFoundError(f"checkpoint {path} does not exist; convert one with scripts/convert_hf_checkpoint.py")
+    if is_file and path.suffix.lower() == ".gguf":
+        raise ValueError(f"{path} is a GGUF file; convert it first: python scripts/convert_gguf.py --gguf {path}")
     if is_file:
         return path
     if not is_dir:

@@ -19,9 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from checkpoint import (CheckpointInfo, load_tensors, model_state_dict, read_checkpoint_info, resolve_checkpoint_path,
+from checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info, resolve_checkpoint_path,
                         save_checkpoint)
 from model import Transformer
+from tokenizer import copy_tokenizer_files
 
 QUANT_MODES = ("int8",)
 INT8_MAX = 127
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         before = resolve_checkpoint_path(cfg.checkpoint_path).stat().st_size
         path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out)
+        copy_tokenizer_files(resolve_checkpoint_path(cfg.checkpoint_path).parent, path.parent)
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130

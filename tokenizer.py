@@ -2,24 +2,28 @@
 
 `load_tokenizer(path)` looks in the checkpoint's directory and returns one of:
 
-- `SentencePieceTokenizer` for a SentencePiece `tokenizer.model` (Llama 2, Mistral, TinyLlama, CodeLlama);
-  chat format "llama2".
-- `TiktokenTokenizer` for a tiktoken-format `tokenizer.model` (Llama 3, 3.1, 3.2); chat format "llama3".
-- `HFTokenizer` for a Hugging Face `tokenizer.json`; chat format "llama3" when the vocabulary has the
-  Llama 3 header tokens, otherwise "plain".
+- `SentencePieceTokenizer` for a SentencePiece `tokenizer.model` (Llama 2, Mistral, TinyLlama, CodeLlama).
+- `TiktokenTokenizer` for a tiktoken-format `tokenizer.model` (Llama 3, 3.1, 3.2).
+- `HFTokenizer` for a Hugging Face `tokenizer.json` (SmolLM, Qwen, most Hub models, and GGUF conversions).
 
-Every tokenizer encodes user text as plain text: text that looks like a special token (`<|eot_id|>`,
-`<s>`) never turns into a special id. Special ids come only from `bos=True`, `eos=True` and `encode_chat`.
+`encode(text)` gives the ids Hugging Face's `AutoTokenizer.from_pretrained(dir)(text)["input_ids"]` gives:
+special-token text in the input (`<|im_start|>`) becomes its special id, and BOS/EOS are added by each
+tokenizer's own rule. A tokenizer.json follows its post-processor alone (transformers 5 ignores
+tokenizer_config.json's `add_bos_token`/`add_eos_token` when a tokenizer.json is present, and a file without a
+post-processor adds nothing). SentencePiece and tiktoken tokenizers add BOS unless tokenizer_config.json's
+`add_bos_token` says otherwise, as HF's Llama tokenizers do. `encode(text, add_special_tokens=False)` adds no
+BOS/EOS; `encode_text(text)` treats special-token text as plain text as well.
 
-Chat formats, as `encode_chat` lays them out (`content` is stripped of surrounding whitespace, as the
-Llama reference code and chat templates do):
+`apply_chat_template(messages)` renders the checkpoint's own Jinja chat template (tokenizer_config.json's
+"chat_template", or chat_template.jinja beside it) as transformers renders it, then encodes the text without
+adding BOS/EOS again. Checkpoints without a template fall back to the hand-written layouts of their family:
 
 - "llama2":  `<s>[INST] <<SYS>>\\n{system}\\n<</SYS>>\\n\\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]`
-  (an optional leading system message, then user/assistant turns ending with a user turn).
+  (SentencePiece tokenizers).
 - "llama3":  `<|begin_of_text|>` then `<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}<|eot_id|>`
-  for each message, then `<|start_header_id|>assistant<|end_header_id|>\\n\\n`.
-- "plain":   BOS (when the tokenizer has one), then one `{role}: {content}\\n` line per message, then
-  `assistant: `. For base models without a chat template.
+  for each message, then `<|start_header_id|>assistant<|end_header_id|>\\n\\n` (tiktoken tokenizers, and
+  tokenizer.json vocabularies with the Llama 3 header tokens).
+Any other tokenizer without a template is an error when asked for a chat prompt.
 """
 from __future__ import annotations
 
@@ -28,12 +32,22 @@ import binascii
 import json
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")  # searched in this order
-ROLES = ("system", "user", "assistant")
+# Every file a tokenizer loader reads beside a checkpoint, copied along when a checkpoint is written elsewhere.
+TOKENIZER_SIDE_FILES = TOKENIZER_FILES + (
+    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "config.json",
+)
+ROLES = ("system", "user", "assistant", "tool")
+# The special-token names transformers puts into a chat template's context.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 # Llama 3: the pre-tokenizer regex and the 256 special tokens that follow the base vocabulary.
 LLAMA3_PATTERN = (
@@ -69,16 +83,24 @@ _TIKTOKEN_LINE = re.compile(rb"[A-Za-z0-9+/]+=*\s+\d+")
 
 
 class Tokenizer:
-    """The interface every tokenizer offers. Subclasses set the four attributes and implement
-    `encode_text`, `decode` and `special_token_id`; BOS/EOS handling and chat layouts live here."""
+    """The interface every tokenizer offers. Subclasses set the attributes and implement `encode_text`,
+    `_encode_with_specials`, `decode` and `special_token_id`; BOS/EOS rules and chat prompts live here."""
 
     bos_id: int | None  # None when the tokenizer has no BOS token
-    eos_ids: tuple[int, ...]  # every id that ends generation; eos_ids[0] is the one `encode(eos=True)` appends
-    vocab_size: int
-    chat_format: str  # "llama2" | "llama3" | "plain"
+    eos_ids: tuple[int, ...]  # every id that ends generation; eos_ids[0] is the primary EOS
+    vocab_size: int  # how many ids decode, added tokens included
+    add_bos: bool = False  # whether encode(text) prepends BOS
+    add_eos: bool = False  # whether encode(text) appends eos_ids[0]
+    chat_template: str | None = None  # the checkpoint's Jinja chat template
+    special_tokens: dict[str, str] = {}  # bos_token/eos_token/... as strings, for the template's context
+    fallback_chat_format: str | None = None  # "llama2" | "llama3" | None: the layout used without a template
 
     def encode_text(self, text: str) -> list[int]:
         """Ids for `text` as plain text: no BOS/EOS, and special-token text is not special."""
+        raise NotImplementedError
+
+    def _encode_with_specials(self, text: str) -> list[int]:
+        """Ids for `text` with special-token text turned into special ids, no BOS/EOS added."""
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -90,32 +112,73 @@ class Tokenizer:
         """The id of a special token such as "<|eot_id|>"; KeyError when the vocabulary lacks it."""
         raise NotImplementedError
 
-    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        """Ids for `text`, with BOS prepended and the primary EOS appended when asked for
-        (and when the tokenizer has them)."""
+    @property
+    def chat_format(self) -> str:
+        """"template" when the checkpoint has a chat template, else the fallback layout's name, else "none"."""
+        return "template" if self.chat_template is not None else (self.fallback_chat_format or "none")
+
+    def encode(self, text: str, add_special_tokens: bool = True, *, bos: bool | None = None,
+               eos: bool | None = None) -> list[int]:
+        """Ids for `text` as Hugging Face's tokenizer call gives them (see the module docstring).
+
+        `add_special_tokens=False` adds no BOS/EOS. `bos`/`eos`, when given, choose BOS and the primary EOS
+        explicitly and encode `text` as plain text (the older interface)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, not {type(text).__name__}.")
-        ids = self.encode_text(text)
+        if bos is not None or eos is not None:
+            return self._with_bos_eos(self.encode_text(text), bool(bos), bool(eos))
+        if not add_special_tokens:
+            return self._encode_with_specials(text)
+        return self._encode_with_post_processor(text)
+
+    def _encode_with_post_processor(self, text: str) -> list[int]:
+        return self._with_bos_eos(self._encode_with_specials(text), self.add_bos, self.add_eos)
+
+    def _with_bos_eos(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         if bos and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         if eos and self.eos_ids:
             ids.append(self.eos_ids[0])
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt ids for a conversation, BOS first, ending where the assistant's reply starts.
-        The layouts are described in this module's docstring."""
+    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The checkpoint's chat template rendered for `messages`, as transformers renders it."""
         _check_messages(messages)
-        if self.chat_format == "llama2":
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template; add chat_template.jinja beside the checkpoint")
+        import jinja2
+
+        try:
+            template = _compiled_template(self.chat_template)
+            return template.render(messages=messages, tools=None, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Prompt ids for a conversation: the checkpoint's chat template rendered and encoded without adding
+        BOS/EOS again (the template writes them), or the family's hand-written layout when there is no
+        template. With `add_generation_prompt` the prompt ends where the assistant's reply starts."""
+        if self.chat_template is not None:
+            return self._encode_with_specials(self.render_chat_template(messages, add_generation_prompt))
+        _check_messages(messages)
+        if self.fallback_chat_format == "llama2":
             return self._encode_llama2_chat(messages)
-        if self.chat_format == "llama3":
-            return self._encode_llama3_chat(messages)
-        return self._encode_plain_chat(messages)
+        if self.fallback_chat_format == "llama3":
+            return self._encode_llama3_chat(messages, add_generation_prompt)
+        raise ValueError(
+            "this checkpoint has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja) "
+            "and its tokenizer has no known chat layout; add a template or send a plain prompt"
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The older name of `apply_chat_template(messages)`."""
+        return self.apply_chat_template(messages)
 
     def _bos(self) -> list[int]:
         return [] if self.bos_id is None else [self.bos_id]
 
-    def _encode_llama2_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode_llama2_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         if len(messages) > 1 and messages[0]["role"] == "system" and messages[1]["role"] == "user":
             system, first = messages[0]["content"].strip(), messages[1]["content"].strip()
             merged = {"role": "user", "content": f"<<SYS>>\n{system}\n<</SYS>>\n\n{first}"}
@@ -134,7 +197,7 @@ class Tokenizer:
         ids += self._bos() + self.encode_text(f"[INST] {messages[-1]['content'].strip()} [/INST]")
         return ids
 
-    def _encode_llama3_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode_llama3_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         start, end = self.special_token_id("<|start_header_id|>"), self.special_token_id("<|end_header_id|>")
         eot = self.special_token_id("<|eot_id|>")
 
@@ -144,16 +207,39 @@ class Tokenizer:
         ids = self._bos()
         for m in messages:
             ids += header(m["role"]) + self.encode_text(m["content"].strip()) + [eot]
-        return ids + header("assistant")
-
-    def _encode_plain_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        lines = "".join(f"{m['role']}: {m['content'].strip()}\n" for m in messages)
-        return self._bos() + self.encode_text(lines + "assistant: ")
+        return ids + header("assistant") if add_generation_prompt else ids
 
 
-def _check_messages(messages: list[dict[str, str]]) -> None:
+def _compiled_template(source: str) -> Any:
+    """A Jinja template compiled the way transformers compiles chat templates: a sandbox, trim_blocks and
+    lstrip_blocks, loop controls, a `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now`."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    import jinja2
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"the chat template is not valid Jinja ({exc}); fix or remove it") from exc
+
+
+def _check_messages(messages: list[dict[str, Any]]) -> None:
     if not isinstance(messages, list) or not messages:
-        raise ValueError("encode_chat() needs a non-empty list of {'role': ..., 'content': ...} messages.")
+        raise ValueError("a chat prompt needs a non-empty list of {'role': ..., 'content': ...} messages.")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise ValueError(
@@ -161,10 +247,29 @@ def _check_messages(messages: list[dict[str, str]]) -> None:
             )
 
 
-class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model (Llama 2 family). BOS/EOS come from the model; -1 there means none."""
+def _split_on_specials(text: str, specials: Sequence[str]) -> list[tuple[str, bool]]:
+    """`text` cut into (piece, is_special) pairs, longest special strings matched first."""
+    if not specials or not text:
+        return [(text, False)] if text else []
+    pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    pieces: list[tuple[str, bool]] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if match.start() > start:
+            pieces.append((text[start:match.start()], False))
+        pieces.append((match.group(), True))
+        start = match.end()
+    if start < len(text):
+        pieces.append((text[start:], False))
+    return pieces
 
-    chat_format = "llama2"
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model (Llama 2 family). BOS/EOS come from the model; -1 there means none.
+    Control pieces (`<s>`, `</s>`) and `<unk>` in the text are special, as in HF's Llama tokenizers."""
+
+    fallback_chat_format = "llama2"
+    add_bos = True
 
     def __init__(self, model_proto: bytes, source: Path):
         import sentencepiece
@@ -179,9 +284,21 @@ class SentencePieceTokenizer(Tokenizer):
         self.bos_id = bos if bos >= 0 else None
         self.eos_ids = (eos,) if eos >= 0 else ()
         self.vocab_size = self.processor.vocab_size()
+        ids = range(self.vocab_size)
+        self.specials = {self.processor.id_to_piece(i): i for i in ids
+                         if self.processor.is_control(i) or self.processor.is_unknown(i)}
+        self.specials.pop("", None)
+        names = {"bos_token": self.bos_id, "eos_token": eos if eos >= 0 else None, "unk_token": self.processor.unk_id()}
+        self.special_tokens = {k: self.processor.id_to_piece(i) for k, i in names.items() if i is not None and i >= 0}
 
     def encode_text(self, text: str) -> list[int]:
         return self.processor.encode(text)
+
+    def _encode_with_specials(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece, special in _split_on_specials(text, list(self.specials)):
+            ids += [self.specials[piece]] if special else self.processor.encode(piece)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.processor.decode(list(ids))
@@ -196,22 +313,24 @@ class SentencePieceTokenizer(Tokenizer):
 class TiktokenTokenizer(Tokenizer):
     """A tiktoken BPE file (`<base64 token> <rank>` per line) with the Llama 3 regex and special tokens."""
 
-    chat_format = "llama3"
+    fallback_chat_format = "llama3"
+    add_bos = True
 
     def __init__(self, mergeable_ranks: dict[bytes, int], source: Path):
         import tiktoken
 
         num_base = len(mergeable_ranks)
-        self.special_tokens = {token: num_base + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self.special_token_ids = {token: num_base + i for i, token in enumerate(LLAMA3_SPECIAL_TOKENS)}
         self.encoding = tiktoken.Encoding(
             name=source.name,
             pat_str=LLAMA3_PATTERN,
             mergeable_ranks=mergeable_ranks,
-            special_tokens=self.special_tokens,
+            special_tokens=self.special_token_ids,
         )
-        self.bos_id = self.special_tokens["<|begin_of_text|>"]
-        self.eos_ids = (self.special_tokens["<|end_of_text|>"], self.special_tokens["<|eot_id|>"])
-        self.vocab_size = num_base + len(self.special_tokens)
+        self.bos_id = self.special_token_ids["<|begin_of_text|>"]
+        self.eos_ids = (self.special_token_ids["<|end_of_text|>"], self.special_token_ids["<|eot_id|>"])
+        self.vocab_size = num_base + len(self.special_token_ids)
+        self.special_tokens = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
 
     def encode_text(self, text: str) -> list[int]:
         if len(text) <= MAX_TIKTOKEN_RUN_CHARS:  # the common case: nothing to split
@@ -221,11 +340,17 @@ class TiktokenTokenizer(Tokenizer):
             ids += self.encoding.encode_ordinary(piece)
         return ids
 
+    def _encode_with_specials(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece, special in _split_on_specials(text, list(self.special_token_ids)):
+            ids += [self.special_token_ids[piece]] if special else self.encode_text(piece)
+        return ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.encoding.decode(list(ids))  # errors="replace": a cut-off character becomes U+FFFD
 
     def special_token_id(self, token: str) -> int:
-        return self.special_tokens[token]
+        return self.special_token_ids[token]
 
 
 def _tiktoken_safe_pieces(text: str) -> Iterator[str]:
@@ -247,7 +372,7 @@ def _tiktoken_safe_pieces(text: str) -> Iterator[str]:
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers` tokenizer.json, with BOS/EOS from the config files beside it."""
+    """A Hugging Face `tokenizers` tokenizer.json, with BOS/EOS rules from the config files beside it."""
 
     def __init__(self, path: Path):
         import tokenizers
@@ -256,17 +381,22 @@ class HFTokenizer(Tokenizer):
             self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception with a serde message
             raise ValueError(f"{path} is not a readable Hugging Face tokenizer.json ({exc}).") from exc
-        self.tokenizer.encode_special_tokens = True  # special-token text in user input stays plain text
+        config = _read_json(path.parent / "tokenizer_config.json")
+        self.split_special_tokens = bool(config.get("split_special_tokens", False))
+        self.tokenizer.encode_special_tokens = self.split_special_tokens  # False: special text in input is special
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_tokens = _special_token_strings(path.parent, config)
         self.bos_id, self.eos_ids = self._bos_and_eos(path.parent)
+        added = self.tokenizer.encode("", add_special_tokens=True).ids  # what the post-processor adds
+        self.add_bos = bool(added) and added[0] == self.bos_id
+        self.add_eos = bool(added) and added[-1] in self.eos_ids
         has_llama3_headers = self.tokenizer.token_to_id("<|start_header_id|>") is not None
-        self.chat_format = "llama3" if has_llama3_headers else "plain"
+        self.fallback_chat_format = "llama3" if has_llama3_headers else None
 
     def _bos_and_eos(self, directory: Path) -> tuple[int | None, tuple[int, ...]]:
         """tokenizer_config.json's bos_token/eos_token, else config.json's bos_token_id/eos_token_id."""
-        tokenizer_config = _read_json(directory / "tokenizer_config.json")
-        bos = self._token_config_id(tokenizer_config.get("bos_token"))
-        eos = self._token_config_id(tokenizer_config.get("eos_token"))
+        bos = self._token_config_id(self.special_tokens.get("bos_token"))
+        eos = self._token_config_id(self.special_tokens.get("eos_token"))
         config_path = directory / "config.json"
         config = _read_json(config_path)
         if bos is None:
@@ -274,13 +404,21 @@ class HFTokenizer(Tokenizer):
         eos_ids = (eos,) if eos is not None else _id_list(config.get("eos_token_id"), config_path)
         return bos, eos_ids
 
-    def _token_config_id(self, token: str | dict[str, Any] | None) -> int | None:
-        if isinstance(token, dict):
-            token = token.get("content")
+    def _token_config_id(self, token: str | None) -> int | None:
         return self.tokenizer.token_to_id(token) if isinstance(token, str) else None
 
     def encode_text(self, text: str) -> list[int]:
+        self.tokenizer.encode_special_tokens = True
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        finally:
+            self.tokenizer.encode_special_tokens = self.split_special_tokens
+
+    def _encode_with_specials(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _encode_with_post_processor(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -292,12 +430,26 @@ class HFTokenizer(Tokenizer):
         return token_id
 
 
+def _special_token_strings(directory: Path, config: dict[str, Any]) -> dict[str, str]:
+    """bos_token/eos_token/... as strings, from tokenizer_config.json, else special_tokens_map.json."""
+    fallback = _read_json(directory / "special_tokens_map.json")
+    out: dict[str, str] = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        token = config.get(name, fallback.get(name))
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            out[name] = token
+    return out
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer in the directory `path` names, or in the directory of the file it names.
 
     Looks for `tokenizer.model` (SentencePiece or tiktoken, told apart by content), then
     `tokenizer.json`. A path naming one of those files directly loads that file. Ids listed in a
-    `generation_config.json` beside it are added to `eos_ids`."""
+    `generation_config.json` beside it are added to `eos_ids`; the chat template comes from
+    chat_template.jinja, else tokenizer_config.json's "chat_template"."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a checkpoint file or its directory.")
@@ -310,6 +462,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             "download the tokenizer files next to the checkpoint."
         )
     tokenizer = _load_tokenizer_file(found)
+    config = _read_json(directory / "tokenizer_config.json")
+    if not isinstance(tokenizer, HFTokenizer):
+        _apply_config_to_model_tokenizer(tokenizer, config, directory)
+    tokenizer.chat_template = _chat_template(directory, config)
     generation_config_path = directory / "generation_config.json"
     extra_eos = _id_list(_read_json(generation_config_path).get("eos_token_id"), generation_config_path)
     tokenizer.eos_ids = tuple(dict.fromkeys(tokenizer.eos_ids + extra_eos))  # dedupe, keep order
@@ -320,6 +476,67 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             f"vocabulary of {tokenizer.vocab_size}; check that the config files match {found.name}."
         )
     return tokenizer
+
+
+def _apply_config_to_model_tokenizer(tokenizer: Tokenizer, config: dict[str, Any], directory: Path) -> None:
+    """tokenizer_config.json's add_bos_token/add_eos_token and token names, for a tokenizer.model."""
+    tokenizer.add_bos = bool(config.get("add_bos_token", True))
+    tokenizer.add_eos = bool(config.get("add_eos_token", False))
+    named = _special_token_strings(directory, config)
+    tokenizer.special_tokens = {**tokenizer.special_tokens, **named}
+    eos = named.get("eos_token")
+    if eos is not None:
+        try:
+            eos_id = tokenizer.special_token_id(eos)
+        except KeyError:
+            return
+        tokenizer.eos_ids = tuple(dict.fromkeys((eos_id, *tokenizer.eos_ids)))
+
+
+def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's "chat_template" (a string, or a list of named
+    templates of which "default" is taken), else chat_template.json's, else None."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"cannot read {jinja} ({exc}); fix or remove it") from exc
+    template = config.get("chat_template", _read_json(directory / "chat_template.json").get("chat_template"))
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template must be a string; fix or remove it")
+    return template
+
+
+def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[Path]:
+    """Copy every tokenizer, chat-template and generation-config file in `src_dir` to `dst_dir`, each written
+    atomically; returns the files written. Nothing is copied when both name the same folder."""
+    src, dst = Path(src_dir), Path(dst_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a folder; pass the checkpoint's folder")
+    if dst.exists() and dst.resolve() == src.resolve():
+        return []
+    dst.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in TOKENIZER_SIDE_FILES:
+        if (src / name).is_file():
+            written.append(_copy_atomically(src / name, dst / name))
+    return written
+
+
+def _copy_atomically(src: Path, dst: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dst
 
 
 def _load_tokenizer_file(path: Path) -> Tokenizer:

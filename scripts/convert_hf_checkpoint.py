@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, dtype_from_name, expected_shapes,
                         is_redline_file, progress, save_checkpoint)
 from model import ModelArgs
+from tokenizer import copy_tokenizer_files
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
 # HF buffers that are recomputed, not weights.
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         path = convert_hf_checkpoint(cfg.checkpoint_dir, cfg.out, cfg.dtype)
+        copy_tokenizer_files(cfg.checkpoint_dir, path.parent)
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -242,3 +242,36 @@ def hf_tokenizer_dir(tmp_path_factory, tokenizer_sample_text):
     config = {"bos_token": "<s>", "eos_token": {"content": "</s>", "special": True}}
     (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     return directory
+
+
+# --- real-model fixtures (owner: tokenizer) ---
+SMOLLM2_DOWNLOAD_HELP = "run `make demo` once with network access (it caches the model under checkpoints/smollm2)"
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct as a float32 Redline checkpoint, fetched and converted as `make demo` does (cached in
+    checkpoints/smollm2). Skips when the download fails outside CI; in CI (CI=true) that fails the test."""
+    import os
+
+    from scripts.demo_model import DEFAULT_DIR, demo_checkpoint
+
+    try:
+        return demo_checkpoint(Path(__file__).resolve().parents[1] / DEFAULT_DIR)
+    except RuntimeError as exc:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"the real-model tests need SmolLM2 and CI must be able to download it: {exc}")
+        pytest.skip(f"SmolLM2 could not be downloaded ({exc}); {SMOLLM2_DOWNLOAD_HELP}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_checkpoint):
+    """(HF tokenizer, HF fp32 model) from transformers' own GGUF loader, reading the same GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scripts.demo_model import gguf_path
+
+    gguf_file = gguf_path(smollm2_checkpoint.parents[1])
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    return tokenizer, model.eval()

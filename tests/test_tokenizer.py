@@ -34,22 +34,23 @@ def _copy(directory, tmp_path):
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
 def test_round_trip(dir_fixture, text, request):
     tok = load_tokenizer(request.getfixturevalue(dir_fixture))
-    ids = tok.encode(text)
+    ids = tok.encode(text, add_special_tokens=False)
     assert all(isinstance(i, int) and 0 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == text
+    assert tok.encode(text) == [tok.bos_id] * tok.add_bos + ids
 
 
 @pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
 def test_round_trip_sample_text(dir_fixture, request, tokenizer_sample_text):
     tok = load_tokenizer(request.getfixturevalue(dir_fixture))
-    assert tok.decode(tok.encode(tokenizer_sample_text)) == tokenizer_sample_text
+    assert tok.decode(tok.encode(tokenizer_sample_text, add_special_tokens=False)) == tokenizer_sample_text
 
 
 @pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
 def test_decoding_any_prefix_is_safe(dir_fixture, request):
     tok = load_tokenizer(request.getfixturevalue(dir_fixture))
     text = "a🚀b日本語é"
-    ids = tok.encode(text)
+    ids = tok.encode(text, add_special_tokens=False)
     for end in range(len(ids)):
         assert isinstance(tok.decode(ids[:end]), str)  # may end in U+FFFD, must not raise
     assert tok.decode(ids) == text
@@ -57,7 +58,7 @@ def test_decoding_any_prefix_is_safe(dir_fixture, request):
 
 @pytest.mark.parametrize(
     "dir_fixture, chat_format",
-    [("sp_tokenizer_dir", "llama2"), ("tiktoken_tokenizer_dir", "llama3"), ("hf_tokenizer_dir", "plain")],
+    [("sp_tokenizer_dir", "llama2"), ("tiktoken_tokenizer_dir", "llama3"), ("hf_tokenizer_dir", "none")],
 )
 def test_kind_and_chat_format(dir_fixture, chat_format, request):
     tok = load_tokenizer(request.getfixturevalue(dir_fixture))
@@ -68,7 +69,7 @@ def test_kind_and_chat_format(dir_fixture, chat_format, request):
 @pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
 def test_bos_and_eos_flags(dir_fixture, request):
     tok = load_tokenizer(request.getfixturevalue(dir_fixture))
-    plain = tok.encode("hello world")
+    plain = tok.encode("hello world", add_special_tokens=False)
     assert tok.encode("hello world", bos=True) == [tok.bos_id] + plain
     assert tok.encode("hello world", eos=True) == plain + [tok.eos_ids[0]]
     assert tok.encode("hello world", bos=True, eos=True) == [tok.bos_id] + plain + [tok.eos_ids[0]]
@@ -96,14 +97,24 @@ def test_sentencepiece_ids_match_the_model(sp_tokenizer_dir):
     assert tok.eos_ids == (sp.eos_id(),) == (2,)
     assert tok.vocab_size == sp.vocab_size()
     text = "héllo wörld 日本語 🚀"
-    assert tok.encode(text) == sp.encode(text)
+    assert tok.encode(text) == [1] + sp.encode(text)  # BOS first, as HF's Llama tokenizers add it
+    assert tok.encode(text, add_special_tokens=False) == sp.encode(text)
 
 
-def test_sentencepiece_control_text_stays_text(sp_tokenizer_dir):
+def test_sentencepiece_control_text_is_special_in_encode_and_text_in_encode_text(sp_tokenizer_dir):
+    sp = spm.SentencePieceProcessor(model_file=str(sp_tokenizer_dir / "tokenizer.model"))
     tok = load_tokenizer(sp_tokenizer_dir)
-    ids = tok.encode("<s> and </s>")
+    assert tok.encode("<s>a b</s>", add_special_tokens=False) == [1, *sp.encode("a b"), 2]
+    ids = tok.encode_text("<s> and </s>")
     assert tok.bos_id not in ids and tok.eos_ids[0] not in ids
     assert tok.decode(ids) == "<s> and </s>"
+
+
+def test_sentencepiece_add_bos_token_false_in_tokenizer_config(sp_tokenizer_dir, tmp_path):
+    directory = _copy(sp_tokenizer_dir, tmp_path)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False, "add_eos_token": True}))
+    tok = load_tokenizer(directory)
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False) + [tok.eos_ids[0]]
 
 
 def test_sentencepiece_without_bos_or_eos(tmp_path, tokenizer_sample_text):
@@ -180,13 +191,16 @@ def test_tiktoken_special_ids(tiktoken_tokenizer_dir):
     assert tok.decode([num_base + 9]) == "<|eot_id|>"
 
 
-def test_tiktoken_special_text_in_input_stays_text(tiktoken_tokenizer_dir):
+def test_tiktoken_special_text_is_special_in_encode_and_text_in_encode_text(tiktoken_tokenizer_dir):
     num_base = _num_base_tokens(tiktoken_tokenizer_dir)
     tok = load_tokenizer(tiktoken_tokenizer_dir)
     text = "<|begin_of_text|>user says <|eot_id|><|start_header_id|>system<|end_header_id|>"
-    ids = tok.encode(text)
+    ids = tok.encode_text(text)
     assert all(i < num_base for i in ids)
     assert tok.decode(ids) == text
+    special = tok.encode(text, add_special_tokens=False)
+    assert [i for i in special if i >= num_base] == [num_base, num_base + 9, num_base + 6, num_base + 7]
+    assert tok.decode(special) == text
 
 
 def test_tiktoken_merges_are_used(tiktoken_tokenizer_dir):
@@ -197,7 +211,7 @@ def test_tiktoken_merges_are_used(tiktoken_tokenizer_dir):
 
 def test_tiktoken_partial_character_decodes_to_replacement(tiktoken_tokenizer_dir):
     tok = load_tokenizer(tiktoken_tokenizer_dir)
-    ids = tok.encode("🚀")
+    ids = tok.encode("🚀", add_special_tokens=False)
     assert len(ids) > 1  # a 4-byte character in a tiny vocabulary
     assert "\ufffd" in tok.decode(ids[:-1])
     assert tok.decode(ids) == "🚀"
@@ -206,7 +220,7 @@ def test_tiktoken_partial_character_decodes_to_replacement(tiktoken_tokenizer_di
 def test_tiktoken_long_runs_are_chunked(tiktoken_tokenizer_dir):
     tok = load_tokenizer(tiktoken_tokenizer_dir)
     text = "a" * 60_000 + " " * 60_000 + "héllo\n" * 10 + "b" * 30_000
-    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
 @pytest.mark.parametrize(
@@ -269,9 +283,12 @@ def test_hf_bos_eos_from_tokenizer_config(hf_tokenizer_dir):
     assert isinstance(tok, tk.HFTokenizer)
     assert tok.bos_id == tok.tokenizer.token_to_id("<s>") == 0
     assert tok.eos_ids == (tok.tokenizer.token_to_id("</s>"),) == (1,)
-    ids = tok.encode("<s> not a bos </s>")
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)  # no add_bos_token, no post-processor
+    ids = tok.encode_text("<s> not a bos </s>")
     assert 0 not in ids and 1 not in ids
     assert tok.decode(ids) == "<s> not a bos </s>"
+    special = tok.encode("<s> a bos </s>")
+    assert special[0] == 0 and special[-1] == 1
 
 
 def test_hf_falls_back_to_config_json(hf_tokenizer_dir, tmp_path):
@@ -286,11 +303,10 @@ def test_hf_falls_back_to_config_json(hf_tokenizer_dir, tmp_path):
     assert tok.encode("hi", bos=True, eos=True) == tok.encode("hi")
 
 
-def test_hf_plain_chat_layout(hf_tokenizer_dir):
+def test_no_template_and_no_known_layout_is_an_error(hf_tokenizer_dir):
     tok = load_tokenizer(hf_tokenizer_dir)
-    ids = tok.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    assert ids[0] == tok.bos_id
-    assert tok.decode(ids) == "<s>system: Be brief.\nuser: Hi\nassistant: "
+    with pytest.raises(ValueError, match="no chat template"):
+        tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
 
 
 def test_hf_llama3_chat_layout(hf_tokenizer_dir, tmp_path):
@@ -402,3 +418,150 @@ def test_encode_rejects_non_strings(tiktoken_tokenizer_dir):
     tok = load_tokenizer(tiktoken_tokenizer_dir)
     with pytest.raises(TypeError):
         tok.encode(b"bytes")  # type: ignore[arg-type]
+
+
+# --- agreement with Hugging Face transformers ---
+
+HF_TEXTS = ["Hello world", "", "  two spaces\n\n\ttab\r\n", "<s>special</s> text", "déjà vu 日本語 🚀",
+            "x = [1, 2]  # c"]
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are helpful.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# A template exercising what transformers' environment offers: bos_token, raise_exception, tojson, trim/lstrip blocks.
+FEATURED = """{{ bos_token }}
+{% for m in messages %}
+    {% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}
+    [{{ m['role'] | upper }}] {{ m['content'] | trim }} {{ {'n': loop.index, 'text': 'é'} | tojson }}{{ eos_token }}
+{% endfor %}
+{% if add_generation_prompt %}[ASSISTANT]{% endif %}"""
+CONVERSATION = [
+    {"role": "system", "content": "Be brief, and answer in French."},
+    {"role": "user", "content": "Hi there! 🚀"},
+    {"role": "assistant", "content": "Bonjour."},
+    {"role": "user", "content": "What is 2 + 2?\n"},
+]
+
+
+def _hf_dir(hf_tokenizer_dir, tmp_path, config=None, post_processor=None, template_file=None):
+    from tokenizers import Tokenizer, processors
+
+    directory = _copy(hf_tokenizer_dir, tmp_path)
+    hf = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    hf.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    if post_processor:
+        hf.post_processor = processors.TemplateProcessing(single=post_processor, special_tokens=[("<s>", 0), ("</s>", 1)])
+    hf.save(str(directory / "tokenizer.json"))
+    base = {"bos_token": "<s>", "eos_token": "</s>"}  # transformers reads a dict only as a serialized AddedToken
+    (directory / "tokenizer_config.json").write_text(json.dumps({**base, **(config or {})}))
+    if template_file is not None:
+        (directory / "chat_template.jinja").write_text(template_file)
+    return directory
+
+
+@pytest.mark.parametrize("config, post_processor", [
+    ({}, None),
+    ({"add_bos_token": True}, None),
+    ({"add_bos_token": True, "add_eos_token": True}, None),
+    ({}, "<s> $A </s>"),
+    ({"add_bos_token": False}, "<s> $A"),  # transformers replaces the post-processor when a flag is set
+    ({"add_eos_token": True, "split_special_tokens": True}, "<s> $A"),
+])
+def test_hf_encode_matches_transformers(hf_tokenizer_dir, tmp_path, config, post_processor):
+    from transformers import AutoTokenizer
+
+    directory = _hf_dir(hf_tokenizer_dir, tmp_path, config, post_processor)
+    ours, theirs = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+    for text in HF_TEXTS:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
+        assert ours.encode(text, add_special_tokens=False) == theirs(text, add_special_tokens=False)["input_ids"]
+    assert ours.vocab_size == len(theirs)
+
+
+@pytest.mark.parametrize("template, where", [(CHATML, "config"), (FEATURED, "jinja"), (CHATML, "list")],
+                         ids=["chatml-in-config", "featured-jinja-file", "named-list"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(hf_tokenizer_dir, tmp_path, template, where, add_generation_prompt):
+    from transformers import AutoTokenizer
+
+    config = {"add_bos_token": True}
+    if where == "config":
+        config["chat_template"] = template
+    elif where == "list":
+        config["chat_template"] = [{"name": "tool_use", "template": "{{ 'wrong' }}"},
+                                   {"name": "default", "template": template}]
+    directory = _hf_dir(hf_tokenizer_dir, tmp_path, config, template_file=template if where == "jinja" else None)
+    ours, theirs = load_tokenizer(directory), AutoTokenizer.from_pretrained(directory)
+    assert ours.chat_format == "template"
+    for messages in (CONVERSATION, CONVERSATION[1:2], CONVERSATION[:3]):
+        text = theirs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        ids = theirs(text, add_special_tokens=False)["input_ids"]
+        assert ours.render_chat_template(messages, add_generation_prompt) == text
+        assert ours.apply_chat_template(messages, add_generation_prompt) == ids
+        assert ids.count(0) == (template == FEATURED)  # BOS once, from the template, never added again
+
+
+def test_chat_template_errors_are_value_errors(hf_tokenizer_dir, tmp_path):
+    tok = load_tokenizer(_hf_dir(hf_tokenizer_dir, tmp_path, template_file=FEATURED))
+    with pytest.raises(ValueError, match="no tools here"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    tok.chat_template = "{% for m in messages %}"
+    with pytest.raises(ValueError, match="not valid Jinja"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_is_sandboxed(hf_tokenizer_dir, tmp_path):
+    tok = load_tokenizer(_hf_dir(hf_tokenizer_dir, tmp_path, template_file="{{ messages.__class__.__mro__ }}"))
+    with pytest.raises(ValueError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_sentencepiece_template_renders_bos_as_its_id(sp_tokenizer_dir, tmp_path):
+    sp = spm.SentencePieceProcessor(model_file=str(sp_tokenizer_dir / "tokenizer.model"))
+    directory = _copy(sp_tokenizer_dir, tmp_path)
+    template = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(directory)
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == [1] + sp.encode("[INST] Hi [/INST]")
+
+
+# --- copy_tokenizer_files ---
+
+
+def test_copy_tokenizer_files_copies_what_the_loader_reads(hf_tokenizer_dir, tmp_path):
+    src = _hf_dir(hf_tokenizer_dir, tmp_path, {"chat_template": CHATML}, template_file=FEATURED)
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0]}))
+    (src / "model.safetensors").write_bytes(b"weights")
+    dst = tmp_path / "elsewhere" / "deeper"
+    written = tk.copy_tokenizer_files(src, dst)
+    assert sorted(p.name for p in written) == sorted(
+        ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"])
+    assert not (dst / "model.safetensors").exists() and not list(dst.glob(".*tmp"))
+    a, b = load_tokenizer(src), load_tokenizer(dst)
+    assert a.eos_ids == b.eos_ids and a.chat_template == b.chat_template == FEATURED
+    assert a.apply_chat_template(CONVERSATION) == b.apply_chat_template(CONVERSATION)
+
+
+def test_copy_tokenizer_files_never_onto_itself(sp_tokenizer_dir, tmp_path):
+    directory = _copy(sp_tokenizer_dir, tmp_path)
+    before = (directory / "tokenizer.model").read_bytes()
+    assert tk.copy_tokenizer_files(directory, directory / ".." / directory.name) == []
+    assert (directory / "tokenizer.model").read_bytes() == before
+    with pytest.raises(FileNotFoundError):
+        tk.copy_tokenizer_files(tmp_path / "missing", tmp_path / "out")
+
+
+def test_converter_and_quantizer_clis_copy_the_tokenizer_beside_out(tiny_llm_checkpoint, tmp_path):
+    from quantize import main as quantize_main
+    from scripts.convert_hf_checkpoint import main as convert_main
+
+    source = tiny_llm_checkpoint[0].parent
+    converted = tmp_path / "converted" / "model.safetensors"
+    assert convert_main(["--checkpoint_dir", str(source), "--out", str(converted), "--dtype", "float32"]) == 0
+    quantized = tmp_path / "quantized" / "model.int8.safetensors"
+    assert quantize_main(["--checkpoint_path", str(converted), "--mode", "int8", "--out", str(quantized)]) == 0
+    for folder in (converted.parent, quantized.parent):
+        assert (folder / "tokenizer.model").read_bytes() == (source / "tokenizer.model").read_bytes()
+        assert load_tokenizer(folder).encode("hello") == load_tokenizer(source).encode("hello")

@@ -1,0 +1,279 @@
+"""Convert a GGUF file (llama.cpp, Ollama) of a Llama-architecture model into one Redline .safetensors file,
+with its tokenizer, chat template and generation config written beside it.
+
+python scripts/convert_gguf.py --gguf FILE.gguf [--out FILE] [--dtype bfloat16|float16|float32] [--dequantize]
+
+Quantized tensors are read as (packed, scales, mins) blocks first and then dequantized to --dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, save_checkpoint
+from model import ModelArgs, RopeScaling
+from scripts.gguf_tokenizer import tokenizer_files, write_tokenizer_files
+
+# Block sizes (values per block) and bytes per block of the types whose blocks this file unpacks itself.
+BLOCK_VALUES = 32
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# Types read through gguf's own dequantizer (plain floats and the K-quants).
+GGUF_DEQUANTIZED = ("F32", "F16", "BF16", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = tuple(BLOCK_BYTES) + GGUF_DEQUANTIZED
+TOP_LEVEL = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight",
+             "output.weight": "output.weight"}
+LAYER_PARTS = {
+    "attn_q.weight": ("attention.wqkv.weight", 0),
+    "attn_k.weight": ("attention.wqkv.weight", 1),
+    "attn_v.weight": ("attention.wqkv.weight", 2),
+    "attn_output.weight": ("attention.wo.weight", None),
+    "ffn_gate.weight": ("feed_forward.w13.weight", 0),
+    "ffn_up.weight": ("feed_forward.w13.weight", 1),
+    "ffn_down.weight": ("feed_forward.w2.weight", None),
+    "attn_norm.weight": ("attention_norm.weight", None),
+    "ffn_norm.weight": ("ffn_norm.weight", None),
+}
+FUSED_PARTS = {"attention.wqkv.weight": 3, "feed_forward.w13.weight": 2}
+# llama.cpp stores Llama 3.1 rope scaling as per-frequency factors; these are the parameters Meta's models use.
+LLAMA3_ROPE_CANDIDATES = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},)
+IGNORED_TENSORS = ("rope_freqs.weight",)
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass(frozen=True)
+class GGUFConvertArgs:
+    gguf: Path
+    out: Path
+    dtype: torch.dtype
+    dequantize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.out.suffix != ".safetensors":
+            raise ValueError(f"--out {self.out} must end with .safetensors")
+        if self.out.resolve() == self.gguf.resolve():
+            raise ValueError(f"--out {self.out} would overwrite the input; choose another file name")
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A block-quantized matrix split into its parts; value = scale * q (+ min), per block of 32 values."""
+
+    qtype: str
+    packed: np.ndarray  # (rows, blocks, 32) uint8 codes (Q4: 0..15; Q8_0: int8 stored as uint8)
+    scales: np.ndarray  # (rows, blocks) float16
+    mins: np.ndarray | None  # (rows, blocks) float16 for Q4_1, None otherwise
+
+
+def read_gguf(path: Path) -> Any:
+    """A GGUFReader for `path`; one-line errors for a missing, truncated or foreign file."""
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {path} does not exist; download it first")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # the reader raises ValueError, IndexError or struct errors on damaged files
+        raise ValueError(f"{path} is truncated or not a GGUF file ({type(exc).__name__}: {exc}); re-download it") from None
+
+
+def field_value(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def model_args(reader: Any, rope_freqs: np.ndarray | None) -> ModelArgs:
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; Redline converts {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"the GGUF metadata lacks {arch}.{key}; the file is incomplete")
+        return value
+
+    n_head = int(get("attention.head_count"))
+    dim = int(get("embedding_length"))
+    head_dim = int(field_value(reader, f"{arch}.attention.key_length", 0) or get("rope.dimension_count", dim // n_head))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = field_value(reader, f"{arch}.vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
+    scaling_type = field_value(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type not in ("none", None):
+        raise ValueError(f"unsupported rope scaling {scaling_type!r} in the GGUF metadata; Redline supports llama3 scaling")
+    base = float(get("rope.freq_base", 10000.0))
+    return ModelArgs(
+        dim=dim, n_layer=int(get("block_count")), n_head=n_head,
+        n_kv_heads=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")), vocab_size=int(vocab),
+        block_size=int(get("context_length", 2048)), rope_base=base,
+        rope_scaling=llama3_scaling(rope_freqs, base, head_dim) if rope_freqs is not None else None,
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def llama3_scaling(rope_freqs: np.ndarray, base: float, head_dim: int) -> RopeScaling:
+    """The Llama 3.1 rope scaling whose per-frequency factors equal the file's rope_freqs tensor."""
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(rope_freqs.max())
+    for candidate in LLAMA3_ROPE_CANDIDATES:
+        scaling = RopeScaling(factor=factor, **candidate)
+        if np.allclose(llama3_factors(freqs, scaling), rope_freqs, rtol=1e-4):
+            return scaling
+    raise ValueError("the GGUF's rope_freqs tensor matches no known Llama 3 rope scaling; this model is unsupported")
+
+
+def llama3_factors(freqs: np.ndarray, s: RopeScaling) -> np.ndarray:
+    """Per-frequency wavelength multipliers of Llama 3.1 scaling, as llama.cpp stores them."""
+    wavelen = 2 * np.pi / freqs
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    mid = 1.0 / ((1 - smooth) / s.factor + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, s.factor, mid))
+
+
+def split_blocks(data: np.ndarray, qtype: str, rows: int, cols: int) -> QuantBlocks:
+    """The (packed, scales, mins) parts of a Q8_0/Q4_0/Q4_1 matrix stored as `data` (rows, bytes per row)."""
+    if cols % BLOCK_VALUES:
+        raise ValueError(f"a {qtype} row of {cols} values is not a whole number of {BLOCK_VALUES}-value blocks")
+    blocks = data.reshape(rows, cols // BLOCK_VALUES, BLOCK_BYTES[qtype])  # (rows, blocks, bytes per block)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # (rows, blocks)
+    if qtype == "Q8_0":
+        return QuantBlocks(qtype, blocks[..., 2:].copy(), scales, None)
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == "Q4_1" else None
+    nibbles = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]  # (rows, blocks, 16)
+    packed = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (rows, blocks, 32): low halves first
+    return QuantBlocks(qtype, packed, scales, mins)
+
+
+def dequantize_blocks(q: QuantBlocks) -> np.ndarray:
+    """The float32 matrix (rows, cols) that `q` encodes."""
+    scales = q.scales.astype(np.float32)[..., None]  # (rows, blocks, 1)
+    if q.qtype == "Q8_0":
+        values = q.packed.view(np.int8).astype(np.float32) * scales
+    elif q.qtype == "Q4_0":
+        values = (q.packed.astype(np.float32) - 8.0) * scales
+    else:
+        values = q.packed.astype(np.float32) * scales + q.mins.astype(np.float32)[..., None]
+    return values.reshape(values.shape[0], -1)
+
+
+def tensor_to_float(t: Any) -> np.ndarray:
+    """A GGUF tensor as float32, shaped (rows, cols) as PyTorch orders it (GGUF lists dims innermost first)."""
+    import gguf
+
+    qtype = t.tensor_type.name
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"tensor {t.name} has GGUF type {qtype}, which Redline cannot read ({', '.join(SUPPORTED_TYPES)})")
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if qtype in BLOCK_BYTES:
+        rows = int(np.prod(shape[:-1]))
+        out = dequantize_blocks(split_blocks(np.asarray(t.data), qtype, rows, shape[-1]))
+    else:
+        out = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+    return out.reshape(shape)
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's row order for attn_q/attn_k: it interleaves each head's two rotary halves, while HF
+    (and Redline) keep them as two contiguous halves (rotate-half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def redline_tensors(reader: Any, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Every GGUF tensor as float32 under its Redline name, q/k unpermuted, qkv and gate/up fused."""
+    parts: dict[str, list[np.ndarray | None]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name in IGNORED_TENSORS:
+            continue
+        if t.name in TOP_LEVEL:
+            target, index, local = TOP_LEVEL[t.name], None, t.name
+        else:
+            match = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+            if not match or match.group(2) not in LAYER_PARTS or int(match.group(1)) >= args.n_layer:
+                raise ValueError(f"unexpected tensor {t.name} in the GGUF file; it is not a Llama weight")
+            local = match.group(2)
+            name, index = LAYER_PARTS[local]
+            target = f"layers.{match.group(1)}.{name}"
+        w = tensor_to_float(t)
+        if local == "attn_q.weight":
+            w = unpermute_rope_rows(w, args.n_head)
+        elif local == "attn_k.weight":
+            w = unpermute_rope_rows(w, args.n_kv_heads)
+        if index is None:
+            out[target] = torch.from_numpy(np.array(w, dtype=np.float32))
+        else:
+            parts.setdefault(target, [None] * FUSED_PARTS[target.split(".", 2)[2]])[index] = w
+    for target, pieces in parts.items():
+        if any(p is None for p in pieces):
+            raise ValueError(f"the GGUF file lacks part of {target}; the file is incomplete")
+        out[target] = torch.from_numpy(np.concatenate(pieces, axis=0))
+    if args.tie_word_embeddings:
+        out.pop("output.weight", None)
+    return out
+
+
+def check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    expected = expected_shapes(args)
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"the GGUF file lacks tensor {missing[0]} ({len(missing)} missing); the file is incomplete")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, but the metadata implies {shape}")
+
+
+def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: torch.dtype | str = torch.bfloat16,
+                 dequantize: bool = True) -> Path:
+    """Write the Redline checkpoint (and tokenizer files beside it) for a GGUF file; returns the checkpoint."""
+    gguf_path = Path(gguf_path)
+    out_path = Path(out) if out is not None else gguf_path.with_suffix(".redline.safetensors")
+    cfg = GGUFConvertArgs(gguf=gguf_path, out=out_path, dtype=dtype_from_name(dtype), dequantize=dequantize)
+    reader = read_gguf(cfg.gguf)
+    rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    args = model_args(reader, tensor_to_float(rope) if rope is not None else None)
+    tokenizer = tokenizer_files(reader)  # built before anything is written, so a bad tokenizer leaves no files
+    tensors = redline_tensors(reader, args)
+    check_shapes(tensors, args)
+    tensors = {name: t.to(cfg.dtype) for name, t in tensors.items()}
+    path = save_checkpoint(cfg.out, tensors, CheckpointInfo(path=cfg.out, args=args, dtype=cfg.dtype))
+    write_tokenizer_files(tokenizer, cfg.out.parent)
+    return path
+
+
+def parse_args(argv: list[str] | None) -> GGUFConvertArgs:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output file (default: beside the input, NAME.redline.safetensors)")
+    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="dequantize every quantized tensor to --dtype (the only mode for now)")
+    ns = parser.parse_args(argv)
+    out = ns.out if ns.out is not None else ns.gguf.with_suffix(".redline.safetensors")
+    return GGUFConvertArgs(gguf=ns.gguf, out=out, dtype=dtype_from_name(ns.dtype), dequantize=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        path = convert_gguf(cfg.gguf, cfg.out, cfg.dtype, cfg.dequantize)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
