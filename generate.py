@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -212,7 +213,7 @@ class LLM:
         self._ensure_cache(batch, prompt_len + self._plan_lengths(prompt_len, max_new_tokens))
         if not self.compile:
             return 0.0
-        args = self._step_args(sampling)
+        args = self._step_args(dataclasses.replace(sampling, seed=0))  # warm-ups leave the global RNG alone
         cache = self.model.layers[0].attention.kv_cache
         # A re-allocated cache (the caller may call setup_caches) needs a new capture even at the same shapes.
         key = (batch, self.model.max_seq_length, self.model.max_batch_size, cache.k.data_ptr(), bool(args))
@@ -476,7 +477,8 @@ class LLM:
         if profile is None:
             return None
         # Run the whole path once outside the trace, so the window holds only steady-state steps.
-        for _ in self.generate_token_batches(prompts, min(max_new_tokens, 4), sampling):
+        warm = dataclasses.replace(sampling, seed=0)
+        for _ in self.generate_token_batches(prompts, min(max_new_tokens, 4), warm):
             pass
         return TraceRecorder(profile, self.device)
 

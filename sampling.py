@@ -120,6 +120,6 @@ class SamplingParams:
         """(temperature, top_k, top_p, seed) as 0-d tensors; no seed draws one from torch's global RNG."""
         top_k = self.top_k if self.top_k is not None else vocab_size
         top_p = self.top_p if self.top_p is not None else TOP_P_DISABLED
-        seed = self.seed if self.seed is not None else int(torch.randint(0, SEED_LIMIT, ()).item())
+        seed = self.seed if self.seed is not None else int(torch.randint(0, SEED_LIMIT - 1, ()).item())
         return (torch.tensor(float(self.temperature), device=device), torch.tensor(int(top_k), device=device),
                 torch.tensor(float(top_p), device=device), torch.tensor(int(seed), device=device))
