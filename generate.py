@@ -383,7 +383,7 @@ class LLM:
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
             check_text(m["content"], f"message {i}")
         return list(self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True))
