@@ -5,16 +5,18 @@
     print(llm.generate("def fibonacci(n):", max_new_tokens=64).text)
 
     python generate.py --checkpoint_path PATH --prompt TEXT [--max_new_tokens N] ...
+    python generate.py --checkpoint_path PATH --chat --prompt "What is the capital of France?" --temperature 0
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,88 +27,41 @@ from checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpo
 from kernels import FusedDecode, use_kernels
 from kernels import available as kernels_available
 from model import Transformer
+from options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
+                     GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
+from profiling import ProfileConfig, TraceRecorder
 from quantize import load_model, model_quantization
+from sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
+from streaming import GenerationLock, Stream, TextStream
 from tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_MAX_NEW_TOKENS = 200
 SMALLEST_PREFILL_BUCKET = 16
-# A top_p above 1 disables the nucleus filter without a branch in the compiled graph.
-TOP_P_DISABLED = 2.0
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Sampling: pure tensor functions, no host synchronisation.
-
-
-def nucleus_keep_mask(sorted_probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Which of the descending-sorted probabilities (B, V) survive top-k and top-p.
-
-    A token is kept when its rank is below top_k and the mass of the tokens before it is below top_p,
-    i.e. the smallest prefix whose mass reaches top_p. The most likely token is always kept.
-    """
-    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (V,)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
-    keep = (ranks < top_k) & (mass_before < top_p)
-    keep[..., 0] = True
-    return keep
-
-
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """One token per row from logits (B, V); temperature/top_k/top_p are 0-d tensors, so new values never recompile."""
-    scaled = logits.float() / temperature.clamp_min(1e-5)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (B, V)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    probs = probs * nucleus_keep_mask(probs, top_k, top_p)
-    # argmax(p / E) with E ~ Exp(1) draws from p (normalisation does not matter) without a device sync.
-    noise = torch.empty_like(probs).exponential_(1)
-    choice = torch.argmax(probs / noise, dim=-1, keepdim=True)  # (B, 1)
-    return order.gather(-1, choice)
-
-
-def greedy(logits: Tensor) -> Tensor:
-    return torch.argmax(logits, dim=-1, keepdim=True)  # (B, 1)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-    def tensors(self, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        top_k = self.top_k if self.top_k is not None else vocab_size
-        top_p = self.top_p if self.top_p is not None else TOP_P_DISABLED
-        return (torch.tensor(float(self.temperature), device=device), torch.tensor(top_k, device=device),
-                torch.tensor(float(top_p), device=device))
+# Each prefill bucket, batch size and sampling mode is its own graph; well below this, never fall back to eager.
+RECOMPILE_LIMIT = 64
+# Inductor settings of Redline's compiled calls, applied around each call only. emulate_precision_casts keeps the
+# intermediate roundings to bf16 that eager performs (greedy tokens otherwise drift from eager's).
+INDUCTOR_SETTINGS = {"triton.unique_kernel_names": True, "fx_graph_cache": True, "emulate_precision_casts": True,
+                     "coordinate_descent_tuning": False}
+# A chat keeps this share of the context (or max_new_tokens, if fewer) free for the reply.
+CHAT_REPLY_SHARE = 0.25
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The two model calls of a generation.
 
 
-def prefill(model: Transformer, ids: Tensor, input_pos: Tensor, last_index: Tensor, *sampling: Tensor) -> Tensor:
+def prefill(model: Transformer, ids: Tensor, input_pos: Tensor, last_index: Tensor, vocab_bias: Tensor | None,
+            *sampling: Tensor) -> Tensor:
     """ids (B, T) -> first new token (B, 1). `last_index` (1,) is the last real prompt token (prompts may be padded)."""
     logits = model(ids, input_pos, logits_at=last_index, from_start=True)[:, -1]  # (B, V)
-    return sample(logits, *sampling) if sampling else greedy(logits)
+    return next_token(logits, last_index + 1, vocab_bias, sampling)
 
 
-def decode_one_token(model: Transformer, token: Tensor, input_pos: Tensor, *sampling: Tensor) -> Tensor:
+def decode_one_token(model: torch.nn.Module, token: Tensor, input_pos: Tensor, vocab_bias: Tensor | None,
+                     *sampling: Tensor) -> Tensor:
     """token (B, 1) at position input_pos (1,) -> next token (B, 1)."""
     logits = model(token, input_pos)[:, -1]  # (B, V)
-    return sample(logits, *sampling) if sampling else greedy(logits)
+    return next_token(logits, input_pos + 1, vocab_bias, sampling)
 
 
 def prefill_bucket(length: int, limit: int) -> int:
@@ -117,69 +72,21 @@ def prefill_bucket(length: int, limit: int) -> int:
     return min(bucket, limit)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Results.
+class CompiledStep:
+    """torch.compile(fn) called under Redline's compiler settings, which are set around each call and undone after
+    it (thread-locally where torch keeps config per thread): the process's own inductor/dynamo config is untouched."""
 
+    def __init__(self, fn: Callable[..., Tensor], device: torch.device) -> None:
+        import torch._inductor.config as inductor_config
 
-@dataclass(frozen=True)
-class GenerationStats:
-    prompt_tokens: int
-    new_tokens: int
-    ttft_s: float  # start of prefill to the first new token on the host
-    prefill_tok_s: float
-    decode_tok_s: float  # tokens after the first, over the time after the first
-    model_bytes_per_token: int  # weights each decode step reads (the embedding table excluded: one row is read)
-    bandwidth_gb_s: float
-    peak_memory_gb: float | None  # None on the CPU
-    compile_s: float = 0.0  # compile/warm-up time spent before this generation, kept out of the rates above
-    batch_size: int = 1
+        self.fn = torch.compile(fn, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True,
+                                dynamic=False)
+        self.settings = (inductor_config.patch(INDUCTOR_SETTINGS),
+                         torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT))
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def summary(self) -> str:
-        mem = f", peak memory {self.peak_memory_gb:.2f} GB" if self.peak_memory_gb is not None else ""
-        compiled = f", compile {self.compile_s:.1f} s" if self.compile_s else ""
-        return (f"prompt {self.prompt_tokens} tok, generated {self.new_tokens} tok | TTFT {self.ttft_s * 1e3:.1f} ms, "
-                f"prefill {self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.2f} tok/s, "
-                f"{self.bandwidth_gb_s:.1f} GB/s of {self.model_bytes_per_token / 1e9:.2f} GB/token{mem}{compiled}")
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # new tokens only
-    stats: GenerationStats
-    finish_reason: str  # "eos" | "stop" | "length"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Incremental detokenisation for streaming.
-
-
-class TextStream:
-    """Turns token ids into text pieces, holding back bytes of a character that is not complete yet."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_start = 0  # ids before this are final
-        self.read_start = 0  # ids before this have been emitted
-
-    def push(self, token: int) -> str:
-        self.ids.append(token)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_start:self.read_start])
-        text = self.tokenizer.decode(self.ids[self.prefix_start:])
-        if text.endswith("\ufffd") or len(text) <= len(prefix):
-            return ""  # an incomplete multi-byte character, or nothing new yet
-        self.prefix_start, self.read_start = self.read_start, len(self.ids)
-        return text[len(prefix):]
-
-    def flush(self) -> str:
-        prefix = self.tokenizer.decode(self.ids[self.prefix_start:self.read_start])
-        text = self.tokenizer.decode(self.ids[self.prefix_start:])
-        self.prefix_start = self.read_start = len(self.ids)
-        return text[len(prefix):]
+    def __call__(self, *args: Any) -> Tensor:
+        with self.settings[0], self.settings[1]:
+            return self.fn(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,34 +108,47 @@ def model_bytes_per_token(model: Transformer) -> int:
     return total
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-class LLM:
-    """A loaded model with its tokenizer and compiled step functions."""
+def vocab_bias(model_vocab: int, tokenizer: Tokenizer | None, device: torch.device) -> Tensor | None:
+    """(V,) fp32: 0 for ids the tokenizer decodes, -inf for a model's padding rows beyond them; None if none."""
+    if tokenizer is None or tokenizer.vocab_size >= model_vocab:
+        return None
+    bias = torch.zeros(model_vocab, dtype=torch.float32, device=device)
+    bias[tokenizer.vocab_size:] = float("-inf")
+    return bias
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, device: torch.device, compile: bool,
+
+class LLM:
+    """A loaded model with its tokenizer and compiled step functions.
+
+    Safe to share between threads: calls are serialized by a lock held for a whole generation (a stream's from its
+    first next() to its end or close()). `LLM(model, ...)` rewrites the model it is handed only when kernels are on
+    (`kernels=None` turns them on for a CUDA device where they run): `kernels.use_kernels` then swaps its linear,
+    int8 linear and attention modules in place for Redline's Triton ops. `kernels=False` runs no Redline kernel.
+    """
+
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None, device: torch.device | str, compile: bool,
                  compile_prefill: bool = False, info: CheckpointInfo | None = None,
                  kernels: bool | None = None, name: str | None = None, fuse: bool | None = None) -> None:
+        device = torch.device(device)
         self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
         # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
         self.kernels = device.type == "cuda" and kernels_available() if kernels is None else kernels
         # Batch-1 decode steps fuse norm, rope, cache write, SwiGLU and residuals into the kernels (on by default).
         self.fuse = self.kernels if fuse is None else fuse
-        if self.kernels:
-            if device.type != "cuda" or not kernels_available():
-                raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed")
-            use_kernels(model)
+        if self.kernels and (device.type != "cuda" or not kernels_available()):
+            raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed; use kernels=False")
         if self.fuse and not self.kernels:
             raise ValueError("fuse=True needs the GPU kernels (kernels=True)")
-        # What the decode step runs: the fused batch-1 path wraps the model (any other call goes to the model).
-        self._step_model = FusedDecode(model) if self.fuse else model
+        self._step_model: torch.nn.Module = model  # what decode steps call
+        if self.kernels:
+            use_kernels(model)
+            if self.fuse:
+                self._step_model = FusedDecode(model)
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile
@@ -236,52 +156,41 @@ class LLM:
         self.info = info
         self.name = name  # for stats and traces; by default the checkpoint's folder name
         self.bytes_per_token = model_bytes_per_token(model)
+        self._vocab_bias = vocab_bias(model.args.vocab_size, tokenizer, device)  # made once: no recompile
         self._prefill_fn: Callable[..., Tensor] = prefill
         self._decode_fn: Callable[..., Tensor] = decode_one_token
-        self._warm: set[tuple] = set()  # decode graphs already compiled and captured
-        self._pending_compile_s = 0.0
         if compile:
-            self._compile()
+            self._decode_fn = CompiledStep(decode_one_token, device)
+            if compile_prefill:  # one CUDA graph per prompt bucket too: short prompts are otherwise launch-bound
+                self._prefill_fn = CompiledStep(prefill, device)
+        self._warm: set[tuple] = set()  # graphs already compiled and captured
+        self._lock = GenerationLock()  # held for a whole generation, a stream's included
 
     @classmethod
-    def load(cls, path: str | os.PathLike, device: str | torch.device | None = None,
-             dtype: str | torch.dtype | None = None, compile: bool | None = None, quantize: str | None = None,
-             compile_prefill: bool = False) -> LLM:
+    def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
+             compile: bool | None = None, compile_prefill: bool = False, quantize: str | None = None,
+             kernels: bool | None = None, fuse: bool | None = None, name: str | None = None) -> LLM:
         """Load a Redline checkpoint (file or folder); its tokenizer is found beside it."""
-        device = torch.device(device) if device is not None else default_device()
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for, but no CUDA/ROCm GPU is visible; use --device cpu")
+        return cls.from_config(path, EngineConfig(device, dtype, compile, compile_prefill, quantize, kernels, fuse,
+                                                  name))
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike, config: EngineConfig) -> LLM:
+        device = config.torch_device()
         info = read_checkpoint_info(path)
         tokenizer = load_tokenizer(info.path)
-        model = load_model(info, device, dtype_from_name(dtype) if dtype is not None else None)
-        if quantize is not None:
+        model = load_model(info, device, dtype_from_name(config.dtype) if config.dtype is not None else None)
+        if config.quantize is not None:
             from quantize import quantize_
 
             if info.scheme != "none":
                 raise ValueError(f"{info.path} is already quantized ({info.scheme}); drop quantize=")
-            quantize_(model, quantize)
-        if compile is None:
-            compile = device.type == "cuda"
-        return cls(model, tokenizer, device, compile, compile_prefill, info)
+            quantize_(model, config.quantize)
+        compile = config.compile if config.compile is not None else device.type == "cuda" or config.compile_prefill
+        return cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
+                   config.fuse)
 
-    # -- compilation -------------------------------------------------------------------------------------------------
-
-    def _compile(self) -> None:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.triton.unique_kernel_names = True
-        inductor_config.fx_graph_cache = True
-        # Each prefill bucket, batch size and sampling mode is its own graph; never fall back to eager silently.
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        # Inductor otherwise skips intermediate roundings to bf16 that eager performs, and greedy tokens can drift.
-        inductor_config.emulate_precision_casts = True
-        gpu = self.device.type == "cuda"
-        self._decode_fn = torch.compile(decode_one_token, mode="reduce-overhead" if gpu else None,
-                                        fullgraph=True, dynamic=False)
-        if self.compile_prefill:
-            # One CUDA graph per prompt bucket too: short prompts are otherwise bound by kernel launches.
-            self._prefill_fn = torch.compile(prefill, mode="reduce-overhead" if gpu else None, fullgraph=True,
-                                             dynamic=False)
+    # -- compilation ---------------------------------------------------------------------------------------------------
 
     def _ensure_cache(self, batch_size: int, seq_len: int) -> None:
         """Keep the current cache when it is large enough (a new cache shape means a new graph)."""
@@ -292,40 +201,58 @@ class LLM:
         length = min(-(-length // 256) * 256, m.args.block_size)  # round up: fewer cache shapes, fewer compiles
         m.setup_caches(max(batch_size, m.max_batch_size), length)
 
-    def _warm_up(self, batch_size: int, sampling: tuple[Tensor, ...]) -> float:
-        """Compile and capture the decode graph for this cache and sampling mode before timing anything."""
+    def _prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
+        """Size the cache and compile/capture this generation's graphs; returns the seconds that took (0 if warm)."""
+        self._ensure_cache(batch, prompt_len + self._plan_lengths(prompt_len, max_new_tokens))
+        if not self.compile:
+            return 0.0
+        args = self._step_args(dataclasses.replace(sampling, seed=0))  # warm-ups leave the global RNG alone
         cache = self.model.layers[0].attention.kv_cache
         # A re-allocated cache (the caller may call setup_caches) needs a new capture even at the same shapes.
-        key = (batch_size, self.model.max_seq_length, self.model.max_batch_size, cache.k.data_ptr(), bool(sampling))
-        if not self.compile or key in self._warm:
+        key = (batch, self.model.max_seq_length, self.model.max_batch_size, cache.k.data_ptr(), bool(args))
+        bucket = prefill_bucket(prompt_len, self.model.max_seq_length)
+        todo = [("decode", *key)] + ([("prefill", bucket, *key)] if self.compile_prefill else [])
+        todo = [k for k in todo if k not in self._warm]
+        if not todo:
             return 0.0
         start = time.perf_counter()
-        # Same grad mode and tensor kind as generation, or the real call would recompile.
+        # Same grad mode and tensor kinds as generation, or the real call would recompile. Garbage written to the
+        # cache here is harmless: every position is rewritten before it is read.
         with torch.inference_mode():
-            token = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
-            pos = torch.zeros(1, dtype=torch.long, device=self.device)
-            # Garbage written at position 0 is harmless: every position is rewritten before it is read.
+            token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+            ids = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)
+            positions = torch.arange(bucket, device=self.device)
+            last = torch.tensor([min(prompt_len, bucket) - 1], device=self.device)
             for _ in range(3):  # the first call compiles, later ones record and replay the graph
-                self._mark_step()
-                self._decode_fn(self._step_model, token, pos, *sampling)
+                for kind, *_ in todo:
+                    self._mark_step()
+                    if kind == "decode":
+                        self._decode_fn(self._step_model, token, positions[:1], self._vocab_bias, *args)
+                    else:
+                        self._prefill_fn(self.model, ids, positions, last, self._vocab_bias, *args)
         sync(self.device)
-        self._warm.add(key)
+        self._warm.update(todo)
         return time.perf_counter() - start
 
     def _mark_step(self) -> None:
         if self.compile and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
 
-    # -- generation ---------------------------------------------------------------------------------------------------
+    def _step_args(self, sampling: SamplingParams) -> tuple[Tensor, ...]:
+        return () if sampling.is_greedy else sampling.tensors(self.model.args.vocab_size, self.device)
+
+    # -- generation ----------------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text through the tokenizer (BOS/EOS as its own rules say), or token ids used exactly as given."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty; pass some text or token ids")
+            check_text(prompt, "the prompt")
             if self.tokenizer is None:
                 raise ValueError("this LLM has no tokenizer; pass the prompt as a list of token ids")
-            return self.tokenizer.encode(prompt, bos=self.tokenizer.bos_id is not None)
-        ids = [int(t) for t in prompt]
+            return self.tokenizer.encode(prompt)
+        ids = prompt_token_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty; pass some text or token ids")
         vocab = self.model.args.vocab_size
@@ -335,7 +262,7 @@ class LLM:
         return ids
 
     def _plan_lengths(self, prompt_len: int, max_new_tokens: int) -> int:
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         context = self.model.args.block_size
         if prompt_len >= context:
@@ -344,18 +271,15 @@ class LLM:
 
     def generate_token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
                                recorder: Any = None) -> Iterator[tuple[list[int], float]]:
-        """The token loop, for a batch of equal-length prompts (B, T).
+        """The token loop, for a batch of equal-length prompts (B, T); not locked (generate/stream/chat are).
 
         Yields (tokens of this step, host time when they arrived, less any time the profiler spent on itself).
         Step i+1 is queued on the GPU before step i's tokens are read, so reading never leaves the GPU idle.
         """
         batch, prompt_len = prompts.shape
         new_tokens = self._plan_lengths(prompt_len, max_new_tokens)
-        self._ensure_cache(batch, prompt_len + new_tokens)
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
-        args = () if sampling.is_greedy else sampling.tensors(self.model.args.vocab_size, self.device)
-        self._pending_compile_s = self._warm_up(batch, args)
+        self._prepare(batch, prompt_len, max_new_tokens, sampling)
+        args = self._step_args(sampling)
         region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
         bucket = prefill_bucket(prompt_len, self.model.max_seq_length) if self.compile_prefill else prompt_len
         padded = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)
@@ -387,8 +311,8 @@ class LLM:
             with region("prefill"):
                 self._mark_step()
                 # Copied out of the CUDA graph's pool: the next graph replay may reuse that memory.
-                token = self._prefill_fn(self.model, padded, positions, last, *args).clone()  # (B, 1)
-                to_host(token)
+                token = self._prefill_fn(self.model, padded, positions, last, self._vocab_bias, *args).clone()
+                to_host(token)  # (B, 1)
             # Decode step i reads position prompt_len + i - 1 from this table: a slice per step instead of an
             # in-place increment, which would be one more kernel between graph replays. Made in inference mode,
             # like the warm-up's position, so the compiled step's guards match.
@@ -403,44 +327,90 @@ class LLM:
                     if step < new_tokens:
                         self._mark_step()
                         input_pos = decode_positions[step - 1:step]  # (1,)
-                        nxt = self._decode_fn(self._step_model, token, input_pos, *args).clone()  # (B, 1)
+                        nxt = self._decode_fn(self._step_model, token, input_pos, self._vocab_bias, *args).clone()
                     tokens = read_host()  # the previous step's; the next one is already queued
                     arrived = time.perf_counter() - paused
                     if step < new_tokens:
-                        to_host(nxt)
+                        to_host(nxt)  # (B, 1)
                         token = nxt
                 yield tokens, arrived
 
-    def stream(self, prompt: str | Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-               stop: str | Sequence[str] | None = None, seed: int | None = None, profile: Any = None,
-               ignore_eos: bool = False) -> Iterator[str]:
-        """Yield text pieces as they are decoded; the final GenerationResult is kept in `self.last_result`."""
-        return self._run(prompt, max_new_tokens, SamplingParams(temperature, top_k, top_p, seed), stop, profile,
-                         ignore_eos)
-
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 stop: str | Sequence[str] | None = None, seed: int | None = None, profile: Any = None,
-                 ignore_eos: bool = False) -> GenerationResult:
-        for _ in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, stop, seed, profile, ignore_eos):
+    def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
+                 **settings: Any) -> GenerationResult:
+        """Generate a continuation of `prompt` (text, or token ids used exactly)."""
+        stream = self.stream(prompt, options, **settings)
+        for _ in stream:
             pass
-        return self.last_result
+        return stream.result
 
-    def _run(self, prompt: str | Sequence[int], max_new_tokens: int, sampling: SamplingParams,
-             stop: str | Sequence[str] | None, profile: Any, ignore_eos: bool) -> Iterator[str]:
-        prompt_ids = self.encode_prompt(prompt)
-        self._plan_lengths(len(prompt_ids), max_new_tokens)  # validate before the generator starts
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        return self._run_tokens(prompt_ids, max_new_tokens, sampling, stops, profile, ignore_eos)
+    def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
+               **settings: Any) -> Stream:
+        """Like generate, but yields text pieces as they are decoded; `.result` once exhausted. The prompt and
+        options are checked here, before the first piece is asked for."""
+        options = resolve_options(options, settings)
+        ids = self.encode_prompt(prompt)
+        self._plan_lengths(len(ids), options.max_new_tokens)
+        return Stream(self._lock, lambda: self._pieces(ids, options))
 
-    def _run_tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams, stops: list[str],
-                    profile: Any, ignore_eos: bool) -> Iterator[str]:
-        eos = set() if ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
+    def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
+             **settings: Any) -> GenerationResult:
+        """The assistant's reply to `messages` ({"role", "content"} dicts), through the checkpoint's chat template."""
+        stream = self.stream_chat(messages, options, **settings)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream_chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
+                    **settings: Any) -> Stream:
+        options = resolve_options(options, settings)
+        ids = self.chat_prompt(messages)
+        room = self.context_left(len(ids))
+        if room < self.chat_reply_room(options.max_new_tokens):
+            raise ValueError(f"the conversation takes {len(ids)} of the model's {self.model.args.block_size} tokens "
+                             f"and leaves {room} for the reply; drop older turns (LLM.fit_chat does)")
+        return Stream(self._lock, lambda: self._pieces(ids, options))
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer, so it cannot chat")
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
+            check_text(m["content"], f"message {i}")
+        return list(self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True))
+
+    def context_left(self, prompt_len: int) -> int:
+        return self.model.args.block_size - prompt_len
+
+    def chat_reply_room(self, max_new_tokens: int) -> int:
+        return max(1, min(max_new_tokens, int(self.model.args.block_size * CHAT_REPLY_SHARE)))
+
+    def fit_chat(self, messages: Sequence[Mapping[str, str]],
+                 max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> list[dict[str, str]]:
+        """The most recent turns that fit the context with room for a reply: a leading system message stays, the
+        oldest other turns go first. ValueError when even the last message does not fit."""
+        messages = [dict(m) for m in messages]
+        system = messages[:1] if messages and messages[0].get("role") == "system" else []
+        turns = messages[len(system):]
+        room = self.chat_reply_room(max_new_tokens)
+        while turns:
+            if self.context_left(len(self.chat_prompt(system + turns))) >= room:
+                return system + turns
+            turns = turns[1:]
+            while turns and turns[0].get("role") != "user":  # a conversation restarts at a user turn
+                turns = turns[1:]
+        raise ValueError(f"the last message is too long for the model's context of {self.model.args.block_size} "
+                         f"tokens with {room} left for the reply; shorten it")
+
+    def _pieces(self, prompt_ids: list[int], options: GenerationOptions) -> Generator[str, None, GenerationResult]:
+        """Text pieces of one generation (the caller holds the LLM); returns its GenerationResult."""
+        eos = set() if options.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
+        stops, sampling, max_new = list(options.stop), options.sampling, options.max_new_tokens
         prompts = torch.tensor([prompt_ids], dtype=torch.long)
-        recorder = self._recorder(profile, prompts, max_new_tokens, sampling)
+        compile_s = self._prepare(1, len(prompt_ids), max_new, sampling)  # never inside the timings
+        recorder = self._recorder(options.profile, prompts, max_new, sampling)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         text_stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
@@ -450,7 +420,7 @@ class LLM:
         with recorder if recorder is not None else contextlib.nullcontext():
             sync(self.device)
             start = time.perf_counter()
-            for tokens, arrived in self.generate_token_batches(prompts, max_new_tokens, sampling, recorder):
+            for tokens, arrived in self.generate_token_batches(prompts, max_new, sampling, recorder):
                 token = tokens[0]
                 times.append(arrived)
                 if token in eos:
@@ -476,12 +446,12 @@ class LLM:
                     text, finish = text[:cut], "stop"
         if len(text) > emitted:
             yield text[emitted:]
-        stats = self._stats(len(prompt_ids), len(new_ids), start, times)
-        self.last_result = GenerationResult(text=text, token_ids=new_ids, stats=stats, finish_reason=finish)
-        if recorder is not None:
-            self.last_trace = recorder.write(self._trace_stats(stats), step_seconds(times))
+        stats = self._stats(len(prompt_ids), len(new_ids), start, times, compile_s)
+        trace = recorder.write(self._trace_stats(stats), step_seconds(times)) if recorder is not None else None
+        return GenerationResult(text=text, token_ids=new_ids, stats=stats, finish_reason=finish, trace_path=trace)
 
-    def _stats(self, prompt_len: int, n_new: int, start: float, times: list[float], batch: int = 1) -> GenerationStats:
+    def _stats(self, prompt_len: int, n_new: int, start: float, times: list[float], compile_s: float,
+               batch: int = 1) -> GenerationStats:
         ttft = times[0] - start
         decode_s = times[-1] - times[0]
         decode_rate = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else 0.0
@@ -490,26 +460,20 @@ class LLM:
             prompt_tokens=prompt_len, new_tokens=n_new, ttft_s=ttft, prefill_tok_s=prompt_len * batch / ttft,
             decode_tok_s=decode_rate * batch, model_bytes_per_token=self.bytes_per_token,
             bandwidth_gb_s=decode_rate * self.bytes_per_token / 1e9, peak_memory_gb=peak,
-            compile_s=self._pending_compile_s, batch_size=batch,
+            compile_s=compile_s, batch_size=batch,
         )
 
     # -- profiling -----------------------------------------------------------------------------------------------------
 
-    def _recorder(self, profile: Any, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams) -> Any:
-        if profile is None or profile is False:
+    def _recorder(self, profile: ProfileConfig | None, prompts: Tensor, max_new_tokens: int,
+                  sampling: SamplingParams) -> TraceRecorder | None:
+        if profile is None:
             return None
-        from profiling import ProfileConfig, TraceRecorder
-
-        if isinstance(profile, ProfileConfig):
-            config = profile
-        elif profile is True:
-            config = ProfileConfig.default_for(self.model_name)
-        else:
-            config = ProfileConfig(path=Path(profile))
-        # Compile and capture outside the trace, so the window holds only steady-state steps.
-        for _ in self.generate_token_batches(prompts, min(max_new_tokens, 4), sampling):
+        # Run the whole path once outside the trace, so the window holds only steady-state steps.
+        warm = dataclasses.replace(sampling, seed=0)
+        for _ in self.generate_token_batches(prompts, min(max_new_tokens, 4), warm):
             pass
-        return TraceRecorder(config, self.device)
+        return TraceRecorder(profile, self.device)
 
     @property
     def model_name(self) -> str:
@@ -552,99 +516,133 @@ class GenerateArgs:
     top_k: int | None = 200
     top_p: float | None = None
     seed: int | None = None
+    stop: tuple[str, ...] = ()
     device: str | None = None
     dtype: str | None = None
     compile: bool | None = None
     compile_prefill: bool = False
+    quantize: str | None = None
+    kernels: bool | None = None
+    fuse: bool | None = None
     num_samples: int = 1
+    chat: bool = False
     interactive: bool = False
     system: str | None = None
-    stop: tuple[str, ...] = ()
-    quantize: str | None = None
     profile: Path | None = None
     profile_steps: int = 16
 
     def __post_init__(self) -> None:
-        SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)  # validates the sampling values
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max_new_tokens must be a positive integer, got {self.max_new_tokens}")
+        self.engine, self.options(0)  # validate every engine and generation setting before any work
         if self.num_samples < 1:
             raise ValueError(f"--num_samples must be >= 1, got {self.num_samples}")
-        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.chat and self.interactive:
+            raise ValueError("--chat sends one message and --interactive holds a conversation; pick one")
+        if self.interactive and (self.prompt is not None or self.profile is not None or self.num_samples > 1):
+            raise ValueError("--interactive reads the conversation from stdin; drop --prompt, --profile, --num_samples")
+        if self.system is not None and not (self.chat or self.interactive):
+            raise ValueError("--system is the chat's system message; add --chat or --interactive")
         if not self.interactive and not self.prompt:
             raise ValueError("--prompt is empty; pass some text, or use --interactive")
+        for name in ("prompt", "system"):
+            if getattr(self, name) is not None:
+                check_text(getattr(self, name), f"--{name}")
+
+    @property
+    def engine(self) -> EngineConfig:
+        return EngineConfig(self.device, self.dtype, self.compile, self.compile_prefill, self.quantize, self.kernels,
+                            self.fuse)
+
+    def options(self, sample: int) -> GenerationOptions:
+        """Sample i's options: seed + i, and the trace for the first sample only."""
+        profile = ProfileConfig(self.profile, self.profile_steps) if self.profile is not None and sample == 0 else None
+        return GenerationOptions(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.stop,
+                                 self.seed + sample if self.seed is not None else None, profile=profile)
+
+    def messages(self, prompt: str) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + \
+            [{"role": "user", "content": prompt}]
 
 
 def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p = argparse.ArgumentParser(description="Generate text with a Redline checkpoint.")
     p.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
-    p.add_argument("--prompt", default=None, help="input text")
+    p.add_argument("--prompt", default=None, help="input text (with --chat: the user's message)")
     p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=None, help="sample i uses seed + i; default: a fresh seed per run")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile decoding to a CUDA graph (default: on for GPU, off for CPU)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (prompt lengths are bucketed)")
-    p.add_argument("--num_samples", type=int, default=1)
-    p.add_argument("--interactive", action="store_true", help="chat with the model's chat template")
-    p.add_argument("--system", default=None, help="system prompt for --interactive")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--quantize", default=None, help="quantize on load (int8)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="Redline's Triton kernels (default: on where they run)")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                   help="the fused batch-1 decode step; needs the kernels (default: on with them)")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--chat", action="store_true", help="send --prompt as one user message through the chat template")
+    p.add_argument("--interactive", action="store_true", help="chat on stdin with the model's chat template")
+    p.add_argument("--system", default=None, help="system message for --chat and --interactive")
     p.add_argument("--profile", type=Path, default=None, help="write a Perfetto trace (.json.gz) here")
     p.add_argument("--profile_steps", type=int, default=16, help="decode steps recorded in the trace")
     ns = p.parse_args(argv)
     return GenerateArgs(**{**vars(ns), "stop": tuple(ns.stop)})
 
 
+def print_stream(stream: Stream, out: Any) -> GenerationResult:
+    for piece in stream:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return stream.result
+
+
 def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
-    llm = LLM.load(cfg.checkpoint_path, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile,
-                   quantize=cfg.quantize, compile_prefill=cfg.compile_prefill)
-    sampling = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                    top_p=cfg.top_p, stop=list(cfg.stop))
+    llm = LLM.from_config(cfg.checkpoint_path, cfg.engine)
     if cfg.interactive:
-        return chat(llm, cfg, sampling, stdin or sys.stdin, out, err)
-    profile = None
-    if cfg.profile is not None:
-        from profiling import ProfileConfig
-
-        profile = ProfileConfig(path=cfg.profile, record_steps=cfg.profile_steps)
+        return interactive(llm, cfg, stdin or sys.stdin, out, err)
     for i in range(cfg.num_samples):
-        seed = cfg.seed + i if cfg.seed is not None else None
-        out.write(cfg.prompt)
-        for piece in llm.stream(cfg.prompt, seed=seed, profile=profile if i == 0 else None, **sampling):
-            out.write(piece)
-            out.flush()
-        out.write("\n")
-        print(f"[sample {i + 1}/{cfg.num_samples}] {llm.last_result.stats.summary()}", file=err)
-        if i == 0 and profile is not None:
-            print(f"trace written to {llm.last_trace}", file=err)
+        if cfg.chat:
+            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.options(i))
+        else:
+            stream = llm.stream(cfg.prompt, cfg.options(i))  # checks the prompt before it is echoed
+            out.write(cfg.prompt)
+        result = print_stream(stream, out)
+        print(f"[sample {i + 1}/{cfg.num_samples}] {result.stats.summary()}", file=err)
+        if result.trace_path is not None:
+            print(f"trace written to {result.trace_path}", file=err)
     return 0
 
 
-def chat(llm: LLM, cfg: GenerateArgs, sampling: dict, stdin: Any, out: Any, err: Any) -> int:
+def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any) -> int:
+    """A conversation on stdin: the oldest turns are dropped (the system message kept) when it outgrows the context."""
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    print(f"chatting with {llm.model_name} ({llm.tokenizer.chat_format} template); an empty line or EOF ends.", file=err)
+    options = cfg.options(0)
+    print(f"chatting with {llm.model_name}; an empty line or EOF ends.", file=err)
     while True:
         out.write("you> ")
         out.flush()
         line = stdin.readline()
         if not line.strip():
             return 0
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids = llm.tokenizer.encode_chat(messages)
+        try:
+            fitted = llm.fit_chat(messages + [{"role": "user", "content": line.rstrip("\n")}], options.max_new_tokens)
+        except ValueError as exc:
+            print(f"error: {exc}", file=err)
+            continue
+        dropped = len(messages) + 1 - len(fitted)
+        if dropped:
+            print(f"note: the conversation outgrew the context; dropped the {dropped} oldest messages", file=err)
+        messages = fitted
         out.write("assistant> ")
-        for piece in llm.stream(ids, seed=cfg.seed, **sampling):
-            out.write(piece)
-            out.flush()
-        out.write("\n")
-        messages.append({"role": "assistant", "content": llm.last_result.text})
-        print(llm.last_result.stats.summary(), file=err)
+        result = print_stream(llm.stream_chat(messages, options), out)
+        messages.append({"role": "assistant", "content": result.text})
+        print(result.stats.summary(), file=err)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -654,7 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
+        print("interrupted", file=sys.stderr)
         return 130
 
 

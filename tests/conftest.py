@@ -112,6 +112,35 @@ def tiny_llm_checkpoint(tmp_path_factory, sp_tokenizer_dir):
     return convert_hf_checkpoint(hf_dir, dtype="float32"), hf_model
 
 
+class ChatTemplateTokenizer:
+    """A real tokenizer plus a small chat template of its own: `<role>\\ncontent\\n` per message, then
+    `<assistant>\\n`, BOS first. Records each conversation it renders (in `calls`)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.bos_id, self.eos_ids, self.vocab_size = inner.bos_id, tuple(inner.eos_ids), inner.vocab_size
+        self.calls: list[list[dict]] = []
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.inner.decode(ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        self.calls.append([dict(m) for m in messages])
+        text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages)
+        return [self.bos_id] + self.inner.encode(text + ("<assistant>\n" if add_generation_prompt else ""))
+
+
+@pytest.fixture
+def chat_tokenizer(sp_tokenizer_dir):
+    """The SentencePiece fixture tokenizer with a chat template (a fresh one per test: it records its calls)."""
+    from tokenizer import load_tokenizer
+
+    return ChatTemplateTokenizer(load_tokenizer(sp_tokenizer_dir))
+
+
 # --- tokenizer fixtures (owner: tokenizer) ---
 
 # Sample text for the tokenizer fixtures: English, code with indentation, and multi-byte characters.

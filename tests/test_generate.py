@@ -35,9 +35,8 @@ def test_token_id_prompt_is_used_exactly(llm, tiny_llm_checkpoint):
     assert llm.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids == hf_greedy(hf_model, ids, 8)
 
 
-def test_string_prompt_gets_bos(llm):
-    ids = llm.encode_prompt("hello")
-    assert ids[0] == llm.tokenizer.bos_id and ids[1:] == llm.tokenizer.encode("hello")
+def test_string_prompt_is_encoded_by_the_tokenizers_own_rules(llm):
+    assert llm.encode_prompt("hello") == llm.tokenizer.encode("hello")
 
 
 def test_seeded_sampling_is_reproducible(llm):
@@ -66,9 +65,9 @@ def test_nucleus_mask_keeps_exactly_the_smallest_prefix():
 
 
 def test_top_p_sampling_draws_only_from_the_nucleus():
-    torch.manual_seed(0)
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]])).repeat(4000, 1)  # nucleus at 0.8: ids 1 and 3
-    draws = sample(logits, torch.tensor(1.0), torch.tensor(4), torch.tensor(0.8)).flatten()
+    draws = sample(logits, torch.tensor(1.0), torch.tensor(4), torch.tensor(0.8), torch.tensor(0),
+                   torch.tensor([7])).flatten()
     counts = torch.bincount(draws, minlength=4)
     assert counts[0] == 0 and counts[2] == 0
     assert abs(counts[1].item() / 4000 - 0.5 / 0.8) < 0.03  # renormalised within the nucleus
@@ -76,8 +75,9 @@ def test_top_p_sampling_draws_only_from_the_nucleus():
 
 def test_stream_joins_to_generate_text(llm):
     kwargs = dict(max_new_tokens=40, temperature=0.9, seed=7, ignore_eos=True)
-    pieces = list(llm.stream("class Foo:", **kwargs))
-    result = llm.last_result
+    stream = llm.stream("class Foo:", **kwargs)
+    pieces = list(stream)
+    result = stream.result
     assert "".join(pieces) == result.text == llm.generate("class Foo:", **kwargs).text
     assert result.text == llm.tokenizer.decode(result.token_ids)
 
@@ -199,16 +199,16 @@ def test_cli_streams_text_and_prints_stats(tiny_llm_checkpoint, capsys, llm):
     assert err.count("decode") == 2 and "tok/s" in err
 
 
-def test_cli_interactive_uses_the_chat_template(tiny_llm_checkpoint, capsys, llm):
+def test_cli_interactive_uses_the_chat_template(tiny_llm_checkpoint, chat_tokenizer, monkeypatch, llm):
+    monkeypatch.setattr(generate, "load_tokenizer", lambda path: chat_tokenizer)
     cfg = GenerateArgs(checkpoint_path=tiny_llm_checkpoint[0], interactive=True, device="cpu", temperature=0.0,
                        max_new_tokens=6, system="be brief")
     out = io.StringIO()
     code = generate.run_cli(cfg, stdin=io.StringIO("hello there\n\n"), out=out, err=io.StringIO())
     assert code == 0
-    chat_ids = llm.tokenizer.encode_chat([{"role": "system", "content": "be brief"},
-                                          {"role": "user", "content": "hello there"}])
-    assert "[INST]" in llm.tokenizer.decode(chat_ids)
-    reply = llm.generate(chat_ids, max_new_tokens=6).text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    assert chat_tokenizer.calls[-1] == messages
+    reply = llm.generate(chat_tokenizer.apply_chat_template(messages), max_new_tokens=6).text
     assert out.getvalue() == f"you> assistant> {reply}\nyou> "
 
 

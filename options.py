@@ -1,0 +1,184 @@
+"""The validated settings of an engine (EngineConfig) and of one generation (GenerationOptions), the results a
+generation returns, and the checks of what callers hand in. Bad values raise ValueError with one line that names
+the fix."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from checkpoint import dtype_from_name
+from profiling import ProfileConfig
+from quantize import QUANT_MODES
+from sampling import SamplingParams, is_int
+
+DEFAULT_MAX_NEW_TOKENS = 200
+
+
+def check_text(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start} (undecodable input bytes?); pass UTF-8 text") from None
+
+
+def check_output_path(path: Path, what: str) -> None:
+    """Fail before any work when `path` cannot be written: an existing folder, or under something not a folder."""
+    if path.is_dir():
+        raise ValueError(f"{what} {str(path)!r} is a folder; name a file inside it")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{what} {str(path)!r} is under {str(parent)!r}, which is not a folder")
+            return
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def prompt_token_ids(prompt: Any) -> list[int]:
+    """A sequence of int token ids (numpy integers too) as a list; anything else is refused in one line."""
+    if isinstance(prompt, Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise ValueError(f"a tensor prompt must be 1-D integer token ids, got {prompt.dtype} {tuple(prompt.shape)}")
+        return prompt.tolist()
+    if isinstance(prompt, (bytes, bytearray, Mapping, set, frozenset)) or not isinstance(prompt, Iterable):
+        raise ValueError(f"the prompt must be a str or a sequence of int token ids, not {type(prompt).__name__}")
+    ids = list(prompt)
+    for i, t in enumerate(ids):
+        if not is_int(t):
+            raise ValueError(f"prompt item {i} is {type(t).__name__} {t!r}; token ids must be ints")
+    return [int(t) for t in ids]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How LLM.load builds an engine; the CLI's flags map onto it one to one."""
+    device: str | None = None  # "cpu", "cuda" or "cuda:N"; None: cuda when a GPU is visible
+    dtype: str | None = None  # bfloat16 | float16 | float32; None: the checkpoint's
+    compile: bool | None = None  # compile decoding (a CUDA graph on a GPU); None: on for a GPU
+    compile_prefill: bool = False  # also compile prefill, one graph per power-of-two prompt bucket
+    quantize: str | None = None  # quantize the weights on load (int8)
+    kernels: bool | None = None  # Redline's Triton kernels; None: on where they run (a CUDA/HIP GPU with Triton)
+    fuse: bool | None = None  # the fused batch-1 decode step (needs kernels); None: follows kernels
+    name: str | None = None  # for stats and traces; None: the checkpoint's folder name
+
+    def __post_init__(self) -> None:
+        if isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", str(self.device))
+        if self.device is not None:
+            try:
+                device = torch.device(self.device)
+            except (RuntimeError, TypeError, ValueError):
+                device = None
+            if device is None or device.type not in ("cpu", "cuda"):
+                raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None:
+            dtype_from_name(self.dtype)
+        if self.quantize is not None and self.quantize not in QUANT_MODES:
+            raise ValueError(f"unknown quantization {self.quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
+        for flag in ("compile", "compile_prefill", "kernels", "fuse"):
+            if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True, False or None, got {getattr(self, flag)!r}")
+        if self.fuse and self.kernels is False:
+            raise ValueError("fuse=True needs the Triton kernels; drop kernels=False (--no-kernels) or fuse")
+        if self.compile_prefill and self.compile is False:
+            raise ValueError("compile_prefill needs compile; drop compile=False (--no-compile) or compile_prefill")
+
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return default_device()
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device} was asked for, but no CUDA/ROCm GPU is visible; use --device cpu")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {self.device}: there are only {torch.cuda.device_count()} GPUs")
+        return device
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How one generation samples and when it ends; generate, stream and chat take it as `options=` or keywords."""
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # capped by the model's context
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] = ()  # the text ends before the first of these; a single str is taken as one
+    seed: int | None = None  # None: drawn from torch's global RNG, once per generation
+    ignore_eos: bool = False
+    profile: ProfileConfig | None = None  # a Perfetto trace of the run; a path (str/PathLike) is taken as one
+
+    def __post_init__(self) -> None:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        self.sampling  # validates temperature, top_k, top_p and seed
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        stop = tuple(stop) if isinstance(stop, Iterable) else (None,)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        for s in stop:
+            check_text(s, "a stop string")
+        object.__setattr__(self, "stop", stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        profile = self.profile
+        if isinstance(profile, (str, os.PathLike)):
+            profile = ProfileConfig(path=Path(profile))
+        if profile is not None and not isinstance(profile, ProfileConfig):
+            raise ValueError(f"profile must be a ProfileConfig, a trace path or None, got {self.profile!r}")
+        if profile is not None:
+            check_output_path(profile.path, "the trace path")
+        object.__setattr__(self, "profile", profile)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+def resolve_options(options: GenerationOptions | None, overrides: dict[str, Any]) -> GenerationOptions:
+    if options is None:
+        return GenerationOptions(**overrides)
+    if not isinstance(options, GenerationOptions):
+        raise TypeError(f"options must be a GenerationOptions, got {type(options).__name__}; pass settings by keyword")
+    return dataclasses.replace(options, **overrides) if overrides else options
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int
+    ttft_s: float  # start of prefill to the first new token on the host; never includes compiling
+    prefill_tok_s: float
+    decode_tok_s: float  # tokens after the first, over the time after the first
+    model_bytes_per_token: int  # weights each decode step reads (the embedding table excluded: one row is read)
+    bandwidth_gb_s: float
+    peak_memory_gb: float | None  # None on the CPU
+    compile_s: float = 0.0  # compile/warm-up time spent before this generation, kept out of the rates above
+    batch_size: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        mem = f", peak memory {self.peak_memory_gb:.2f} GB" if self.peak_memory_gb is not None else ""
+        compiled = f", compile {self.compile_s:.1f} s" if self.compile_s else ""
+        return (f"prompt {self.prompt_tokens} tok, generated {self.new_tokens} tok | TTFT {self.ttft_s * 1e3:.1f} ms, "
+                f"prefill {self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.2f} tok/s, "
+                f"{self.bandwidth_gb_s:.1f} GB/s of {self.model_bytes_per_token / 1e9:.2f} GB/token{mem}{compiled}")
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # new tokens only
+    stats: GenerationStats
+    finish_reason: str  # "eos" | "stop" | "length"
+    trace_path: Path | None = None  # the Perfetto trace, when the run was profiled

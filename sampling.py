@@ -1,0 +1,125 @@
+"""Sampling a token from logits on the device: pure tensor functions, no host synchronisation, no generator state.
+
+The noise is counter-based: a splitmix64-style hash of (seed, position, row, column), computed inside the compiled
+step, so a seeded run is reproducible in any thread and new seeds or positions never recompile.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# A top_p above 1 disables the nucleus filter without a branch in the compiled graph.
+TOP_P_DISABLED = 2.0
+# Seeds are int64 values on the device; this is one past the largest.
+SEED_LIMIT = 1 << 63
+
+
+def as_int64(value: int) -> int:
+    """The signed int64 with the bits of an unsigned 64-bit constant."""
+    return value - (1 << 64) if value >= SEED_LIMIT else value
+
+
+# splitmix64's increment (2^64 / golden ratio) and finalizer multipliers.
+GOLDEN_GAMMA = as_int64(0x9E3779B97F4A7C15)
+MIX_MULTIPLIERS = (as_int64(0xBF58476D1CE4E5B9), as_int64(0x94D049BB133111EB))
+
+
+def shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 bits: >> on int64 copies the sign bit, so mask the copies away."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: Tensor) -> Tensor:
+    """splitmix64's finalizer on int64 (multiplication wraps): every input bit flips about half the output bits."""
+    x = (x ^ shift_right(x, 30)) * MIX_MULTIPLIERS[0]
+    x = (x ^ shift_right(x, 27)) * MIX_MULTIPLIERS[1]
+    return x ^ shift_right(x, 31)
+
+
+def exponential_noise(seed: Tensor, position: Tensor, rows: int, cols: int) -> Tensor:
+    """Exp(1) noise (rows, cols) that is a pure function of (seed, position, row, column): counter-based, so it
+    needs no generator state, runs inside a compiled graph and makes seeded runs reproducible in any thread."""
+    key = mix64(mix64(seed) + (position.view(1, 1) + 1) * GOLDEN_GAMMA)  # (1, 1)
+    counter = torch.arange(1, rows * cols + 1, device=position.device).view(rows, cols)  # (B, V)
+    bits = mix64(key + counter * GOLDEN_GAMMA)  # (B, V)
+    uniform = (shift_right(bits, 11).double() + 0.5) * 2.0 ** -53  # (B, V), 53 random bits, in (0, 1)
+    return (-torch.log(uniform)).float()
+
+
+def nucleus_keep_mask(sorted_probs: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Which of the descending-sorted probabilities (B, V) survive top-k and top-p.
+
+    A token is kept when its rank is below top_k and the mass of the tokens before it is below top_p,
+    i.e. the smallest prefix whose mass reaches top_p. The most likely token is always kept.
+    """
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (V,)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+    keep = (ranks < top_k) & (mass_before < top_p)
+    keep[..., 0] = True
+    return keep
+
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+           position: Tensor) -> Tensor:
+    """One token per row from logits (B, V). The settings and seed are 0-d tensors and position (1,) is the new
+    token's position, so new values never recompile."""
+    scaled = logits.float() / temperature.clamp_min(1e-5)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (B, V)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    probs = probs * nucleus_keep_mask(probs, top_k, top_p)
+    # argmax(p / E) with E ~ Exp(1) draws from p (normalisation does not matter) without a device sync.
+    noise = exponential_noise(seed, position, *probs.shape)
+    choice = torch.argmax(probs / noise, dim=-1, keepdim=True)  # (B, 1)
+    return order.gather(-1, choice)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    return torch.argmax(logits, dim=-1, keepdim=True)  # (B, 1)
+
+
+def next_token(logits: Tensor, position: Tensor, vocab_bias: Tensor | None, sampling: tuple[Tensor, ...]) -> Tensor:
+    """logits (B, V) -> (B, 1). vocab_bias (V,) is -inf at ids the tokenizer cannot decode, so they never win."""
+    if vocab_bias is not None:
+        logits = logits + vocab_bias
+    return sample(logits, *sampling, position) if sampling else greedy(logits)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {t!r}")
+        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1, got {self.top_k!r}")
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def tensors(self, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(temperature, top_k, top_p, seed) as 0-d tensors; no seed draws one from torch's global RNG."""
+        top_k = self.top_k if self.top_k is not None else vocab_size
+        top_p = self.top_p if self.top_p is not None else TOP_P_DISABLED
+        seed = self.seed if self.seed is not None else int(torch.randint(0, SEED_LIMIT - 1, ()).item())
+        return (torch.tensor(float(self.temperature), device=device), torch.tensor(int(top_k), device=device),
+                torch.tensor(float(top_p), device=device), torch.tensor(int(seed), device=device))

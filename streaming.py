@@ -1,0 +1,122 @@
+"""Streaming a generation: incremental detokenisation (TextStream), the Stream a caller iterates, and the lock that
+serializes the generations of one engine (GenerationLock)."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from typing import Callable
+
+from options import GenerationResult
+from tokenizer import Tokenizer
+
+
+class TextStream:
+    """Turns token ids into text pieces, holding back bytes of a character that is not complete yet."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_start = 0  # ids before this are final
+        self.read_start = 0  # ids before this have been emitted
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_start:self.read_start])
+        text = self.tokenizer.decode(self.ids[self.prefix_start:])
+        if text.endswith("\ufffd") or len(text) <= len(prefix):
+            return ""  # an incomplete multi-byte character, or nothing new yet
+        self.prefix_start, self.read_start = self.read_start, len(self.ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        prefix = self.tokenizer.decode(self.ids[self.prefix_start:self.read_start])
+        text = self.tokenizer.decode(self.ids[self.prefix_start:])
+        self.prefix_start = self.read_start = len(self.ids)
+        return text[len(prefix):]
+
+
+class GenerationLock:
+    """Serializes one engine's generations across threads. A thread whose own earlier stream is suspended takes the
+    engine over instead of waiting for itself (which would deadlock); that stream's number is then stale."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread holding _lock
+        self.number = 0  # bumped when a generation starts; a stream holding an older number is invalid
+
+    def acquire(self) -> int:
+        """Hold the engine for one generation; returns its number."""
+        if self._owner != threading.get_ident():
+            self._lock.acquire()
+            self._owner = threading.get_ident()
+        self.number += 1
+        return self.number
+
+    def release(self, number: int) -> None:
+        """Let others in, unless a later generation of this thread has taken over."""
+        if number == self.number and self._owner is not None:
+            self._owner = None
+            self._lock.release()
+
+
+class Stream:
+    """The text pieces of one generation as they are decoded; `.result` (a GenerationResult) once exhausted.
+
+    The engine is held from the first next() until the stream is exhausted or closed (`with llm.stream(...) as s:`
+    closes it). Another thread's call waits meanwhile; a call from this thread takes the engine over, and this
+    stream then raises RuntimeError when resumed instead of returning tokens from a cache the other call rewrote.
+    """
+
+    def __init__(self, lock: GenerationLock, run: Callable[[], Generator[str, None, GenerationResult]]) -> None:
+        self._lock, self._run = lock, run
+        self._pieces: Generator[str, None, GenerationResult] | None = None
+        self._number = 0  # the lock's generation number while this stream holds it
+        self._result: GenerationResult | None = None
+        self._closed = False
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> str:
+        if self._closed:
+            raise StopIteration
+        if self._pieces is None:
+            self._number = self._lock.acquire()
+            self._pieces = self._run()
+        elif self._number != self._lock.number:
+            self.close()
+            raise RuntimeError("this stream was invalidated: another generation on the same LLM ran since its last "
+                               "piece; exhaust or close a stream before starting another one in the same thread")
+        try:
+            return next(self._pieces)
+        except StopIteration as done:
+            self._result = done.value
+            self.close()
+            raise StopIteration from None
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def result(self) -> GenerationResult:
+        if self._result is None:
+            raise RuntimeError("the result is ready once the stream is exhausted; iterate it to the end first")
+        return self._result
+
+    def close(self) -> None:
+        """Stop generating and let other calls use the engine (an unfinished stream has no result)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pieces is not None:
+            self._pieces.close()
+            self._lock.release(self._number)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
