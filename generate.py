@@ -282,10 +282,11 @@ class LLM:
         args = self._step_args(sampling)
         region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
         bucket = prefill_bucket(prompt_len, self.model.max_seq_length) if self.compile_prefill else prompt_len
-        padded = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)
-        padded[:, :prompt_len] = prompts.to(self.device)
-        positions = torch.arange(bucket, device=self.device)
-        last = torch.tensor([prompt_len - 1], device=self.device)
+        with torch.inference_mode():  # the same tensor kind as the warm-up's, so the compiled prefill's guards match
+            padded = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)  # (B, bucket)
+            padded[:, :prompt_len] = prompts.to(self.device)
+            positions = torch.arange(bucket, device=self.device)  # (bucket,)
+            last = torch.tensor([prompt_len - 1], device=self.device)  # (1,)
         pinned = self.device.type == "cuda"
         host = torch.empty(batch, dtype=torch.long, pin_memory=pinned)
         ready = torch.cuda.Event() if pinned else None
