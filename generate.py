@@ -663,8 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_cli(parse_args(argv))
     except (ValueError, FileNotFoundError) as exc:
-        if tensor_parallel.is_main_process():
-            print(f"error: {exc}", file=sys.stderr)
+        tensor_parallel.report_error(f"error: {exc}")  # rank 0 alone prints under torchrun
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

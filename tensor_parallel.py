@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,8 @@ ALL_REDUCE_MODES = ("nccl", "oneshot")
 ONE_SHOT_MAX_BYTES = 128 * 1024
 # The model dimensions a rank holds a part of; each must divide by the number of ranks.
 SHARDED_DIMS = ("n_head", "n_kv_heads", "intermediate_size")
+# Seconds a rank other than 0 waits before exiting with an error, so that rank 0 has printed it by then.
+ERROR_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ def start(requested_device: str | None = None) -> TPWorld | None:
     rank, world_size, local_rank = ranks
     mode = all_reduce_mode()
     device = rank_device(requested_device, local_rank)
+    if mode == "oneshot" and device.type != "cuda":
+        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs GPUs; unset it to use the process group's all-reduce")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -127,8 +133,6 @@ def start(requested_device: str | None = None) -> TPWorld | None:
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, but torchrun "
                          f"says {rank} of {world_size}; initialize it from torchrun's environment")
-    if mode == "oneshot" and device.type != "cuda":
-        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs GPUs; unset it to use the process group's all-reduce")
     return TPWorld(rank, world_size, device, dist.group.WORLD.group_name, mode)
 
 
@@ -422,6 +426,15 @@ def agreed_sampling(sampling: SamplingParams, model: nn.Module) -> SamplingParam
     seed = [int(torch.randint(0, SEED_LIMIT - 1, ()).item()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(seed, src=0)
     return dataclasses.replace(sampling, seed=seed[0])
+
+
+def report_error(line: str) -> None:
+    """Print a one-line error on rank 0 (every rank meets the same error); the other ranks wait a moment first, since
+    torchrun stops every rank as soon as one exits with an error, which could cut rank 0 off before it prints."""
+    if is_main_process():
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(ERROR_GRACE_S)
 
 
 class NullWriter:
