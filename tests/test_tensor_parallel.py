@@ -186,3 +186,31 @@ def test_fused_decode_per_rank_equals_unfused_tensor_parallel(checkpoints, tmp_p
     fused, unfused = (torch.load(tmp_path / f"{kind}-rank0.pt", weights_only=True) for kind in ("fused", "unfused"))
     torch.testing.assert_close(fused, unfused, atol=2e-3, rtol=2e-3)
     assert torch.equal(fused, torch.load(tmp_path / "fused-rank1.pt", weights_only=True))  # ranks agree bit for bit
+
+
+def test_bench_tp_needs_a_matching_torchrun_launch(monkeypatch):
+    from scripts.bench import parse_args
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node 2 scripts/bench.py --tp 2"):
+        parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cpu"])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="divisible by 3"):
+        parse_args(["--tp", "3", "--model", "debug-tiny", "--device", "cpu"])
+
+
+@pytest.mark.slow
+def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
+    import json
+
+    out = tmp_path / "tp.json"
+    proc = torchrun([str(ROOT / "scripts" / "bench.py"), "--tp", "2", "--model", "debug-tiny", "--quant", "int8",
+                     "--new-tokens", "4", "--runs", "1", "--device", "cpu", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = json.loads(out.read_text())["records"][0]
+    tiny = ModelArgs.from_name("debug-tiny")
+    assert record["tp"] == 2 and record["all_reduce"]["all_reduces_per_token"] == 2 * tiny.n_layer
+    assert record["all_reduce"]["bytes_each"] == tiny.dim * 2  # one bf16 hidden state
+    assert proc.stdout.count("debug-tiny TP2 | int8") >= 2  # the tables, printed by rank 0 alone
+    assert proc.stdout.count("# Redline benchmark") == 1
