@@ -54,6 +54,8 @@ ALL_REDUCE_MODES = ("nccl", "oneshot")
 ONE_SHOT_MAX_BYTES = 128 * 1024
 # The model dimensions a rank holds a part of; each must divide by the number of ranks.
 SHARDED_DIMS = ("n_head", "n_kv_heads", "intermediate_size")
+# The process groups this module initialized (start), which stop() alone destroys: a caller's own group is theirs.
+_STARTED_GROUPS: set[str] = set()
 # Seconds a rank other than 0 waits before exiting with an error, so that rank 0 has printed it by then.
 ERROR_GRACE_S = 2.0
 
@@ -130,6 +132,7 @@ def start(requested_device: str | None = None) -> TPWorld | None:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _STARTED_GROUPS.add(dist.group.WORLD.group_name)
     if dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, but torchrun "
                          f"says {rank} of {world_size}; initialize it from torchrun's environment")
@@ -245,7 +248,8 @@ def read_shards(info: CheckpointInfo, rank: int, world_size: int, device: torch.
                 raise ValueError(f"{info.path}: tensor {name} has shape {found[name]}, expected {shape}")
         for name, own in local.items():
             tensor = reader.read(name, shard_plan(name, full_args), rank, world_size)
-            assert tuple(tensor.shape) == tuple(own.shape), (name, tensor.shape, own.shape)
+            if tuple(tensor.shape) != tuple(own.shape):
+                raise ValueError(f"{info.path}: {name} sliced to {tuple(tensor.shape)}, expected {tuple(own.shape)}")
             if tensor.is_floating_point() and not name.endswith(".scales"):
                 tensor = tensor.to(dtype)
             tensors[name] = tensor
@@ -448,6 +452,7 @@ class NullWriter:
 
 
 def stop() -> None:
-    """Leave the process group at the end of a CLI run."""
-    if dist.is_available() and dist.is_initialized():
+    """Leave the process group that start() initialized (at the end of a CLI run); a group made by the caller stays."""
+    if dist.is_available() and dist.is_initialized() and dist.group.WORLD.group_name in _STARTED_GROUPS:
+        _STARTED_GROUPS.discard(dist.group.WORLD.group_name)
         dist.destroy_process_group()

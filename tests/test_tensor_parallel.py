@@ -76,6 +76,9 @@ def test_two_ranks_give_one_process_logits_and_greedy_tokens(two_ranks, checkpoi
         assert got["local_heads"] == 2  # each rank really held half of the 4 heads
         torch.testing.assert_close(got["logits"], reference["logits"], atol=1e-4, rtol=0)
         assert got["greedy"] == reference["greedy"]
+        # The fused batch-1 decode per rank (residual in rank 0's partial, norms summed after the all-reduce).
+        from tests.tp_worker import PROMPT_TOKENS
+        torch.testing.assert_close(got["fused"], reference["logits"][:, PROMPT_TOKENS:], atol=1e-4, rtol=0)
 
 
 def test_ranks_agree_on_unseeded_samples(two_ranks):

@@ -44,30 +44,41 @@ def run(out_dir: Path, prompt: str, checkpoints: list[str]) -> int:
             "greedy": llm.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0).token_ids,
             "sampled": llm.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=1.0, top_k=50).token_ids,
             "local_heads": llm.model.args.n_head,
+            "fused": fused_and_unfused(path, "cpu")["fused"],
         }
         torch.save(result, out_dir / f"{i}-rank{rank}.pt")
     return generate.main(["--checkpoint_path", checkpoints[0], "--prompt", prompt, "--temperature", "0",
                           "--max_new_tokens", str(NEW_TOKENS), "--device", "cpu", "--no-compile"])
 
 
-def fused_check(out_dir: Path, path: str) -> int:
-    """On GPUs: this rank's logits of single-token steps through the fused TP decode and through the unfused TP
-    model, written to OUT_DIR/fused-rank<r>.pt and OUT_DIR/unfused-rank<r>.pt."""
-    import generate
+def fused_and_unfused(path: str, device: str) -> dict[str, torch.Tensor]:
+    """This rank's float32 logits of single-token steps (after a prefill) through the fused TP decode and through the
+    unfused TP model, both on the kernel modules (their PyTorch references on the CPU)."""
     import tensor_parallel
+    from checkpoint import read_checkpoint_info
+    from kernels import use_kernels
 
-    rank = int(os.environ.get("RANK", "0"))
-    llm = generate.LLM.load(path, device="cuda", compile=False, kernels=True, fuse=True)
-    model, step = llm.model, llm._step_model
+    world = tensor_parallel.start(device)
+    model = tensor_parallel.load_sharded_model(read_checkpoint_info(path), world)
+    step = tensor_parallel.fused_decode(use_kernels(tensor_parallel.apply_tensor_parallel(model, world)))
     assert isinstance(step, tensor_parallel.TensorParallelFusedDecode)
-    device = llm.device
-    ids = torch.tensor([LOGIT_IDS], device=device)
+    ids = torch.tensor([LOGIT_IDS], device=world.device)
+    out = {}
     for kind, call in (("fused", step), ("unfused", model)):
         model.setup_caches(1, 64)
         with torch.inference_mode():
-            model(ids[:, :PROMPT_TOKENS], torch.arange(PROMPT_TOKENS, device=device))
-            out = [call(ids[:, p:p + 1], torch.tensor([p], device=device)) for p in range(PROMPT_TOKENS, ids.shape[1])]
-        torch.save(torch.cat(out, dim=1).float().cpu(), out_dir / f"{kind}-rank{rank}.pt")
+            model(ids[:, :PROMPT_TOKENS], torch.arange(PROMPT_TOKENS, device=world.device))
+            steps = [call(ids[:, p:p + 1], torch.tensor([p], device=world.device))
+                     for p in range(PROMPT_TOKENS, ids.shape[1])]
+        out[kind] = torch.cat(steps, dim=1).float().cpu()
+    return out
+
+
+def fused_check(out_dir: Path, path: str) -> int:
+    """On GPUs: fused_and_unfused, written to OUT_DIR/fused-rank<r>.pt and OUT_DIR/unfused-rank<r>.pt."""
+    rank = int(os.environ.get("RANK", "0"))
+    for kind, tensor in fused_and_unfused(path, "cuda").items():
+        torch.save(tensor, out_dir / f"{kind}-rank{rank}.pt")
     return 0
 
 
