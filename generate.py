@@ -6,6 +6,7 @@
 
     python generate.py --checkpoint_path PATH --prompt TEXT [--max_new_tokens N] ...
     python generate.py --checkpoint_path PATH --chat --prompt "What is the capital of France?" --temperature 0
+    torchrun --nproc_per_node 2 generate.py --checkpoint_path PATH --prompt TEXT   # tensor parallel (tensor_parallel.py)
 """
 from __future__ import annotations
 

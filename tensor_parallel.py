@@ -128,6 +128,9 @@ def start(requested_device: str | None = None) -> TPWorld | None:
     device = rank_device(requested_device, local_rank)
     if mode == "oneshot" and device.type != "cuda":
         raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs GPUs; unset it to use the process group's all-reduce")
+    if mode == "oneshot" and os.environ.get("LOCAL_WORLD_SIZE", str(world_size)) != str(world_size):
+        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs every rank on one host (symmetric memory is peer memory); "
+                         f"unset it for a run over several hosts")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
