@@ -6,6 +6,7 @@
 
     python generate.py --checkpoint_path PATH --prompt TEXT [--max_new_tokens N] ...
     python generate.py --checkpoint_path PATH --chat --prompt "What is the capital of France?" --temperature 0
+    torchrun --nproc_per_node 2 generate.py --checkpoint_path PATH --prompt TEXT   # tensor parallel (tensor_parallel.py)
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
-from kernels import FusedDecode, use_kernels
+from kernels import use_kernels
 from kernels import available as kernels_available
 from model import Transformer
 from options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
@@ -33,6 +34,7 @@ from profiling import ProfileConfig, TraceRecorder
 from quantize import load_model, model_quantization
 from sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
 from streaming import GenerationLock, Stream, TextStream
+import tensor_parallel
 from tokenizer import Tokenizer, load_tokenizer
 
 SMALLEST_PREFILL_BUCKET = 16
@@ -148,7 +150,7 @@ class LLM:
         if self.kernels:
             use_kernels(model)
             if self.fuse:
-                self._step_model = FusedDecode(model)
+                self._step_model = tensor_parallel.fused_decode(model)  # a rank's model: the TP one
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile
@@ -176,16 +178,23 @@ class LLM:
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, config: EngineConfig) -> LLM:
-        device = config.torch_device()
+        world = tensor_parallel.start(config.device)  # None unless torchrun launched several ranks
+        device = config.torch_device() if world is None else world.device
         info = read_checkpoint_info(path)
         tokenizer = load_tokenizer(info.path)
-        model = load_model(info, device, dtype_from_name(config.dtype) if config.dtype is not None else None)
+        dtype = dtype_from_name(config.dtype) if config.dtype is not None else None
+        if world is None:
+            model = load_model(info, device, dtype)
+        else:  # this rank's slices only; quantize= then quantizes each rank's slices (per-channel scales per slice)
+            model = tensor_parallel.load_sharded_model(info, world, dtype)
         if config.quantize is not None:
             from quantize import quantize_
 
             if info.scheme != "none":
                 raise ValueError(f"{info.path} is already quantized ({info.scheme}); drop quantize=")
             quantize_(model, config.quantize)
+        if world is not None:
+            tensor_parallel.apply_tensor_parallel(model, world)
         compile = config.compile if config.compile is not None else device.type == "cuda" or config.compile_prefill
         return cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
                    config.fuse)
@@ -278,6 +287,7 @@ class LLM:
         """
         batch, prompt_len = prompts.shape
         new_tokens = self._plan_lengths(prompt_len, max_new_tokens)
+        sampling = tensor_parallel.agreed_sampling(sampling, self.model)  # every rank draws the same tokens
         self._prepare(batch, prompt_len, max_new_tokens, sampling)
         args = self._step_args(sampling)
         region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
@@ -604,7 +614,11 @@ def print_stream(stream: Stream, out: Any) -> GenerationResult:
 
 def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
+    if cfg.interactive and tensor_parallel.env_ranks() is not None:
+        raise ValueError("--interactive reads stdin in one process; run it without torchrun")
     llm = LLM.from_config(cfg.checkpoint_path, cfg.engine)
+    if not tensor_parallel.is_main_process():  # under torchrun rank 0 alone prints
+        out = err = tensor_parallel.NullWriter()
     if cfg.interactive:
         return interactive(llm, cfg, stdin or sys.stdin, out, err)
     for i in range(cfg.num_samples):
@@ -650,11 +664,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_cli(parse_args(argv))
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        tensor_parallel.report_error(f"error: {exc}")  # rank 0 alone prints under torchrun
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    finally:
+        tensor_parallel.stop()
 
 
 if __name__ == "__main__":

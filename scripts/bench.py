@@ -5,6 +5,7 @@
         --prompt-lengths 8,512,2048 --new-tokens 200 --runs 5 [--compare hf] [--compile-prefill] \\
         [--compile-time | --compile-time-only] [--device cuda|cpu] [--dtype bfloat16] [--json FILE] [--plot FILE.png]
     python scripts/bench.py --merge a.json,b.json [--json all.json] [--plot all.png]   # re-report saved runs
+    torchrun --nproc_per_node 2 scripts/bench.py --tp 2 --model Llama-2-70B   # tensor parallel over 2 GPUs
 
 Models come from the registry (`model.ModelArgs.from_name`) and get random weights of a realistic scale, so nothing
 is downloaded. What each number means:
@@ -19,6 +20,10 @@ is downloaded. What each number means:
 - HF decode tok/s = (N - n_short) / (t(N) - t(n_short)) from two `generate` calls, so prefill cancels out.
 - compile time: time to first token after process start, measured around child processes with a fresh
   (cold) and then the same (warm) TORCHINDUCTOR_CACHE_DIR.
+- --tp N (under torchrun with N processes): each rank builds random weights in its slices' shapes; bytes per token,
+  bandwidth and the limit are one GPU's (each reads its slices in parallel); the all-reduce time per token is a CUDA
+  graph of just the 2 x n_layer all-reduces of one decode step, NCCL and one-shot (REDLINE_ALL_REDUCE picks the one
+  the model runs). Rank 0 alone prints and writes the JSON.
 
 This file is the CLI and the run; each measurement has its own module: bench_redline (Redline), bench_hf
 (transformers), bench_compile_time (the child processes), bench_model (random weights and the counts), bench_env
@@ -40,6 +45,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
+import tensor_parallel
 from checkpoint import dtype_from_name
 from model import ModelArgs
 from scripts.bench_compile_time import CompileTimeRecord, measure_compile_times, run_ttft_probe
@@ -106,8 +112,10 @@ class BenchConfig:
     profile_steps: int = 16
     start_time: float | None = None  # the parent's time.time() when it started a --ttft-probe child
     argv: tuple[str, ...] = ()
+    tp: int = 1  # tensor-parallel ranks: the WORLD_SIZE of the torchrun launch
 
     def __post_init__(self) -> None:
+        self._check_tp()
         if self.merge:
             if self.models:
                 raise ValueError("--merge re-reports saved JSON results; drop --model (or drop --merge to measure)")
@@ -152,6 +160,19 @@ class BenchConfig:
         if "hf" in self.compare and not _importable("transformers"):
             raise ValueError("--compare hf needs transformers; pip install transformers")
         self._check_plot()
+
+    def _check_tp(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be a positive integer, got {self.tp}")
+        ranks = tensor_parallel.env_ranks()
+        world = ranks[1] if ranks is not None else 1
+        if self.tp != world:
+            raise ValueError(f"--tp {self.tp} but this launch has {world} process(es); run "
+                             f"torchrun --nproc_per_node {self.tp} scripts/bench.py --tp {self.tp} ...")
+        if self.tp > 1 and (self.compile_time or self.compare or self.merge):
+            raise ValueError("--tp measures Redline itself; drop --compile-time, --compare and --merge")
+        for name in self.models if self.tp > 1 else ():
+            tensor_parallel.shard_args(ModelArgs.from_name(name), self.tp)  # one line when it does not divide
 
     def _check_plot(self) -> None:
         if self.plot_path is not None and not _importable("matplotlib"):
@@ -209,10 +230,14 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--profile", dest="profile_dir", type=Path, default=None,
                    help="folder: also trace one generation per configuration (Perfetto .json.gz)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps recorded in each trace")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun --nproc_per_node N)")
     p.add_argument("--ttft-probe", action="store_true", help="internal: child process of --compile-time")
     p.add_argument("--start-time", type=float, default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(list(argv))
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ranks = tensor_parallel.env_ranks()
+    if ranks is not None:  # each rank its own GPU
+        device = str(tensor_parallel.rank_device(device, ranks[2]))
     return BenchConfig(
         models=_split(ns.model), quants=_split(ns.quant), batch_sizes=_positive_ints(ns.batch_size, "--batch-size"),
         prompt_lengths=_positive_ints(ns.prompt_lengths, "--prompt-lengths"), new_tokens=ns.new_tokens,
@@ -222,7 +247,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         device=device, dtype=ns.dtype, json_path=ns.json_path, plot_path=ns.plot_path,
         merge=tuple(Path(p) for p in _split(ns.merge)), bandwidth_gib=ns.bandwidth_gib,
         probe_new_tokens=ns.probe_new_tokens, seed=ns.seed, ttft_probe=ns.ttft_probe, start_time=ns.start_time,
-        profile_dir=ns.profile_dir, profile_steps=ns.profile_steps, argv=tuple(argv),
+        profile_dir=ns.profile_dir, profile_steps=ns.profile_steps, argv=tuple(argv), tp=ns.tp,
     )
 
 
@@ -230,9 +255,11 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
 # The run.
 
 
-def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None) -> dict[str, Any]:
+def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None,
+                  world: tensor_parallel.TPWorld | None = None) -> dict[str, Any]:
     """Every measurement the config asks for. A failed configuration is logged and recorded under "errors" and the
-    run goes on; `save(report)` is called after each step, so a run cut short still leaves its results."""
+    run goes on; `save(report)` is called after each step, so a run cut short still leaves its results. With a
+    world (--tp), every rank runs all of it and the models are that rank's slices."""
     device = torch.device(cfg.device)
     bandwidth_runs: list[float] = []
     if device.type == "cuda" and not cfg.compile_time_only:
@@ -246,6 +273,9 @@ def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None) -> dict[str, Any
     compile_times: list[CompileTimeRecord] = []
     report: dict[str, Any] = {"env": environment(device, cfg.argv), "bandwidth_gb_s": bandwidth,
                               "bandwidth_runs_gb_s": bandwidth_runs, "errors": [], "notes": NOTES}
+    if cfg.tp > 1:
+        report["env"]["command"] = report["env"]["command"].replace("python ", f"torchrun --nproc_per_node {cfg.tp} ",
+                                                                    1)
 
     def refresh() -> None:
         report["records"] = [asdict(r) for r in records]
@@ -277,7 +307,7 @@ def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None) -> dict[str, Any
             for quant in cfg.quants:
                 for batch in cfg.batch_sizes:
                     record = attempt(f"{name} {quant} batch {batch}",
-                                     lambda: bench_redline(cfg, name, quant, batch, bandwidth, log))
+                                     lambda: bench_redline(cfg, name, quant, batch, bandwidth, log, world))
                     records += [record] if record is not None else []
             if "hf" in cfg.compare:
                 hf_records += attempt(f"{name} HF", lambda: bench_hf(cfg, name, log)) or []
@@ -302,9 +332,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse_args(argv)
         if cfg.ttft_probe:
             return run_ttft_probe(cfg)
-        json_path = cfg.json_path
+        world = tensor_parallel.start(cfg.device) if cfg.tp > 1 else None
+        main_rank = tensor_parallel.is_main_process()
+        json_path = cfg.json_path if main_rank else None
         save = (lambda partial: write_json(partial, json_path)) if json_path is not None else None
-        report = merge_reports(cfg.merge) if cfg.merge else run_benchmark(cfg, make_logger(), save)
+        log = make_logger() if main_rank else (lambda message: None)
+        report = merge_reports(cfg.merge) if cfg.merge else run_benchmark(cfg, log, save, world)
+        if not main_rank:
+            return 1 if report.get("errors") else 0
         print(format_report(report))
         if json_path is not None:
             write_json(report, json_path)
@@ -313,8 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_plot(report, cfg.plot_path)
             print(f"plot written to {cfg.plot_path}")
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        tensor_parallel.report_error(f"error: {exc}")
         return 2
+    finally:
+        tensor_parallel.stop()
     return 1 if report.get("errors") else 0
 
 

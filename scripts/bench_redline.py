@@ -15,9 +15,11 @@ import generate
 from model import ModelArgs
 from scripts.bench_model import (build_random_model, kv_cache_bytes, param_counts, prefill_flops, random_prompts,
                                  weights_bytes)
+from scripts.bench_tp import all_reduce_timings, build_random_tp_model
 
 if TYPE_CHECKING:
     from scripts.bench import BenchConfig
+    from tensor_parallel import TPWorld
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,9 @@ class RedlineRecord:
     fused: bool = False  # batch-1 decode ran the fused path (kernels.FusedDecode)
     profile_path: str | None = None  # --profile: a trace of one more generation
     profile_decode_tok_s: float | None = None  # that generation's decode rate (profiler overhead = vs decode_tok_s)
+    tp: int = 1  # tensor-parallel ranks; bytes, weights, KV cache, memory and the limit are then one rank's
+    all_reduce_mode: str | None = None  # the all-reduce the model ran (REDLINE_ALL_REDUCE), with --tp
+    all_reduce: dict[str, Any] | None = None  # scripts.bench_tp.all_reduce_timings, with --tp
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_tok_s < 0 or self.bytes_per_token <= 0:
@@ -147,12 +152,15 @@ def measure_prefill(llm: generate.LLM, args: ModelArgs, prompts: Tensor, lengths
 
 
 def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth: float | None,
-                  log: Any) -> RedlineRecord:
-    """One model x quant x batch: decode, prefill per prompt length, memory and, with --profile, a trace."""
+                  log: Any, world: TPWorld | None = None) -> RedlineRecord:
+    """One model x quant x batch: decode, prefill per prompt length, memory and, with --profile, a trace. With a
+    world, this rank's slices of the model, and the all-reduce time per token."""
     device = torch.device(cfg.device)
     args = ModelArgs.from_name(name)
-    log(f"{name} {quant} batch {batch}: building random weights")
-    model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed)
+    log(f"{name} {quant} batch {batch}: building random weights" + (f" (rank 0 of {world.world_size})" if world
+                                                                      else ""))
+    model = (build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed) if world is None
+             else build_random_tp_model(args, world, cfg.torch_dtype, quant, cfg.seed))
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
                        fuse=cfg.fuse, name=f"{name} (random weights)")
     weights = weights_bytes(model)
@@ -190,6 +198,10 @@ def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth
     trace_path, trace_rate = profile_generation(cfg, llm, decode_prompts, f"{name}-{quant}-b{batch}", log) \
         if cfg.profile_dir is not None else (None, None)
 
+    all_reduce = None
+    if world is not None:
+        log(f"{name} {quant} batch {batch}: timing the all-reduces of one token")
+        all_reduce = all_reduce_timings(world, args, cfg.torch_dtype, batch)
     bytes_step = llm.bytes_per_token
     limit = batch * bandwidth * 1e9 / bytes_step if bandwidth else None
     return RedlineRecord(
@@ -204,7 +216,8 @@ def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth
         overhead_bytes=peak - weights - kv if peak is not None else None,
         compile_s=compile_s, warmup_s=warm.wall_s, prefill=prefill, kernels=llm.kernels, fused=llm.fuse,
         profile_path=trace_path,
-        profile_decode_tok_s=trace_rate,
+        profile_decode_tok_s=trace_rate, tp=cfg.tp, all_reduce_mode=world.all_reduce if world else None,
+        all_reduce=all_reduce,
     )
 
 

@@ -72,6 +72,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"merged: {source['path']} (bandwidth {fmt(source['bandwidth_gb_s'], '.0f')} GB/s)")
     if report["records"]:
         lines += redline_tables(report["records"])
+        lines += all_reduce_table(report["records"])
     if report["hf"]:
         lines += hf_table(report["hf"], env.get("transformers_version"))
     if report["compile_times"]:
@@ -81,6 +82,31 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [f"- {e['what']}: {e['error']}" for e in report["errors"]]
     lines += [""] + [f"- {note}" for note in report.get("notes", [])]
     return "\n".join(lines)
+
+
+def _model_label(record: dict[str, Any]) -> str:
+    tp = record.get("tp", 1)
+    return record["model"] if tp == 1 else f"{record['model']} TP{tp}"
+
+
+def all_reduce_table(records: list[dict[str, Any]]) -> list[str]:
+    """Tensor-parallel records: the all-reduce time of one decode token, NCCL against one-shot."""
+    timed = [r for r in records if r.get("all_reduce")]
+    if not timed:
+        return []
+    rows = []
+    for r in timed:
+        a = r["all_reduce"]
+        us = a["us_per_token"]
+        step_us = 1e6 / r["decode_tok_s"] if r["decode_tok_s"] else None
+        rows.append([_model_label(r), _quant_label(r), str(r["batch_size"]), r.get("all_reduce_mode") or "–",
+                     str(a["all_reduces_per_token"]), str(a["bytes_each"]), fmt(us.get("nccl"), ".0f"),
+                     fmt(us.get("oneshot"), ".0f"), fmt(step_us, ".0f"),
+                     "; ".join(f"{k}: {v}" for k, v in a["errors"].items())])
+    lines = ["", "Tensor parallel: all-reduce time per decode token (a CUDA graph of just that token's all-reduces, "
+             "mean of its replays)", ""]
+    return lines + _table(["model", "quant", "batch", "model ran", "all-reduces", "bytes each", "NCCL µs/token",
+                           "one-shot µs/token", "decode µs/token", "errors"], rows)
 
 
 def _quant_label(record: dict[str, Any]) -> str:
@@ -110,7 +136,7 @@ def redline_tables(records: list[dict[str, Any]]) -> list[str]:
     rows = []
     for r in records:
         eager = [p for p in r["prefill"] if not p["compiled_prefill"]]
-        row = [r["model"], _quant_label(r), str(r["batch_size"]), f"{r['decode_tok_s']:.1f}",
+        row = [_model_label(r), _quant_label(r), str(r["batch_size"]), f"{r['decode_tok_s']:.1f}",
                fmt(r["pct_of_limit"], ".1f"), fmt(r["limit_tok_s"], ".0f"), fmt(r["limit_with_kv_tok_s"], ".0f"),
                f"{r['bytes_per_token'] / 1e9:.3g}", per_length(eager, "ttft_s", ".1f", 1e3),
                per_length(eager, "tflops", ".3g")]
@@ -119,7 +145,7 @@ def redline_tables(records: list[dict[str, Any]]) -> list[str]:
         row += [fmt(r["peak_memory_bytes"], ".2f", 1e-9), f"{r['weights_bytes'] / 1e9:.2f}",
                 f"{r['kv_cache_bytes'] / 1e9:.2f}", fmt(r["overhead_bytes"], ".2f", 1e-9), f"{r['compile_s']:.1f}"]
         rows.append(row)
-    detail = [[r["model"], _quant_label(r), str(r["batch_size"]), "compiled" if p["compiled_prefill"] else "eager",
+    detail = [[_model_label(r), _quant_label(r), str(r["batch_size"]), "compiled" if p["compiled_prefill"] else "eager",
                str(p["prompt_tokens"]), str(p["cache_len"]), f"{p['ttft_s'] * 1e3:.1f}", f"{p['flops'] / 1e12:.3g}",
                f"{p['tflops']:.3g}", f"{p['decode_tok_s']:.1f}"] for r in records for p in r["prefill"]]
     lines = [""] + _table(header, rows)

@@ -1,0 +1,461 @@
+"""Tensor parallelism over the ranks of a torchrun launch: each rank holds whole attention heads and a slice of the
+feed-forward, reads only its slices of the checkpoint, and sums the row-parallel projections with an all-reduce.
+
+    torchrun --nproc_per_node 2 generate.py --checkpoint_path PATH --prompt TEXT
+    # or, inside a torchrun-launched process:  LLM.load(path)
+
+How the weights are cut over N ranks (rank r keeps part r of every block listed):
+    attention.wqkv  rows: its q heads, then its k heads, then its v heads (the q, k and v blocks each cut in N)
+    feed_forward.w13  rows: its gate rows, then its up rows
+    attention.wo, feed_forward.w2  columns (input features), then an all-reduce of the outputs
+    embedding, norms, output head: replicated
+So a rank's model is a plain model.Transformer of ModelArgs with n_head / N, n_kv_heads / N and
+intermediate_size / N (head_dim and dim unchanged), with wo and w2 wrapped in RowParallelLinear.
+
+int8 (per output channel): the scales of the row-cut layers are cut with their rows; those of wo and w2 belong to
+output channels, which every rank keeps, so they are replicated (sum over r of (x_r W_r^T) * s = (x W^T) * s).
+A group-wise scheme (int4) shards the same way provided each rank's part of a cut dimension is a whole number of
+groups and of packing units: for wo and w2 (cut along the input features K) K / N must be a multiple of the group
+size and of the packed tile width, and their (N_out, K / group) scales are cut along the same columns; for wqkv and
+w13 the per-row groups follow their rows.
+
+The all-reduce is torch.distributed's collective on the default group (NCCL or RCCL on GPUs, gloo on the CPU),
+traced by torch.compile as a functional collective and captured in the decode CUDA graph; REDLINE_ALL_REDUCE=oneshot
+selects the one-shot all-reduce over symmetric memory for small tensors (the batch-1 decode's), checked once at setup.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from checkpoint import CheckpointInfo, model_state_dict
+from kernels.fused_decode import FusedDecode, fused_projection
+from model import ModelArgs, Transformer, TransformerBlock
+from quantize import prepare_quantized_structure
+from sampling import SEED_LIMIT, SamplingParams
+
+# The environment variable that picks the all-reduce, and what it may name.
+ALL_REDUCE_ENV = "REDLINE_ALL_REDUCE"
+ALL_REDUCE_MODES = ("nccl", "oneshot")
+# Tensors up to this size take the one-shot all-reduce (each rank reads every peer's copy, so it pays off only for
+# small messages; inductor's own one-shot threshold is the same): 8 rows of an 8192-wide bf16 hidden state.
+ONE_SHOT_MAX_BYTES = 128 * 1024
+# The model dimensions a rank holds a part of; each must divide by the number of ranks.
+SHARDED_DIMS = ("n_head", "n_kv_heads", "intermediate_size")
+# The process groups this module initialized (start), which stop() alone destroys: a caller's own group is theirs.
+_STARTED_GROUPS: set[str] = set()
+# Seconds a rank other than 0 waits before exiting with an error, so that rank 0 has printed it by then.
+ERROR_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class TPWorld:
+    """This process's place in a tensor-parallel run."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    group_name: str = ""  # the default process group's name ("" when only loading shards, with no group)
+    all_reduce: str = "nccl"  # one of ALL_REDUCE_MODES
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} of {self.world_size} ranks is impossible; launch with torchrun")
+        if self.all_reduce not in ALL_REDUCE_MODES:
+            raise ValueError(f"{ALL_REDUCE_ENV}={self.all_reduce!r}; choose one of: {', '.join(ALL_REDUCE_MODES)}")
+
+
+def env_ranks() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment; None outside torchrun or with one rank."""
+    if os.environ.get("WORLD_SIZE") is None:
+        return None
+    try:
+        world_size = int(os.environ["WORLD_SIZE"])
+        rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        raise ValueError("WORLD_SIZE, RANK and LOCAL_RANK must be integers; launch with torchrun") from None
+    return None if world_size == 1 else (rank, world_size, local_rank)
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a torchrun launch (or a process outside one): the one that prints."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def all_reduce_mode() -> str:
+    mode = os.environ.get(ALL_REDUCE_ENV, "nccl").strip().lower() or "nccl"
+    if mode not in ALL_REDUCE_MODES:
+        raise ValueError(f"{ALL_REDUCE_ENV}={mode!r}; choose one of: {', '.join(ALL_REDUCE_MODES)}")
+    return mode
+
+
+def rank_device(requested: str | None, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK for a GPU run (the default where GPUs are visible), else the CPU."""
+    if requested is not None and torch.device(requested).type == "cpu":
+        return torch.device("cpu")
+    if requested is not None and torch.device(requested).index is not None:
+        raise ValueError(f"--device {requested}: under torchrun each rank uses cuda:LOCAL_RANK; pass --device cuda")
+    if not torch.cuda.is_available():
+        if requested is not None:
+            raise ValueError("--device cuda was asked for, but no CUDA/ROCm GPU is visible; use --device cpu")
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+                         f"launch at most {torch.cuda.device_count()} processes per node")
+    return torch.device("cuda", local_rank)
+
+
+def start(requested_device: str | None = None) -> TPWorld | None:
+    """Join the torchrun launch this process belongs to: the default process group (NCCL/RCCL for GPUs, gloo for the
+    CPU; one already initialized is used as it is) and this rank's device. None outside torchrun or with one rank."""
+    ranks = env_ranks()
+    if ranks is None:
+        return None
+    rank, world_size, local_rank = ranks
+    mode = all_reduce_mode()
+    device = rank_device(requested_device, local_rank)
+    if mode == "oneshot" and device.type != "cuda":
+        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs GPUs; unset it to use the process group's all-reduce")
+    if mode == "oneshot" and os.environ.get("LOCAL_WORLD_SIZE", str(world_size)) != str(world_size):
+        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs every rank on one host (symmetric memory is peer memory); "
+                         f"unset it for a run over several hosts")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        _STARTED_GROUPS.add(dist.group.WORLD.group_name)
+    if dist.get_world_size() != world_size or dist.get_rank() != rank:
+        raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, but torchrun "
+                         f"says {rank} of {world_size}; initialize it from torchrun's environment")
+    return TPWorld(rank, world_size, device, dist.group.WORLD.group_name, mode)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Which part of each tensor a rank holds.
+
+
+def shard_args(args: ModelArgs, world_size: int) -> ModelArgs:
+    """One rank's ModelArgs: n_head, n_kv_heads and intermediate_size divided by the number of ranks."""
+    for name in SHARDED_DIMS:
+        value = getattr(args, name)
+        if value % world_size:
+            fits = [n for n in range(1, args.n_kv_heads + 1)
+                    if all(getattr(args, d) % n == 0 for d in SHARDED_DIMS)]
+            raise ValueError(f"tensor parallel over {world_size} ranks needs n_head, n_kv_heads and "
+                             f"intermediate_size divisible by {world_size}, but {name} is {value}; "
+                             f"launch {' or '.join(map(str, fits))} processes per model")
+    return dataclasses.replace(args, n_head=args.n_head // world_size, n_kv_heads=args.n_kv_heads // world_size,
+                               intermediate_size=args.intermediate_size // world_size, head_dim=args.head_dim)
+
+
+def shard_plan(name: str, args: ModelArgs) -> tuple[int, tuple[int, ...]] | None:
+    """How the full-model tensor `name` is cut: (dim, blocks) says that along dim it stacks blocks of these sizes,
+    each split evenly over the ranks (rank r keeps part r of every block, in order). None: replicated."""
+    layer = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    if layer in ("attention.wqkv.weight", "attention.wqkv.scales"):
+        return 0, (args.q_size, args.kv_size, args.kv_size)
+    if layer in ("feed_forward.w13.weight", "feed_forward.w13.scales"):
+        return 0, (args.intermediate_size, args.intermediate_size)
+    if layer == "attention.wo.weight":
+        return 1, (args.q_size,)
+    if layer == "feed_forward.w2.weight":
+        return 1, (args.intermediate_size,)
+    return None  # embedding, norms, output head, and the per-output-channel scales of wo and w2
+
+
+def rank_ranges(blocks: tuple[int, ...], rank: int, world_size: int) -> list[tuple[int, int]]:
+    """[start, stop) of rank's part of each stacked block."""
+    ranges, offset = [], 0
+    for size in blocks:
+        part = size // world_size
+        ranges.append((offset + rank * part, offset + (rank + 1) * part))
+        offset += size
+    return ranges
+
+
+class SliceReader:
+    """Reads tensors, or only the slices a rank needs, from a safetensors file; counts the bytes it returned."""
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        self.path = path
+        self.device = device
+        self.bytes_read = 0
+        self._file: Any = None
+
+    def __enter__(self) -> SliceReader:
+        try:
+            self._file = safe_open(str(self.path), "pt", device=str(self.device))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read {self.path} ({exc}); the file may be truncated, re-convert it") from None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._file = None
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(self._file.get_slice(name).get_shape()) for name in self._file.keys()}
+
+    def read(self, name: str, plan: tuple[int, tuple[int, ...]] | None, rank: int, world_size: int) -> Tensor:
+        try:
+            if plan is None:
+                tensor = self._file.get_tensor(name)
+            else:
+                dim, blocks = plan
+                view = self._file.get_slice(name)
+                parts = [view[a:b] if dim == 0 else view[:, a:b] for a, b in rank_ranges(blocks, rank, world_size)]
+                tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"cannot read {name} from {self.path} ({exc}); the file may be truncated, "
+                             f"re-convert it") from None
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def structure(args: ModelArgs, quantization: dict[str, Any]) -> Transformer:
+    """A meta-device model of these args with the checkpoint's quantization structure."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    prepare_quantized_structure(model, quantization)
+    return model
+
+
+def read_shards(info: CheckpointInfo, rank: int, world_size: int, device: torch.device,
+                dtype: torch.dtype | None = None) -> tuple[dict[str, Tensor], int]:
+    """Rank's tensors of the checkpoint (float ones in dtype, scales as stored), read slice by slice, and the number
+    of bytes read. The file's names and full shapes are checked against its own config first."""
+    full_args = info.args
+    local = model_state_dict(structure(shard_args(full_args, world_size), info.quantization))
+    expected = {n: tuple(t.shape) for n, t in model_state_dict(structure(full_args, info.quantization)).items()}
+    dtype = dtype or info.dtype
+    tensors: dict[str, Tensor] = {}
+    with SliceReader(info.path, device) as reader:
+        found = reader.shapes()
+        missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"{info.path} does not match its own config: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}; re-convert it")
+        for name, shape in expected.items():
+            if found[name] != shape:
+                raise ValueError(f"{info.path}: tensor {name} has shape {found[name]}, expected {shape}")
+        for name, own in local.items():
+            tensor = reader.read(name, shard_plan(name, full_args), rank, world_size)
+            if tuple(tensor.shape) != tuple(own.shape):
+                raise ValueError(f"{info.path}: {name} sliced to {tuple(tensor.shape)}, expected {tuple(own.shape)}")
+            if tensor.is_floating_point() and not name.endswith(".scales"):
+                tensor = tensor.to(dtype)
+            tensors[name] = tensor
+    return tensors, reader.bytes_read
+
+
+def load_sharded_model(info: CheckpointInfo, world: TPWorld, dtype: torch.dtype | None = None) -> Transformer:
+    """This rank's model (not yet wrapped: see apply_tensor_parallel), built from its slices of the checkpoint."""
+    model = structure(shard_args(info.args, world.world_size), info.quantization)
+    tensors, _ = read_shards(info, world.rank, world.world_size, world.device, dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if model.args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.rope = torch.empty(0, device=world.device)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The all-reduce.
+
+
+# The symmetric-memory staging buffers of the one-shot all-reduce, by (group name, dtype, device index): allocated and
+# exchanged between ranks once (prepare_one_shot), before any graph is captured.
+_ONE_SHOT_BUFFERS: dict[tuple[str, torch.dtype, int | None], Tensor] = {}
+
+
+def one_shot_available() -> bool:
+    try:
+        torch.ops.symm_mem.one_shot_all_reduce
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+@torch.library.custom_op("redline::one_shot_all_reduce", mutates_args=())
+def one_shot_all_reduce(x: Tensor, group_name: str) -> Tensor:
+    """The sum of x over the group's ranks, by torch's one-shot kernel: x is copied into this rank's symmetric
+    buffer and every rank reads all buffers (rank order, so every rank gets the same bits)."""
+    buffer = _ONE_SHOT_BUFFERS.get((group_name, x.dtype, x.device.index))
+    if buffer is None or x.numel() > buffer.numel():
+        raise RuntimeError(f"no symmetric buffer of {x.numel()} {x.dtype} elements on {x.device} for group "
+                           f"{group_name}; call tensor_parallel.prepare_one_shot first")
+    staging = buffer[:x.numel()]
+    flat = x.contiguous().view(-1)
+    ops = torch.ops.symm_mem
+    if hasattr(ops, "one_shot_all_reduce_copy"):
+        out = ops.one_shot_all_reduce_copy(staging, flat, "sum", group_name)
+    else:
+        staging.copy_(flat)
+        out = ops.one_shot_all_reduce(staging, "sum", group_name)
+    return out.view(x.shape)
+
+
+@one_shot_all_reduce.register_fake
+def _one_shot_all_reduce_fake(x: Tensor, group_name: str) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def prepare_one_shot(world: TPWorld, dtype: torch.dtype) -> None:
+    """Allocate and exchange the symmetric buffer for dtype, then check that a one-shot all-reduce sums right."""
+    if not one_shot_available():
+        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs torch's symmetric-memory ops (torch.ops.symm_mem), which "
+                         f"this torch build lacks; unset {ALL_REDUCE_ENV}")
+    key = (world.group_name, dtype, world.device.index)
+    if key in _ONE_SHOT_BUFFERS:
+        return
+    import torch.distributed._symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():  # deprecated (a no-op need) in newer torch, required by older ones
+        warnings.simplefilter("ignore", FutureWarning)
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(world.group_name)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // itemsize, dtype=dtype, device=world.device)
+    symm_mem.rendezvous(buffer, world.group_name)
+    _ONE_SHOT_BUFFERS[key] = buffer
+    probe = torch.full((1024,), float(world.rank + 1), dtype=dtype, device=world.device)
+    total = torch.ops.redline.one_shot_all_reduce(probe, world.group_name)
+    expected = world.world_size * (world.world_size + 1) / 2
+    if not bool((total.float() == expected).all()):
+        del _ONE_SHOT_BUFFERS[key]
+        raise ValueError(f"the one-shot all-reduce summed wrong on rank {world.rank}; unset {ALL_REDUCE_ENV} to "
+                         f"use the process group's all-reduce")
+
+
+def all_reduce(x: Tensor, group_name: str, mode: str = "nccl") -> Tensor:
+    """The sum of x over the ranks. Traced by torch.compile (a functional collective, or the one-shot custom op for
+    a small x when mode is "oneshot"), so it is captured in the CUDA graph."""
+    if mode == "oneshot" and x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
+        return torch.ops.redline.one_shot_all_reduce(x, group_name)
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", group_name))
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split over the ranks: this rank's partial product, all-reduced."""
+
+    def __init__(self, inner: nn.Module, world: TPWorld) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group_name = world.group_name
+        self.mode = world.all_reduce
+        self.rank = world.rank
+
+    def forward(self, x: Tensor) -> Tensor:
+        return all_reduce(self.inner(x), self.group_name, self.mode)
+
+
+def apply_tensor_parallel(model: Transformer, world: TPWorld) -> Transformer:
+    """Wrap each block's wo and w2 (a rank's model from load_sharded_model) in RowParallelLinear, in place; set up the
+    one-shot all-reduce when it is selected. Quantize (quantize_) before this, not after."""
+    for layer in model.layers:
+        if not isinstance(layer.attention.wo, RowParallelLinear):
+            layer.attention.wo = RowParallelLinear(layer.attention.wo, world)
+            layer.feed_forward.w2 = RowParallelLinear(layer.feed_forward.w2, world)
+    if world.all_reduce == "oneshot":
+        prepare_one_shot(world, model.cache_dtype)
+    return model
+
+
+def parallel_layer(model: nn.Module) -> RowParallelLinear | None:
+    """The model's first RowParallelLinear: None when it runs on one process."""
+    return next((m for m in model.modules() if isinstance(m, RowParallelLinear)), None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The fused batch-1 decode on each rank.
+
+
+def tp_fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+    """kernels.fused_decode.fused_block on one rank: the residual rides in rank 0's partial sum (wo and w2 add it
+    there only, so the all-reduce adds it once), and each norm sums the squares of its all-reduced input in its own
+    GEMV's K loop (sum_in -1) instead of from lanes filled by atomics, so every rank computes identical norms."""
+    attn, ffn = block.attention, block.feed_forward
+    wo, w2 = attn.wo, ffn.w2
+    cache = attn.cache()
+    qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm)  # (1, 1, (H + 2 Hkv) D / N)
+    out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D / N)
+    h = all_reduce(fused_projection(wo.inner, out, residual=x if wo.rank == 0 else None), wo.group_name,
+                   wo.mode)  # (1, 1, dim)
+    act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True)  # (1, 1, I / N)
+    return all_reduce(fused_projection(w2.inner, act, residual=h if w2.rank == 0 else None), w2.group_name,
+                      w2.mode)  # (1, 1, dim)
+
+
+class TensorParallelFusedDecode(FusedDecode):
+    """FusedDecode for a rank's model (kernels.use_kernels, then apply_tensor_parallel): one-token steps (batch 1)
+    take tp_fused_block per block, every other call runs model(...)."""
+
+    def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
+                from_start: bool = False) -> Tensor:
+        model = self.model
+        if idx.numel() != 1:
+            return model(idx, input_pos, logits_at, from_start)
+        if model.max_seq_length == 0:
+            raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
+        x = model.tok_embeddings(idx)  # (1, 1, dim)
+        for layer in model.layers:
+            x = tp_fused_block(layer, x, model.rope, input_pos)
+        return fused_projection(model.output, x, norm=model.norm)  # (1, 1, vocab)
+
+
+def fused_decode(model: Transformer) -> FusedDecode:
+    """The fused batch-1 decode for this model: the tensor-parallel one for a rank's model."""
+    return TensorParallelFusedDecode(model) if parallel_layer(model) is not None else FusedDecode(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Agreement between ranks.
+
+
+def agreed_sampling(sampling: SamplingParams, model: nn.Module) -> SamplingParams:
+    """For a rank's model, an unseeded sampling gets rank 0's fresh seed, so every rank draws the same tokens (the
+    noise is a function of (seed, position)); anything else is returned as it is."""
+    if sampling.is_greedy or sampling.seed is not None or parallel_layer(model) is None:
+        return sampling
+    seed = [int(torch.randint(0, SEED_LIMIT - 1, ()).item()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(seed, src=0)
+    return dataclasses.replace(sampling, seed=seed[0])
+
+
+def report_error(line: str) -> None:
+    """Print a one-line error on rank 0 (every rank meets the same error); the other ranks wait a moment first, since
+    torchrun stops every rank as soon as one exits with an error, which could cut rank 0 off before it prints."""
+    if is_main_process():
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(ERROR_GRACE_S)
+
+
+class NullWriter:
+    """A text stream that drops what it is given: the output of ranks other than 0."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def stop() -> None:
+    """Leave the process group that start() initialized (at the end of a CLI run); a group made by the caller stays."""
+    if dist.is_available() and dist.is_initialized() and dist.group.WORLD.group_name in _STARTED_GROUPS:
+        _STARTED_GROUPS.discard(dist.group.WORLD.group_name)
+        dist.destroy_process_group()

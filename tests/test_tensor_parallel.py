@@ -1,0 +1,219 @@
+"""Tensor parallel: 2 ranks under torchrun (gloo, CPU) against one process, the shard plan, slice-wise reading."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tensor_parallel as tp
+from checkpoint import load_tensors, read_checkpoint_info
+from model import ModelArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "tp_worker.py"
+PROMPT = "The quick brown fox"
+# torchrun's launch of two CPU ranks imports torch twice; this is far above what it takes.
+LAUNCH_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args: list[str], nproc: int = 2, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", tp.ALL_REDUCE_ENV)}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(extra_env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_llm_checkpoint, tmp_path_factory) -> list[Path]:
+    """The float32 tiny model (4 heads, 2 kv heads, intermediate 160) and its int8 copy, each beside the tokenizer."""
+    from quantize import quantize_checkpoint
+    from tokenizer import copy_tokenizer_files
+
+    float_path = tiny_llm_checkpoint[0]
+    folder = tmp_path_factory.mktemp("tp-int8")
+    copy_tokenizer_files(float_path.parent, folder)
+    return [float_path, quantize_checkpoint(float_path, "int8", folder / "model.int8.safetensors")]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory):
+    """The worker's results per checkpoint and rank, and torchrun's output."""
+    out = tmp_path_factory.mktemp("tp-out")
+    proc = torchrun([str(WORKER), str(out), PROMPT, *map(str, checkpoints)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = [[torch.load(out / f"{i}-rank{r}.pt", weights_only=True) for r in range(2)]
+               for i in range(len(checkpoints))]
+    return results, proc
+
+
+def one_process(path: Path) -> dict:
+    import generate
+    from tests.tp_worker import NEW_TOKENS, logits
+
+    llm = generate.LLM.load(path, device="cpu", compile=False)
+    return {"logits": logits(llm.model), "greedy": llm.generate(PROMPT, max_new_tokens=NEW_TOKENS,
+                                                                 temperature=0).token_ids}
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["float32", "int8"])
+def test_two_ranks_give_one_process_logits_and_greedy_tokens(two_ranks, checkpoints, which):
+    results, _ = two_ranks
+    reference = one_process(checkpoints[which])
+    for rank in range(2):
+        got = results[which][rank]
+        assert got["local_heads"] == 2  # each rank really held half of the 4 heads
+        torch.testing.assert_close(got["logits"], reference["logits"], atol=1e-4, rtol=0)
+        assert got["greedy"] == reference["greedy"]
+        # The fused batch-1 decode per rank (residual in rank 0's partial, norms summed after the all-reduce).
+        from tests.tp_worker import PROMPT_TOKENS
+        torch.testing.assert_close(got["fused"], reference["logits"][:, PROMPT_TOKENS:], atol=1e-4, rtol=0)
+
+
+def test_ranks_agree_on_unseeded_samples(two_ranks):
+    results, _ = two_ranks
+    for per_rank in results:
+        assert per_rank[0]["sampled"] == per_rank[1]["sampled"]
+        assert len(per_rank[0]["sampled"]) > 0
+
+
+def test_cli_prints_once_from_rank_zero(two_ranks, checkpoints):
+    import generate
+    from tests.tp_worker import NEW_TOKENS
+
+    _, proc = two_ranks
+    text = generate.LLM.load(checkpoints[0], device="cpu", compile=False).generate(
+        PROMPT, max_new_tokens=NEW_TOKENS, temperature=0).text
+    assert proc.stdout.count(PROMPT + text) == 1, proc.stdout
+    assert proc.stderr.count("[sample 1/1]") == 1
+
+
+def test_indivisible_config_is_refused_in_one_line(checkpoints):
+    with pytest.raises(ValueError, match="n_head, n_kv_heads and intermediate_size divisible by 3") as info:
+        tp.read_shards(read_checkpoint_info(checkpoints[0]), 0, 3, torch.device("cpu"))
+    assert "\n" not in str(info.value) and "launch 1 or 2 processes" in str(info.value)
+    llama3 = ModelArgs.from_name("Llama-3-8B")
+    with pytest.raises(ValueError, match="n_kv_heads is 8"):
+        tp.shard_args(llama3, 16)
+    assert tp.shard_args(llama3, 8).n_kv_heads == 1 and tp.shard_args(llama3, 8).head_dim == 128
+
+
+def test_cli_refusal_under_torchrun_is_one_line(checkpoints):
+    proc = torchrun([str(ROOT / "generate.py"), "--checkpoint_path", str(checkpoints[0]), "--prompt", "x",
+                     "--device", "cpu", "--no-compile"], nproc=3)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "divisible by 3" in errors[0], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["float32", "int8"])
+def test_each_rank_reads_only_its_slices(checkpoints, which):
+    info = read_checkpoint_info(checkpoints[which])
+    full = load_tensors(info)
+    file_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    shards = [tp.read_shards(info, rank, 2, torch.device("cpu")) for rank in range(2)]
+    replicated = sum(t.numel() * t.element_size() for n, t in full.items() if tp.shard_plan(n, info.args) is None)
+    for tensors, bytes_read in shards:
+        assert bytes_read == sum(t.numel() * t.element_size() for t in tensors.values())
+        assert bytes_read == replicated + (file_bytes - replicated) // 2  # half of every cut tensor, nothing more
+    args = info.args
+    for name, tensor in full.items():
+        plan = tp.shard_plan(name, args)
+        parts = [shards[r][0][name] for r in range(2)]
+        if plan is None:
+            assert all(torch.equal(p, tensor) for p in parts)
+            continue
+        dim, blocks = plan
+        # Rank r's part of each stacked block (q, k, v; gate, up), in order: put the blocks back together.
+        pieces = [p.split([b // 2 for b in blocks], dim=dim) for p in parts]
+        rebuilt = torch.cat([torch.cat([pieces[r][i] for r in range(2)], dim=dim) for i in range(len(blocks))], dim=dim)
+        assert torch.equal(rebuilt, tensor), name
+    if which == 1:  # int8: wo's per-output-channel scales are whole on every rank, wqkv's cut with its rows
+        assert shards[0][0]["layers.0.attention.wo.scales"].shape == full["layers.0.attention.wo.scales"].shape
+        assert shards[0][0]["layers.0.attention.wqkv.scales"].shape[0] * 2 == \
+            full["layers.0.attention.wqkv.scales"].shape[0]
+
+
+def test_shard_args_divides_heads_and_keeps_head_dim():
+    args = ModelArgs.from_name("Llama-2-70B")
+    local = tp.shard_args(args, 2)
+    assert (local.n_head, local.n_kv_heads, local.intermediate_size) == (32, 4, 14336)
+    assert (local.dim, local.head_dim, local.q_size, local.kv_size) == (8192, 128, 4096, 512)
+    assert tp.rank_ranges((8, 2, 2), 1, 2) == [(4, 8), (9, 10), (11, 12)]  # its q, k, v rows
+
+
+def test_outside_torchrun_nothing_changes(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert tp.env_ranks() is None and tp.start() is None and tp.is_main_process()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert tp.start() is None
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="launch with torchrun"):
+        tp.env_ranks()
+
+
+def test_all_reduce_choice_is_checked_before_any_group(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv(tp.ALL_REDUCE_ENV, "ring")
+    with pytest.raises(ValueError, match="choose one of: nccl, oneshot"):
+        tp.start("cpu")
+    monkeypatch.setenv(tp.ALL_REDUCE_ENV, "oneshot")
+    with pytest.raises(ValueError, match="oneshot needs GPUs"):
+        tp.start("cpu")
+    assert not torch.distributed.is_initialized()
+    assert not tp.is_main_process()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("all_reduce", ["nccl", "oneshot"])
+def test_fused_decode_per_rank_equals_unfused_tensor_parallel(checkpoints, tmp_path, all_reduce):
+    if all_reduce == "oneshot" and not tp.one_shot_available():
+        pytest.skip("this torch build has no symmetric-memory ops")
+    proc = torchrun([str(WORKER), "--fused", str(tmp_path), str(checkpoints[0])],
+                    extra_env={tp.ALL_REDUCE_ENV: all_reduce})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    fused, unfused = (torch.load(tmp_path / f"{kind}-rank0.pt", weights_only=True) for kind in ("fused", "unfused"))
+    torch.testing.assert_close(fused, unfused, atol=2e-3, rtol=2e-3)
+    assert torch.equal(fused, torch.load(tmp_path / "fused-rank1.pt", weights_only=True))  # ranks agree bit for bit
+
+
+def test_bench_tp_needs_a_matching_torchrun_launch(monkeypatch):
+    from scripts.bench import parse_args
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node 2 scripts/bench.py --tp 2"):
+        parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cpu"])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="divisible by 3"):
+        parse_args(["--tp", "3", "--model", "debug-tiny", "--device", "cpu"])
+
+
+@pytest.mark.slow
+def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
+    import json
+
+    out = tmp_path / "tp.json"
+    proc = torchrun([str(ROOT / "scripts" / "bench.py"), "--tp", "2", "--model", "debug-tiny", "--quant", "int8",
+                     "--new-tokens", "4", "--runs", "1", "--device", "cpu", "--json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = json.loads(out.read_text())["records"][0]
+    tiny = ModelArgs.from_name("debug-tiny")
+    assert record["tp"] == 2 and record["all_reduce"]["all_reduces_per_token"] == 2 * tiny.n_layer
+    assert record["all_reduce"]["bytes_each"] == tiny.dim * 2  # one bf16 hidden state
+    assert proc.stdout.count("debug-tiny TP2 | int8") >= 2  # the tables, printed by rank 0 alone
+    assert proc.stdout.count("# Redline benchmark") == 1
