@@ -168,31 +168,3 @@ def model_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     if model.args.tie_word_embeddings:
         state.pop("output.weight", None)
     return state
-
-
-def build_model(info: CheckpointInfo, device: torch.device | str, dtype: torch.dtype | None = None) -> Transformer:
-    """Build the model that the checkpoint describes and load its weights (no extra copies, no guessing)."""
-    from quantize import prepare_quantized_structure  # quantize imports this module
-
-    dtype = dtype or info.dtype
-    with torch.device("meta"):
-        model = Transformer(info.args)
-    prepare_quantized_structure(model, info.quantization)
-    tensors = load_tensors(info, device)
-    own = model_state_dict(model)
-    missing = sorted(set(own) - set(tensors))
-    unexpected = sorted(set(tensors) - set(own))
-    if missing or unexpected:
-        raise ValueError(
-            f"{info.path} does not match its own config: missing {missing[:3]}, unexpected {unexpected[:3]}; re-convert it"
-        )
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(f"{info.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-        if tensor.is_floating_point() and not name.endswith(".scales"):
-            tensors[name] = tensor.to(dtype)
-    model.load_state_dict(tensors, strict=False, assign=True)
-    if info.args.tie_word_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    model.rope = torch.empty(0, device=device)
-    return model.eval()

@@ -21,11 +21,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from checkpoint import CheckpointInfo, build_model, dtype_from_name, dtype_name, read_checkpoint_info
-from decode_attention import route_decode_attention_to_kernel, set_fused_decode
-from kernels import gemv_available, route_linears_to_kernels
+from checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
+from kernels import FusedDecode, use_kernels
+from kernels import available as kernels_available
 from model import Transformer
-from quantize import model_quantization
+from quantize import load_model, model_quantization
 from tokenizer import Tokenizer, load_tokenizer
 
 DEFAULT_MAX_NEW_TOKENS = 200
@@ -218,17 +218,17 @@ class LLM:
                  kernels: bool | None = None, name: str | None = None, fuse: bool | None = None) -> None:
         self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
         # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
-        self.kernels = device.type == "cuda" and gemv_available() if kernels is None else kernels
+        self.kernels = device.type == "cuda" and kernels_available() if kernels is None else kernels
         # Batch-1 decode steps fuse norm, rope, cache write, SwiGLU and residuals into the kernels (on by default).
         self.fuse = self.kernels if fuse is None else fuse
         if self.kernels:
-            if device.type != "cuda" or not gemv_available():
+            if device.type != "cuda" or not kernels_available():
                 raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed")
-            route_linears_to_kernels(model)
-            route_decode_attention_to_kernel(model)
+            use_kernels(model)
         if self.fuse and not self.kernels:
             raise ValueError("fuse=True needs the GPU kernels (kernels=True)")
-        set_fused_decode(model, self.fuse)
+        # What the decode step runs: the fused batch-1 path wraps the model (any other call goes to the model).
+        self._step_model = FusedDecode(model) if self.fuse else model
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile
@@ -253,7 +253,7 @@ class LLM:
             raise ValueError("--device cuda was asked for, but no CUDA/ROCm GPU is visible; use --device cpu")
         info = read_checkpoint_info(path)
         tokenizer = load_tokenizer(info.path)
-        model = build_model(info, device, dtype_from_name(dtype) if dtype is not None else None)
+        model = load_model(info, device, dtype_from_name(dtype) if dtype is not None else None)
         if quantize is not None:
             from quantize import quantize_
 
@@ -307,7 +307,7 @@ class LLM:
             # Garbage written at position 0 is harmless: every position is rewritten before it is read.
             for _ in range(3):  # the first call compiles, later ones record and replay the graph
                 self._mark_step()
-                self._decode_fn(self.model, token, pos, *sampling)
+                self._decode_fn(self._step_model, token, pos, *sampling)
         sync(self.device)
         self._warm.add(key)
         return time.perf_counter() - start
@@ -403,7 +403,7 @@ class LLM:
                     if step < new_tokens:
                         self._mark_step()
                         input_pos = decode_positions[step - 1:step]  # (1,)
-                        nxt = self._decode_fn(self.model, token, input_pos, *args).clone()  # (B, 1)
+                        nxt = self._decode_fn(self._step_model, token, input_pos, *args).clone()  # (B, 1)
                     tokens = read_host()  # the previous step's; the next one is already queued
                     arrived = time.perf_counter() - paused
                     if step < new_tokens:

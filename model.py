@@ -252,21 +252,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-# The fused decode's kernels add each output's sum of squares into this many lanes (program i into lane
-# i % lanes): thousands of atomic adds on one address would queue; the next kernel reads all lanes.
-NORM_SUM_LANES = 32
-
-
-def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None,
-                     swiglu: bool = False, sums: Tensor | None = None, sum_in: int = -1, sum_out: int = -1) -> Tensor:
-    """torch.ops.redline.fused_linear (kernels.py) on a routed linear layer (bf16 KernelLinear or Int8Linear):
-    [norm(x) ->] linear [-> silu(gate) * up] [+ residual], one GPU kernel for a single row of x. sums[sum_in]
-    holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to sums[sum_out]."""
-    return torch.ops.redline.fused_linear(
-        x, linear.weight, linear.scales, None if norm is None else norm.weight,
-        0.0 if norm is None else norm.eps, residual, swiglu, sums, sum_in, sum_out)
-
-
 class KVCache(nn.Module):
     """Static cache written in place at `input_pos`, so one captured graph serves every position."""
 
@@ -299,10 +284,6 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, args.q_size + 2 * args.kv_size, bias=False)
         self.wo = nn.Linear(args.q_size, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
-        # Set by the engine (decode_attention.route_decode_attention_to_kernel, which registers the ops): one-token
-        # steps then run torch.ops.redline.decode_attention, which reads only the valid cache positions, and
-        # prefills from position 0 run torch.ops.redline.prefill_rope_cache (rope and cache write in one pass).
-        self.attention_kernels = False
 
     def cache(self) -> KVCache:
         if self.kv_cache is None:
@@ -315,23 +296,14 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
         cache = self.cache()
         gqa = a.n_kv_heads != a.n_head
-        if from_start and self.attention_kernels:
-            # Rope on q and k, and k and v straight into the cache, in one pass (a Triton kernel on the GPU).
-            q = torch.ops.redline.prefill_rope_cache(qkv, cache.k, cache.v, rope).transpose(1, 2)  # (B, H, T, D)
-            k, v = cache.k[:bsz, :, :seqlen], cache.v[:bsz, :, :seqlen]  # (B, Hkv, T, D)
-        else:
-            q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, T, D); k, v (B, Hkv, T, D)
-            if from_start:
-                cache.write_prefix(k, v)
+        q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, T, D); k, v (B, Hkv, T, D)
         if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
+            cache.write_prefix(k, v)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H, T, D)
         else:
             k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-            if seqlen == 1 and self.attention_kernels:
-                out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)
 
 
@@ -361,21 +333,6 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def decode_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor, index: int) -> Tensor:
-        """forward for one token (batch 1) in five ops, each one GPU kernel: norm+qkv, rope+cache write+attention,
-        wo+residual, norm+gate/up+SwiGLU, w2+residual. Each residual kernel also sums the squares of its output
-        into sums (slots 2 * index and 2 * index + 1), so the next norm needs no pass of its own; block 0's first
-        norm sums x itself. Same math and roundings as forward, except that the normalized input of a projection
-        stays fp32 (the GPU kernel does not round it to the activation dtype)."""
-        attn, ffn = self.attention, self.feed_forward
-        cache = attn.cache()
-        qkv = fused_projection(attn.wqkv, x, norm=self.attention_norm, sums=sums,
-                               sum_in=2 * index - 1)  # (1, 1, (H + 2 Hkv) D)
-        out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
-        h = fused_projection(attn.wo, out, residual=x, sums=sums, sum_out=2 * index)  # (1, 1, dim)
-        act = fused_projection(ffn.w13, h, norm=self.ffn_norm, swiglu=True, sums=sums, sum_in=2 * index)  # (1, 1, I)
-        return fused_projection(ffn.w2, act, residual=h, sums=sums, sum_out=2 * index + 1)
-
 
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
@@ -390,9 +347,6 @@ class Transformer(nn.Module):
         self.max_batch_size = 0
         self.max_seq_length = 0
         self.register_buffer("rope", torch.empty(0), persistent=False)  # (S, 2, D/2) fp32, filled by setup_caches
-        self.fused_decode = False  # set by decode_attention.set_fused_decode: batch-1 steps take decode_fused
-        # decode_fused's sums of squares, (2 n_layer, NORM_SUM_LANES) fp32, filled by setup_caches
-        self.register_buffer("norm_sums", torch.empty(0), persistent=False)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
         """Allocate the KV cache and rope table; the only place the cache is allocated."""
@@ -409,7 +363,6 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim,
                                                self.cache_dtype, weight.device)
         self.rope = rope_table(a, max_seq_length, weight.device)
-        self.norm_sums = torch.zeros(2 * a.n_layer, NORM_SUM_LANES, dtype=torch.float32, device=weight.device)
         self.max_batch_size = max_batch_size
         self.max_seq_length = max_seq_length
 
@@ -428,10 +381,6 @@ class Transformer(nn.Module):
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         x = self.tok_embeddings(idx)  # (B, T, dim)
-        if self.fused_decode and idx.numel() == 1:
-            # The attention kernel reads the rope row at input_pos itself: a gather here would be one more kernel,
-            # which inductor re-emits before several layers' attention.
-            return self.decode_fused(x, self.rope, input_pos)  # needs no mask: the kernel reads keys 0..input_pos
         rope = self.rope[input_pos]  # (T, 2, D/2)
         # Each query attends to cached positions up to its own; built per call, so no (S, S) buffer.
         cache_pos = torch.arange(self.max_seq_length, device=idx.device)  # (S,)
@@ -441,13 +390,3 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (B, L, dim)
         return self.output(self.norm(x))  # (B, T, vocab)
-
-    def decode_fused(self, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-        """One token, batch 1: each block in five kernels (TransformerBlock.decode_fused); the final norm rides
-        in the output head's GEMV. The blocks accumulate their outputs' sums of squares in norm_sums. rope is the
-        whole (S, 2, D/2) table: the attention kernel picks row input_pos."""
-        self.norm_sums.zero_()
-        for i, layer in enumerate(self.layers):
-            x = layer.decode_fused(x, rope, input_pos, self.norm_sums, i)
-        return fused_projection(self.output, x, norm=self.norm, sums=self.norm_sums,
-                                sum_in=2 * len(self.layers) - 1)  # (1, 1, vocab)

@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
-import kernels  # noqa: F401  registers torch.ops.redline.*
+from checkpoint import (CheckpointInfo, load_tensors, model_state_dict, read_checkpoint_info, resolve_checkpoint_path,
+                        save_checkpoint)
+from model import Transformer
 
 QUANT_MODES = ("int8",)
 INT8_MAX = 127
@@ -27,7 +30,7 @@ QUANTIZED_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed
 
 
 class Int8Linear(nn.Module):
-    """y = (x @ W_int8^T) * scales, with dequantisation fused into the GPU kernel."""
+    """y = (x @ W_int8^T) * scales in plain PyTorch (kernels.use_kernels swaps in the GPU kernel's version)."""
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -37,7 +40,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32, device=device))  # (N,)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.redline.int8_linear(x, self.weight, self.scales)
+        # The product is rounded to x.dtype, then scaled in fp32 and rounded once more (as the GPU kernels' cuBLAS
+        # path for long prompts does).
+        return (F.linear(x, self.weight.to(x.dtype)) * self.scales).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
@@ -110,6 +115,33 @@ def quantize_(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
+def load_model(info: CheckpointInfo, device: torch.device | str, dtype: torch.dtype | None = None) -> Transformer:
+    """Build the model that the checkpoint describes, with its quantization's module structure, and load its
+    weights (no extra copies, no guessing)."""
+    dtype = dtype or info.dtype
+    with torch.device("meta"):
+        model = Transformer(info.args)
+    prepare_quantized_structure(model, info.quantization)
+    tensors = load_tensors(info, device)
+    own = model_state_dict(model)
+    missing = sorted(set(own) - set(tensors))
+    unexpected = sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"{info.path} does not match its own config: missing {missing[:3]}, unexpected {unexpected[:3]}; re-convert it"
+        )
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(f"{info.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+        if tensor.is_floating_point() and not name.endswith(".scales"):
+            tensors[name] = tensor.to(dtype)
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if info.args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.rope = torch.empty(0, device=device)
+    return model.eval()
+
+
 @dataclass(frozen=True)
 class QuantizeArgs:
     checkpoint_path: Path
@@ -118,8 +150,6 @@ class QuantizeArgs:
 
 
 def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path | None = None) -> Path:
-    from checkpoint import CheckpointInfo, load_tensors, read_checkpoint_info, save_checkpoint
-
     info = read_checkpoint_info(checkpoint_path)
     if info.scheme != "none":
         raise ValueError(f"{info.path} is already quantized ({info.scheme}); quantize the unquantized checkpoint")
@@ -146,8 +176,6 @@ def parse_args(argv: list[str] | None) -> QuantizeArgs:
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
-        from checkpoint import resolve_checkpoint_path
-
         before = resolve_checkpoint_path(cfg.checkpoint_path).stat().st_size
         path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out)
     except (ValueError, FileNotFoundError) as exc:

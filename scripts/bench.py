@@ -304,7 +304,7 @@ class RedlineRecord:
     warmup_s: float  # wall time of the warm-up generation
     prefill: list[PrefillRecord] = field(default_factory=list)
     kernels: bool = False  # the bf16 linears ran Redline's Triton GEMVs (else cuBLAS via inductor)
-    fused: bool = False  # batch-1 decode ran the fused path (model.TransformerBlock.decode_fused)
+    fused: bool = False  # batch-1 decode ran the fused path (kernels.FusedDecode)
     profile_path: str | None = None  # --profile: a trace of one more generation
     profile_decode_tok_s: float | None = None  # that generation's decode rate (profiler overhead = vs decode_tok_s)
 
@@ -490,7 +490,7 @@ def measure_prefill(llm: generate.LLM, args: ModelArgs, prompts: Tensor, lengths
     """TTFT per prompt length. The longest goes first, so the cache grows once and the others reuse it; each
     length gets a warm-up generation (cache growth recompiles decode; compiled prefill compiles per bucket), and
     compiled prefill on a GPU a second one: its first call compiles the bucket and its second records the bucket's
-    CUDA graph, 15-20 ms longer than a replay (one timed run in five took that until the ninth session)."""
+    CUDA graph, 15-20 ms longer than a replay (with one warm-up, one timed run in five took that long)."""
     records = []
     warmups = 2 if compiled_prefill and llm.device.type == "cuda" else 1
     for length in sorted(set(lengths), reverse=True):

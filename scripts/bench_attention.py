@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import decode_attention as da  # registers torch.ops.redline.decode_attention
+from kernels import attention as da  # registers torch.ops.redline.decode_attention
+from kernels.configs import attention_config
 from checkpoint import write_atomically
 from profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
 
@@ -78,7 +79,7 @@ def rel_err(out, ref) -> float:
 def triton_calls(c: Caches, pos_t: torch.Tensor, config=None) -> list:
     if config is None:
         return [lambda i=i: torch.ops.redline.decode_attention(c.q, c.k[i], c.v[i], pos_t) for i in range(LAYERS)]
-    import triton_attention as ta
+    from kernels import triton_attention as ta
 
     return [lambda i=i: ta.decode_attention(c.q, c.k[i], c.v[i], pos_t, config) for i in range(LAYERS)]
 
@@ -103,15 +104,13 @@ def bench_shape(name: str, c: Caches, pos: int, reps: int) -> list[BenchRow]:
 
 
 def sweep_shape(name: str, c: Caches, pos: int, reps: int, sms: int) -> list[dict]:
-    """Time the Triton kernel under several configs around pick_config's choice."""
-    import triton_attention as ta
-
+    """Time the Triton kernel under several configs around attention_config's choice."""
     pos_t = torch.tensor([pos], device="cuda")
-    base = ta.pick_config(1, c.n_heads, c.n_kv_heads, c.seq_len, c.head_dim, sms)
+    base = attention_config(1, c.n_heads, c.n_kv_heads, c.seq_len, c.head_dim, sms)
     configs = {"default": base}
     for pps in (1, 4, 8):
-        configs[f"programs_per_sm={pps}"] = ta.pick_config(1, c.n_heads, c.n_kv_heads, c.seq_len, c.head_dim, sms,
-                                                           programs_per_sm=pps)
+        configs[f"programs_per_sm={pps}"] = attention_config(1, c.n_heads, c.n_kv_heads, c.seq_len, c.head_dim, sms,
+                                                     programs_per_sm=pps)
     for block_s, warps in ((32, 4), (128, 4), (128, 8), (64, 8), (64, 2)):
         configs[f"block_s={block_s},warps={warps}"] = dataclasses.replace(base, block_s=block_s, num_warps=warps)
     for stages in (1, 3):

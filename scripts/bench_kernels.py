@@ -28,7 +28,8 @@ from dataclasses import astuple
 import torch
 import torch.nn.functional as F
 
-import kernels  # registers torch.ops.redline
+from kernels.configs import DotConfig, GemvConfig
+from kernels import linear as kernels  # registers torch.ops.redline
 from profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
 
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -92,7 +93,7 @@ def rel_err(out, ref) -> float:
 
 
 def bench_impls(W: Weights, x: torch.Tensor, calls: int, reps: int, extra: bool) -> dict:
-    tk = kernels._kernels_module()
+    tk = kernels.triton_linear()
     res = {}
     nw, nq = len(W.w), len(W.q)
     res["cublas"] = cuda_graph_us_per_call([lambda i=i: F.linear(x, W.w[i % nw]) for i in range(calls)], reps)
@@ -114,14 +115,14 @@ def bench_impls(W: Weights, x: torch.Tensor, calls: int, reps: int, extra: bool)
 
 
 def sweep_shape(W: Weights, m: int, calls: int, reps: int, cfgs_bf16, cfgs_int8, modes=True) -> list:
-    tk = kernels._kernels_module()
+    tk = kernels.triton_linear()
     x = torch.randn(m, W.k, device="cuda", dtype=torch.bfloat16)
     rows = []
     nw, nq = len(W.w), len(W.q)
     variants = [("bf16", c, True, 2) for c in cfgs_bf16]
     variants += [("int8", c, True, mode) for c in cfgs_int8 for mode in INT8_MODES]
     for kind, cfg_t, pdl, mode in variants:
-        cfg = tk.GemvConfig(*cfg_t)
+        cfg = GemvConfig(*cfg_t)
         bn, bk, warps, depth = cfg_t[:4]
         if kind == "bf16":
             mk = lambda i, cfg=cfg, pdl=pdl: tk.gemv(x, W.w[i % nw], config=cfg, pdl=pdl)
@@ -149,12 +150,12 @@ def sweep_shape(W: Weights, m: int, calls: int, reps: int, cfgs_bf16, cfgs_int8,
             best = min(ok, key=lambda r: r["us"])
             extra = [(best["cfg"], False, best["mode"])]
             for cfg, pdl, mode in extra:
-                rows += sweep_shape_one(W, x, kind, tk.GemvConfig(*cfg), pdl, mode, calls, reps)
+                rows += sweep_shape_one(W, x, kind, GemvConfig(*cfg), pdl, mode, calls, reps)
     return rows
 
 
 def sweep_shape_one(W, x, kind, cfg, pdl, mode, calls, reps):
-    tk = kernels._kernels_module()
+    tk = kernels.triton_linear()
     nw, nq = len(W.w), len(W.q)
     if kind == "bf16":
         mk = lambda i: tk.gemv(x, W.w[i % nw], config=cfg, pdl=pdl)
@@ -177,7 +178,7 @@ def sweep_shape_one(W, x, kind, cfg, pdl, mode, calls, reps):
 def msweep_shape(W: Weights, m: int, calls: int, reps: int, dot_configs=()) -> list:
     """At M rows: cuBLAS (bf16; dequantize + cuBLAS for int8) vs the redline ops (their default
     dispatch) and, optionally, tensor-core kernel configs."""
-    tk = kernels._kernels_module()
+    tk = kernels.triton_linear()
     x = torch.randn(m, W.k, device="cuda", dtype=torch.bfloat16)
     nw, nq = len(W.w), len(W.q)
     out = []
@@ -199,7 +200,7 @@ def msweep_shape(W: Weights, m: int, calls: int, reps: int, dot_configs=()) -> l
     run("redline", "bf16", lambda i: torch.ops.redline.linear(x, W.w[i % nw]), ref16)
     run("redline", "int8", lambda i: torch.ops.redline.int8_linear(x, W.q[i % nq], W.s[i % nq]), ref8)
     for c in dot_configs:
-        cfg = tk.DotConfig(*c)
+        cfg = DotConfig(*c)
         run(f"dot{c}", "bf16", lambda i, cfg=cfg: tk.small_m_dot(x, W.w[i % nw], config=cfg), ref16)
         run(f"dot{c}", "int8", lambda i, cfg=cfg: tk.small_m_dot(x, W.q[i % nq], W.s[i % nq], config=cfg), ref8)
     return out
@@ -207,7 +208,7 @@ def msweep_shape(W: Weights, m: int, calls: int, reps: int, dot_configs=()) -> l
 
 def ncu_run() -> None:
     """Two launches to profile with Nsight Compute (-k regex:_gemv_kernel): 7B w13 at M=1."""
-    tk = kernels._kernels_module()
+    tk = kernels.triton_linear()
     n, k = LLAMA2_7B["w13"]
     W = Weights(n, k)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import build_model, read_checkpoint_info
+from checkpoint import read_checkpoint_info
+from quantize import load_model
 from scripts.convert_hf_checkpoint import convert_hf_checkpoint
 from scripts.perplexity import main as perplexity_main
 
@@ -43,7 +44,7 @@ def test_demo_converts_and_matches_hf_logits(demo_fp32):
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
-    model = build_model(read_checkpoint_info(demo_fp32), "cpu", torch.float32)
+    model = load_model(read_checkpoint_info(demo_fp32), "cpu", torch.float32)
     ids = torch.randint(3, 8192, (1, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         model.setup_caches(1, 64)

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from checkpoint import build_model, load_tensors, read_checkpoint_info
+from checkpoint import load_tensors, read_checkpoint_info
 from generate import LLM
-from quantize import Int8Linear, main, quantize_, quantize_checkpoint, quantize_int8
+from quantize import Int8Linear, load_model, main, quantize_, quantize_checkpoint, quantize_int8
 
 # The bounds this scheme promises (README: "int8 weight-only").
 MAX_LAYER_REL_ERROR = 0.01
@@ -53,7 +53,7 @@ def test_round_trip_restores_identical_tensors(bf16_checkpoint, int8_checkpoint)
         assert torch.equal(saved[f"{name}.weight"], q)
         assert torch.equal(saved[f"{name}.scales"], scales)
     assert saved["tok_embeddings.weight"].dtype == torch.bfloat16
-    model = build_model(info, "cpu")
+    model = load_model(info, "cpu")
     layer = model.layers[0].attention.wqkv
     assert isinstance(layer, Int8Linear)
     assert torch.equal(layer.weight, saved["layers.0.attention.wqkv.weight"])
@@ -61,8 +61,8 @@ def test_round_trip_restores_identical_tensors(bf16_checkpoint, int8_checkpoint)
 
 
 def test_per_layer_relative_error_is_within_one_percent(bf16_checkpoint, int8_checkpoint):
-    ref_model = build_model(read_checkpoint_info(bf16_checkpoint), "cpu", torch.float32)
-    q_model = build_model(read_checkpoint_info(int8_checkpoint), "cpu", torch.float32)
+    ref_model = load_model(read_checkpoint_info(bf16_checkpoint), "cpu", torch.float32)
+    q_model = load_model(read_checkpoint_info(int8_checkpoint), "cpu", torch.float32)
     torch.manual_seed(0)
     checked = 0
     for (name, ref), (_, q) in zip(ref_model.named_modules(), q_model.named_modules()):
@@ -75,8 +75,8 @@ def test_per_layer_relative_error_is_within_one_percent(bf16_checkpoint, int8_ch
 
 
 def test_teacher_forced_top1_agreement(bf16_checkpoint, int8_checkpoint):
-    bf16 = build_model(read_checkpoint_info(bf16_checkpoint), "cpu")
-    int8 = build_model(read_checkpoint_info(int8_checkpoint), "cpu")
+    bf16 = load_model(read_checkpoint_info(bf16_checkpoint), "cpu")
+    int8 = load_model(read_checkpoint_info(int8_checkpoint), "cpu")
     torch.manual_seed(3)
     ids = torch.randint(3, bf16.args.vocab_size, (2, 96))  # 192 teacher-forced positions
     with torch.no_grad():
@@ -118,7 +118,7 @@ def test_llm_loads_int8_without_flags_and_quantizes_on_load(bf16_checkpoint, int
 
 
 def test_quantize_in_memory_rejects_bad_mode_and_double_quantization(bf16_checkpoint):
-    model = build_model(read_checkpoint_info(bf16_checkpoint), "cpu")
+    model = load_model(read_checkpoint_info(bf16_checkpoint), "cpu")
     with pytest.raises(ValueError, match="int4"):
         quantize_(model, "int4")
     quantize_(model, "int8")

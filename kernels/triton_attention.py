@@ -25,77 +25,28 @@ instead:
 `prefill_rope_cache` serves a prefill from position 0: one pass over the qkv projection that rotates the
 queries and keys and writes keys and values straight into the caches (tiles of tokens x one head).
 
-Configs come from a deterministic table (`pick_config`), never from autotuning, so nothing compiles
-or benchmarks inside CUDA-graph capture. Only decode_attention.py imports this module, lazily.
+Configs come from a deterministic table (configs.attention_config), never from autotuning, so nothing
+compiles or benchmarks inside CUDA-graph capture. Only kernels/attention.py imports this module, lazily.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from triton_kernels import gdc_launch_dependents, gdc_wait, pdl_default
+from .configs import AttentionConfig, attention_config
+from .device import device_caps
+from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
 
-LOG2E = 1.4426950408889634
-# The split count aims for this many programs per SM over the whole grid. On an H200
-# (scripts/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes): 1 per SM was 10-35%
-# slower on full long caches, 4 per SM within about +-7% of 2, 8 per SM mostly slower.
-TARGET_PROGRAMS_PER_SM = 2
-# Long caches get more splits, up to MAX_PROGRAMS_PER_SM, so that no split walks more than this many keys: in the
-# model on an H200, the 7B shape at a 4096-key cache decoded 249.8 / 363.4 tok/s (bf16 / int8) with 16 splits
-# against 244.8 / 355.6 with 9 (455 keys each); the 8B shape at 8192 keys keeps 33 splits of 248 keys.
-MAX_SPLIT_KEYS = 256
-MAX_PROGRAMS_PER_SM = 4
-MAX_SPLITS = 256
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E): the kernels fold it into the score scale
 COMBINE_SPLIT_TILE = 16  # partials the combine kernel reads per step
-SHORT_CACHE_BLOCK_S = 32  # keys per block when the cache is too short to give every wanted split a 64-key block
 DOT_MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
 # Shared memory the pipelined K/V tiles of the tensor-core path may take (Hopper allows 227 KB a block).
 PIPELINE_SMEM_BYTES = 160 * 1024
 PREFILL_BLOCK_ELEMENTS = 4096  # elements per tile of the prefill rope kernel (32 tokens of a 128-wide head)
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Launch parameters of the split kernel."""
-
-    num_splits: int  # programs per KV group (fixed for a given shape, never from input_pos)
-    block_s: int  # keys per loop step
-    num_warps: int = 4
-    num_stages: int = 2  # K/V tiles in flight; on an H200 3 was within about +-5% of 2, 1 up to 30% slower
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.num_splits <= MAX_SPLITS:
-            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {self.num_splits}")
-        if self.block_s < 16 or self.block_s & (self.block_s - 1):
-            raise ValueError(f"block_s must be a power of two >= 16, got {self.block_s}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
-
-
-@lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def pick_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int, sms: int,
-                programs_per_sm: int = TARGET_PROGRAMS_PER_SM) -> DecodeConfig:
-    """The launch config for these shapes; depends on the cache length, never on input_pos."""
-    block_s = 64 if head_dim <= 128 else 32
-    groups = batch * n_kv_heads
-    splits = math.ceil(programs_per_sm * sms / groups)
-    splits = max(splits, min(math.ceil(seq_len / MAX_SPLIT_KEYS), math.ceil(MAX_PROGRAMS_PER_SM * sms / groups)))
-    if math.ceil(seq_len / block_s) < splits:
-        # A short cache has fewer blocks than the splits wanted: 32-key blocks let twice the programs share the
-        # keys (H200, 256-key cache, batch 1: 294.7 vs 292.0 tok/s for the 7B shape, 266.2 vs 264.0 for the 8B).
-        block_s = SHORT_CACHE_BLOCK_S
-    splits = max(1, min(splits, MAX_SPLITS, math.ceil(seq_len / block_s)))
-    return DecodeConfig(num_splits=splits, block_s=block_s)
 
 
 @triton.jit
@@ -301,7 +252,7 @@ def prefill_rope_cache(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                        rope: torch.Tensor) -> torch.Tensor:
     """Rope and cache write for a prefill from position 0: qkv (B, T, (H + 2 Hkv) D) with unit stride along the
     last dim, rope (T, 2, D/2) fp32 contiguous. Writes the rotated keys and the values into the caches at 0..T-1
-    and returns the rotated queries (B, T, H, D) contiguous. The caller (decode_attention.py) validates."""
+    and returns the rotated queries (B, T, H, D) contiguous. The caller (kernels/attention.py) validates."""
     batch, length, width = qkv.shape
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_heads = width // head_dim - 2 * n_kv_heads
@@ -321,10 +272,10 @@ def prefill_rope_cache(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+                     config: AttentionConfig | None = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v over keys 0..input_pos; q (B, H, 1, D), caches (B, Hkv, S, D).
 
-    The caller (decode_attention.py) validates shapes and dtypes; returns (B, H, 1, D) contiguous.
+    The caller (kernels/attention.py) validates shapes and dtypes; returns (B, H, 1, D) contiguous.
     """
     batch, n_heads, _, head_dim = q.shape
     if q.stride(-1) != 1:
@@ -335,11 +286,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
-                         input_pos: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
+                         input_pos: torch.Tensor, config: AttentionConfig | None = None) -> torch.Tensor:
     """Rope, cache write and attention for one token: qkv (B, 1, (H + 2 Hkv) D) raw projections at input_pos,
     rope (S', 2, D/2) fp32, the cos/sin table with S' >= the cache length S (row input_pos is read on the device).
     Writes the rotated key and the value into the caches at input_pos and returns (B, 1, H D) contiguous. The
-    caller (decode_attention.py) validates."""
+    caller (kernels/attention.py) validates."""
     batch = qkv.shape[0]
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
@@ -350,14 +301,15 @@ def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-            out: torch.Tensor, n_heads: int, rope: torch.Tensor | None, config: DecodeConfig | None) -> None:
+            out: torch.Tensor, n_heads: int, rope: torch.Tensor | None, config: AttentionConfig | None) -> None:
     """Run the split (and combine) kernels into out, viewed as (B, H, D) rows of D. q is (B, H, 1, D)
     rotated queries, or with rope given the raw (B, (H + 2 Hkv) D) projections (the fused kernel)."""
     batch = q.shape[0]
     n_kv_heads, seq_len, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = n_heads // n_kv_heads
+    caps = device_caps(q.device)
     if config is None:
-        config = pick_config(batch, n_heads, n_kv_heads, seq_len, head_dim, sm_count(q.device.index or 0))
+        config = attention_config(batch, n_heads, n_kv_heads, seq_len, head_dim, caps.sm_count)
     if out.numel() == 0:
         return
     if rope is None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
@@ -371,7 +323,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input
     else:
         m = l = acc = out  # unused by the kernel when there is one split
     block_g = max(DOT_MIN_ROWS, triton.next_power_of_2(group))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    precision = "tf32" if q.dtype != torch.float32 and caps.supports_tf32 else "ieee"
     stage_bytes = 2 * config.block_s * head_dim * q.element_size()  # one K and one V tile per stage
     stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
     pdl = q.is_cuda and pdl_default()

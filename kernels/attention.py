@@ -1,4 +1,5 @@
-"""Decode attention (one query token per sequence against the static KV cache) as a custom op.
+"""The attention ops (one decode token against the static KV cache; rope and cache write for a prefill) and
+KernelAttention, the model.Attention that calls them.
 
     torch.ops.redline.decode_attention(q, k_cache, v_cache, input_pos)
         == softmax(q k^T / sqrt(D)) v over cache positions 0..input_pos, fp32 accumulation, in q.dtype
@@ -18,27 +19,30 @@ serves every position. Triton is imported lazily, on the first CUDA call.
 """
 from __future__ import annotations
 
+import functools
 import math
-from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import triton_importable
-from model import split_rotated_qkv
+from model import Attention, split_rotated_qkv
 
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from .device import triton_importable
+from .linear import FLOAT_DTYPES
+
 _POS_DTYPES = (torch.int32, torch.int64)
 MIN_HEAD_DIM = 16  # the tensor-core path needs 16-wide tiles
+# The largest head_dim the kernels take, and the largest the GPU tests cover (Llama-family heads are 64-128 wide).
 MAX_HEAD_DIM = 256
 
 
-@lru_cache(maxsize=None)
-def _attention_module():
-    """triton_attention, imported on first use (it imports triton)."""
-    import triton_attention
+@functools.cache
+def triton_attention():
+    """kernels.triton_attention, imported on first use (it imports triton)."""
+    from . import triton_attention as module
 
-    return triton_attention
+    return module
 
 
 def decode_attention_supported(q: Tensor, k_cache: Tensor) -> bool:
@@ -53,7 +57,7 @@ def _kernel_supported(k_cache: Tensor) -> bool:
     """The Triton kernels run for this cache: on a CUDA/HIP device, a float dtype, a power-of-two head_dim in
     [16, 256], Triton importable."""
     head_dim = k_cache.shape[-1]
-    if not k_cache.is_cuda or k_cache.dtype not in _FLOAT_DTYPES or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+    if not k_cache.is_cuda or k_cache.dtype not in FLOAT_DTYPES or not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         return False
     return head_dim & (head_dim - 1) == 0 and triton_importable()
 
@@ -98,7 +102,7 @@ def _check_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_p
         raise ValueError(f"{name}: q's {n_heads} heads must be a multiple of the cache's {k_cache.shape[1]} KV heads")
     if k_cache.shape[2] == 0:
         raise ValueError(f"{name}: the KV cache has no positions; call setup_caches with max_seq_length > 0")
-    if q.dtype not in _FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if q.dtype not in FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"{name}: q, k_cache and v_cache must share one dtype of bf16, fp16 or fp32, "
                          f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     _check_position_and_devices(name, input_pos, q, k_cache, v_cache)
@@ -131,7 +135,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Ten
     """softmax(q k^T / sqrt(D)) v over keys 0..input_pos; q (B, H, 1, D), caches (B, Hkv, S, D)."""
     _check_decode_attention(q, k_cache, v_cache, input_pos)
     if decode_attention_supported(q, k_cache):
-        return _attention_module().decode_attention(q, k_cache, v_cache, input_pos)
+        return triton_attention().decode_attention(q, k_cache, v_cache, input_pos)
     return decode_attention_reference(q, k_cache, v_cache, input_pos).contiguous()
 
 
@@ -174,7 +178,7 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
     if (width // head_dim - 2 * n_kv_heads) % n_kv_heads or qkv.dtype != k_cache.dtype:
         raise ValueError(f"{name}: qkv ({qkv.dtype}) must match the cache dtype ({k_cache.dtype}) and hold a "
                          f"multiple of {n_kv_heads} query heads")
-    if qkv.dtype not in _FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+    if qkv.dtype not in FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"{name}: qkv and the caches must share one dtype of bf16, fp16 or fp32")
     if k_cache.shape[2] == 0:
         raise ValueError(f"{name}: the KV cache has no positions; call setup_caches with max_seq_length > 0")
@@ -191,7 +195,7 @@ def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Te
     On the GPU it is one kernel (two with a long cache: the split partials are combined)."""
     _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
     if _kernel_supported(k_cache):  # qkv's device and dtype match the cache's (checked above)
-        return _attention_module().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
+        return triton_attention().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
     return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos).contiguous()
 
 
@@ -233,7 +237,7 @@ def _check_prefill_rope_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rop
     if head_dim % 2 or rope.shape != (length, 2, head_dim // 2) or rope.dtype != torch.float32:
         raise ValueError(f"{name}: rope must be the ({length}, 2, {head_dim // 2}) fp32 cos/sin rows of positions "
                          f"0..{length - 1}, got {tuple(rope.shape)} of {rope.dtype}")
-    if qkv.dtype not in _FLOAT_DTYPES or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+    if qkv.dtype not in FLOAT_DTYPES or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
         raise ValueError(f"{name}: qkv and the caches must share one dtype of bf16, fp16 or fp32, "
                          f"got {qkv.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -248,7 +252,7 @@ def prefill_rope_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tens
     (B, T, H, D) contiguous. On the GPU it is one Triton kernel that reads qkv once."""
     _check_prefill_rope_cache(qkv, k_cache, v_cache, rope)
     if _kernel_supported(k_cache):
-        return _attention_module().prefill_rope_cache(qkv, k_cache, v_cache, rope.contiguous())
+        return triton_attention().prefill_rope_cache(qkv, k_cache, v_cache, rope.contiguous())
     return prefill_rope_cache_reference(qkv, k_cache, v_cache, rope).contiguous()
 
 
@@ -259,23 +263,29 @@ def _prefill_rope_cache_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope
     return qkv.new_empty((*qkv.shape[:2], n_heads, head_dim))
 
 
-def route_decode_attention_to_kernel(model: torch.nn.Module) -> int:
-    """Make one-token attention steps of every model.Attention call this op; returns how many layers."""
-    count = 0
-    for module in model.modules():
-        if hasattr(module, "attention_kernels") and hasattr(module, "kv_cache"):
-            module.attention_kernels = True
-            count += 1
-    return count
+# --- the module use_kernels swaps in ---
 
 
-def set_fused_decode(model: torch.nn.Module, enabled: bool = True) -> None:
-    """Make one-token batch-1 steps of a model.Transformer take Transformer.decode_fused: five kernels per
-    block (the norms, rope, cache write, SwiGLU and residual adds ride inside them) instead of about ten.
-    Enabling needs the linears routed to the redline ops (kernels.route_linears_to_kernels, or int8 layers)."""
-    if not hasattr(model, "fused_decode"):
-        raise ValueError(f"set_fused_decode takes a model.Transformer, got {type(model).__name__}")
-    if enabled and any(type(module) is torch.nn.Linear for module in model.modules()):
-        raise ValueError("fused decode needs every linear routed to the redline ops first; "
-                         "call kernels.route_linears_to_kernels(model)")
-    model.fused_decode = enabled
+class KernelAttention(Attention):
+    """model.Attention whose one-token steps run redline::decode_attention (it reads only the valid cache
+    positions) and whose prefills from position 0 run redline::prefill_rope_cache (rope and cache write in one
+    pass); every other call is the plain math."""
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
+        bsz, seqlen, _ = x.shape
+        if not from_start and seqlen != 1:
+            return super().forward(x, rope, mask, input_pos, from_start)
+        a = self.args
+        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
+        cache = self.cache()
+        if from_start:
+            q = torch.ops.redline.prefill_rope_cache(qkv, cache.k, cache.v, rope).transpose(1, 2)  # (B, H, T, D)
+            k, v = cache.k[:bsz, :, :seqlen], cache.v[:bsz, :, :seqlen]  # (B, Hkv, T, D)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=a.n_kv_heads != a.n_head)  # (B, H, T, D)
+        else:
+            q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
+            k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
+            out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)

@@ -1,10 +1,10 @@
-"""Fast linear layers for decode, as torch.library custom ops.
+"""The linear ops (bf16/fp16/fp32, int8, and the fused decode projection) and the modules that call them.
 
     torch.ops.redline.linear(x, weight)               == F.linear(x, weight)
     torch.ops.redline.int8_linear(x, weight, scales)  == (x @ weight.T.float()) * scales, in x.dtype
 
 On a CUDA/HIP device with few rows of x (decode, batches, short prompts; `triton_row_limit`), the ops
-run the Triton kernels in triton_kernels.py, which dequantize int8 weights in registers: one row (batch-1
+run the Triton kernels in triton_linear.py, which dequantize int8 weights in registers: one row (batch-1
 decode) runs the matrix-vector kernel, which reads every weight byte once; more rows run the tensor-core
 kernel. With more rows (long prompts) the work is a matrix product: cuBLAS does it (for int8 on the
 weight dequantized in row blocks). On the CPU: plain PyTorch.
@@ -16,7 +16,6 @@ Triton is imported lazily, on the first CUDA call: this module imports without T
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn as nn
@@ -24,6 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import rms_norm
+from quantize import Int8Linear
+
+from .device import triton_importable
 
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel, in one
 # tile of up to 64 rows, so each weight byte is read once, or in several); above it cuBLAS's matrix product
@@ -38,25 +40,16 @@ PROMPT_SMALL_M = 64
 # The int8 prefill path dequantizes the weight to x.dtype in row blocks of at most this many
 # elements (128 MB in bf16), so a large matrix (an lm_head) never needs a full-size copy.
 _DEQUANT_CHUNK_ELEMENTS = 1 << 26
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-@functools.cache
-def triton_importable() -> bool:
-    """Triton is installed (checked without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+# The activation dtypes the ops (and their Triton kernels) take.
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
-def _kernels_module():
-    """triton_kernels, imported on first use (it imports triton)."""
-    import triton_kernels
+def triton_linear():
+    """kernels.triton_linear, imported on first use (it imports triton)."""
+    from . import triton_linear as module
 
-    return triton_kernels
-
-
-def gemv_available() -> bool:
-    """Whether the Triton kernels can run here at all (a CUDA/HIP GPU and Triton)."""
-    return torch.cuda.is_available() and triton_importable()
+    return module
 
 
 def triton_row_limit(shape: tuple[int, ...], quantized: bool) -> int:
@@ -70,7 +63,7 @@ def gemv_supported(x: Tensor, quantized: bool = False) -> bool:
     """True when the ops run redline's Triton kernels for this x (int8 weights with quantized): a CUDA/HIP
     tensor of a float dtype with at most triton_row_limit rows (x.numel() // x.shape[-1]), with Triton
     importable."""
-    if not x.is_cuda or x.dtype not in _FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
+    if not x.is_cuda or x.dtype not in FLOAT_DTYPES or x.dim() == 0 or x.shape[-1] == 0:
         return False
     return x.numel() // x.shape[-1] <= triton_row_limit(tuple(x.shape), quantized) and triton_importable()
 
@@ -99,7 +92,7 @@ def _check_x_and_weight(name: str, x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"{name}: x must have at least one dimension (..., K)")
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{name}: x has K={x.shape[-1]} but weight {tuple(weight.shape)} expects K={weight.shape[1]}")
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: x must be bf16, fp16 or fp32, got {x.dtype}")
 
 
@@ -117,7 +110,7 @@ def _check_int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
         raise ValueError(
             f"redline.int8_linear: scales must have shape ({weight.shape[0]},) (one per output row), "
             f"got {tuple(scales.shape)}")
-    if scales.dtype not in _FLOAT_DTYPES:
+    if scales.dtype not in FLOAT_DTYPES:
         raise ValueError(f"redline.int8_linear: scales must be bf16, fp16 or fp32, got {scales.dtype}")
 
 
@@ -137,7 +130,7 @@ def _small_m(x: Tensor, weight: Tensor, scales: Tensor | None) -> Tensor:
         scales = scales.contiguous()
     out = torch.empty((x2.shape[0], n), device=x.device, dtype=x.dtype)
     if out.numel():
-        tk = _kernels_module()
+        tk = triton_linear()
         if x2.shape[0] == 1:
             tk.gemv(x2, weight, scales, out)
         else:
@@ -271,7 +264,7 @@ def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: 
     x1 = x.reshape(1, k).contiguous()
     weight = weight.contiguous()
     out = torch.empty((1, weight.shape[0] // 2 if swiglu else weight.shape[0]), device=x.device, dtype=x.dtype)
-    _kernels_module().gemv(
+    triton_linear().gemv(
         x1, weight, scales.contiguous() if scales is not None else None, out,
         norm_weight=norm_weight.contiguous() if norm_weight is not None else None, eps=eps,
         residual=residual.reshape(-1).contiguous() if residual is not None else None, swiglu=swiglu,
@@ -288,26 +281,32 @@ def _fused_linear_fake(x: Tensor, weight: Tensor, scales: Tensor | None, norm_we
     return x.new_empty((*x.shape[:-1], n))
 
 
-# --- routing a model's linear layers to the ops ---
+# --- the modules use_kernels swaps in ---
 
 
 class KernelLinear(nn.Linear):
     """nn.Linear (no bias) whose forward runs torch.ops.redline.linear: the Triton GEMV at decode."""
 
-    scales = None  # float weights: no int8 scales (model.fused_projection passes layer.scales)
+    scales = None  # float weights: no int8 scales (the fused decode passes layer.scales to fused_linear)
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.redline.linear(x, self.weight)
 
 
-def route_linears_to_kernels(model: nn.Module) -> int:
-    """Make every bias-free nn.Linear of the model a KernelLinear, in place; returns how many.
+class KernelInt8Linear(Int8Linear):
+    """quantize.Int8Linear whose forward runs torch.ops.redline.int8_linear: the int8 weight is dequantized in
+    the Triton kernel's registers for few rows, in row blocks for cuBLAS for many."""
 
-    Only the class changes, so weights (and a tied output head) stay shared.
-    """
-    count = 0
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline.int8_linear(x, self.weight, self.scales)
+
+
+def swap_linears(model: nn.Module) -> None:
+    """Make every bias-free float nn.Linear a KernelLinear and every Int8Linear a KernelInt8Linear, in place.
+
+    Only the class changes, so weights (and a tied output head) stay shared."""
     for module in model.modules():
-        if type(module) is nn.Linear and module.bias is None:
+        if type(module) is nn.Linear and module.bias is None and module.weight.dtype in FLOAT_DTYPES:
             module.__class__ = KernelLinear
-            count += 1
-    return count
+        elif type(module) is Int8Linear:
+            module.__class__ = KernelInt8Linear

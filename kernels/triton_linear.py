@@ -26,28 +26,20 @@ rows (up to 64 rows one tile of rows, so each weight byte is still read once; mo
 tiles, whose programs run next to each other so the weight tile comes from L2 after the first), with
 Triton's software pipeliner keeping weight tiles in flight.
 
-Configs come from deterministic tables (`pick_config`, `pick_dot_config`) measured on an H200,
-never from autotuning: nothing compiles or benchmarks inside CUDA-graph capture or torch.compile
-tracing (the first eager call compiles; capture only records launches).
-
-Only kernels.py imports this module, lazily, from the CUDA implementation of its custom ops.
+Configs come from the deterministic tables in configs.py (`gemv_config`, `dot_config`), never from
+autotuning. Only kernels/linear.py imports this module, lazily, from the GPU implementation of its ops.
 """
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-try:  # Triton >= 3.3 exposes grid dependency control (PDL)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - old Triton: PDL is never requested then
-    gdc_launch_dependents = gdc_wait = None
-
-DOT_MAX_BLOCK_M = 64  # rows of x per tile of the tensor-core kernel by default (padded to a power of two >= 16)
+from .configs import DOT_MAX_BLOCK_M, DotConfig, GemvConfig, dot_config, gemv_config
+from .device import device_caps
+from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
 
 # int8 -> fp32 conversion without I2F (a quarter of the FP32 rate on Hopper: it would cap an int8
 # GEMV near the memory rate). For s in [-128, 127], the float whose bits are 0x4B000000 | (s + 128)
@@ -321,133 +313,10 @@ def _small_m_dot_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int  # rows of w per program
-    block_k: int  # K elements per loop step
-    num_warps: int
-    depth: int = 2  # weight blocks in flight per program (software pipeline depth, 1 or 2)
-    red: bool = False  # pre-sum each thread's 8 contiguous products (fewer accumulator registers)
-
-
-@dataclass(frozen=True)
-class DotConfig:
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    block_m: int = 0  # rows of x per tile; 0: M rounded up to a power of two in [16, DOT_MAX_BLOCK_M]
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"DotConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
-        if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
-            raise ValueError(f"DotConfig.block_m must be 0 (from M) or a power of two >= 16, got {self.block_m}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
-
-
-def pick_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu: bool = False,
-                residual: bool = False) -> GemvConfig:
-    """The GEMV config table: deterministic, from the shape alone (n: rows of w).
-
-    Measured on an H200, most rows alone (CUDA graph of 20 calls, weights rotated past L2; see
-    benchmarks/kernel-notes.md): a BLOCK_K that divides K matters for the long-K down projections (a
-    partial last block costs a masked pass).
-    fused_input (a norm in the prologue) and swiglu need at least 2 rows per program (the second pairs
-    a gate row with its up row); the fused int8 rows come from a sweep of the fused kernels
-    (BENCHMARKS.md, "Fused decode"), and four int8 rows from sweeps inside the model, where they beat the
-    isolated winners (BENCHMARKS.md, "Eighth session" and "Ninth session").
-    """
-    if w_bytes == 1 and k < 8192 and not swiglu:
-        if fused_input and 8192 <= n < 16384:
-            # 7B wqkv+norm in the model (eighth session): one warp per program, 473.8 / 472.4 / 473.3 / 473.7 / 474.4
-            # tok/s against 456.8-457.4 with (8, 1024, 4, 2); the 8B wqkv (6144 rows) lost 3% that way.
-            return GemvConfig(8, 512, 1, 2, True)
-        if fused_input and n < 8192:
-            # 8B wqkv+norm (6144 rows) in the model (ninth session): 416.7 / 417.0 tok/s against 415.0 / 414.9 with
-            # (8, 1024, 4, 2), alternating in one call
-            return GemvConfig(4, 1024, 4, 2, True)
-        if residual:
-            return GemvConfig(4, 2048, 4, 1, True)  # 7B wo+residual 6.0 us (table: 6.6)
-    if w_bytes == 1 and swiglu and k < 8192 and n < 24576:
-        # 7B gate/up+norm in the model (eighth session): 476.3 / 476.1 tok/s against 473.8 / 472.4 with the table's
-        # (4, 512, 2, 2); the 8B one (28672 rows) measured 385.0 against 386.3, so it keeps the table row.
-        return GemvConfig(8, 512, 2, 2, True)
-    if w_bytes == 2 and residual and k < 8192:
-        # wo after attention, in the model (sixth session): 286.8 / 286.1 tok/s against 285.3 / 285.0 with the
-        # one-row table row; half the programs, each streaming both rows before its PDL wait.
-        return GemvConfig(2, 2048, 4, 2, True)
-    cfg = _table_config(n, k, w_bytes)
-    if (fused_input or swiglu) and cfg.block_n == 1:
-        return GemvConfig(2, cfg.block_k, cfg.num_warps, cfg.depth, cfg.red)
-    return cfg
-
-
-def _table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
-    if w_bytes == 1:
-        if k >= 8192:
-            # 8B w2 (K 14336) in the model (eighth session): 414.9 tok/s against 402.6 / 402.8 with (2, 2048, 4, 1)
-            return GemvConfig(8, 1024, 4, 2, True)
-        if n >= 16384:
-            return GemvConfig(4, 512, 2, 2, True)
-        return GemvConfig(2, 1024, 2, 2, True)
-    if k >= 8192:
-        return GemvConfig(2, 1024, 4, 2)
-    return GemvConfig(1, 2048, 4, 2, True)
-
-
-def pick_dot_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
-    """The tensor-core kernel's config table (m: rows of x, 2 or more)."""
-    if m > DOT_MAX_BLOCK_M:
-        return _row_tiles_config(n, w_bytes, m)
-    if m > 16:
-        return _medium_m_config(n, k, w_bytes, m)
-    if n >= 12288:
-        return DotConfig(64, 256, 4, 3) if w_bytes == 1 else DotConfig(64, 128, 4, 4)
-    return DotConfig(32, 256, 4, 4)
-
-
-def _medium_m_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
-    """17..64 rows of x (x padded to 32 or 64 rows): the best of 8 configs per 7B shape on an H200
-    (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64; BENCHMARKS.md, "Kernels")."""
-    if n < 8192:  # wo, w2: few output tiles, so narrow ones
-        if w_bytes == 1:
-            if m <= 32:
-                return DotConfig(16, 256, 4, 4)
-            return DotConfig(32, 256, 4, 3) if k < 8192 else DotConfig(32, 128, 4, 4)
-        return DotConfig(32, 256, 4, 3)
-    if w_bytes == 1 and m <= 32:
-        return DotConfig(64, 128, 4, 4) if n >= 32000 else DotConfig(64, 256, 4, 3)
-    if w_bytes == 2 and m <= 32 and n < 16384:
-        return DotConfig(32, 128, 4, 4)
-    return DotConfig(64, 64, 4, 5) if n < 16384 else DotConfig(128, 64, 4, 4)
-
-
-def _row_tiles_config(n: int, w_bytes: int, m: int) -> DotConfig:
-    """More than 64 rows of x (several tiles of rows): the best of 10 configs per 7B shape at 128 and 256 rows
-    on an H200 (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 128,256)."""
-    if n >= 32000:
-        return DotConfig(128, 64, 8, 4, 128)
-    if n < 8192 and m <= 128:  # wo, w2
-        return DotConfig(64, 128, 4, 3, 64)
-    if w_bytes == 1:
-        return DotConfig(128, 64, 4, 4, 64)
-    if n < 8192:
-        return DotConfig(128, 128, 8, 3, 64)
-    if m <= 128:
-        return DotConfig(64, 64, 4, 4, 64) if n < 16384 else DotConfig(128, 64, 8, 3, 64)
-    return DotConfig(128, 64, 8, 3, 64) if n < 16384 else DotConfig(128, 64, 8, 4, 128)
-
-
 @functools.cache
-def pdl_default() -> bool:
-    """Programmatic dependent launch: Hopper and newer NVIDIA GPUs; REDLINE_PDL=0 turns it off for comparisons."""
-    if os.environ.get("REDLINE_PDL", "1") == "0" or gdc_wait is None or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability()[0] >= 9
+def int8_mode_default() -> int:
+    """INT8_MODE_DEFAULT where the kernels may carry inline PTX (NVIDIA), else the portable mode 1."""
+    return INT8_MODE_DEFAULT if device_caps().inline_ptx else 1
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
@@ -481,14 +350,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
         if swiglu:
             return out  # silu(0) * 0
         return out.add_(residual.view_as(out)) if residual is not None else out
-    cfg = config or pick_config(w.shape[0], k, w.element_size(), fused_input=norm_weight is not None, swiglu=swiglu,
+    cfg = config or gemv_config(w.shape[0], k, w.element_size(), fused_input=norm_weight is not None, swiglu=swiglu,
                                 residual=residual is not None)
     if swiglu and cfg.block_n % 2:
         raise ValueError(f"a SwiGLU GEMV needs an even block_n (gate and up rows), got {cfg.block_n}")
     if pdl is None:
         pdl = pdl_default()
-    if int8_mode is None:  # mode 2 is PTX: NVIDIA only
-        int8_mode = 1 if torch.version.hip is not None else INT8_MODE_DEFAULT
+    if int8_mode is None:
+        int8_mode = int8_mode_default()
     w_int8 = w.dtype == torch.int8
     words = w_int8 and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0
     even_k = k % cfg.block_k == 0
@@ -522,7 +391,7 @@ def small_m_dot(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = 
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if k == 0 or n == 0 or m == 0:
         return out.zero_()
-    cfg = config or pick_dot_config(n, k, w.element_size(), m)
+    cfg = config or dot_config(n, k, w.element_size(), m)
     block_m = cfg.block_m or min(DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     w_int8 = w.dtype == torch.int8
     _small_m_dot_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))](

@@ -1,4 +1,4 @@
-"""Tests for kernels.py (custom ops, references, dispatch) and triton_kernels.py (GEMV).
+"""Tests for kernels/linear.py (custom ops, references, dispatch, the kernel modules) and kernels/triton_linear.py.
 
 CPU tests check the ops' contract with plain PyTorch. GPU tests (marker `gpu`) check the Triton
 GEMV against an fp32 reference by relative Frobenius error, on random data, for the Llama-2-7B and
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import PROMPT_SMALL_M, SMALL_M, int8_linear_reference, linear_reference
+from kernels import linear as kl
+from kernels.configs import DotConfig, GemvConfig
+from kernels.linear import PROMPT_SMALL_M, SMALL_M, int8_linear_reference, linear_reference
 
 # (N, K) of the decode GEMVs that matter.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -82,16 +83,16 @@ def test_non_contiguous_x_cpu():
 
 
 def test_gemv_supported_is_false_on_cpu():
-    assert not kernels.gemv_supported(torch.randn(1, 64))
+    assert not kl.gemv_supported(torch.randn(1, 64))
 
 
 def test_triton_row_limit_sends_float_prompts_to_cublas_sooner():
     assert PROMPT_SMALL_M < SMALL_M
-    assert kernels.triton_row_limit((64, 1, 4096), quantized=False) == SMALL_M  # a decode batch: 1 token each
-    assert kernels.triton_row_limit((200, 4096), quantized=False) == SMALL_M  # 2-D x: rows, no token axis
-    assert kernels.triton_row_limit((1, 128, 4096), quantized=False) == PROMPT_SMALL_M  # a prompt
-    assert kernels.triton_row_limit((2, 3, 4096), quantized=False) == PROMPT_SMALL_M
-    assert kernels.triton_row_limit((1, 128, 4096), quantized=True) == SMALL_M  # int8 keeps the kernel
+    assert kl.triton_row_limit((64, 1, 4096), quantized=False) == SMALL_M  # a decode batch: 1 token each
+    assert kl.triton_row_limit((200, 4096), quantized=False) == SMALL_M  # 2-D x: rows, no token axis
+    assert kl.triton_row_limit((1, 128, 4096), quantized=False) == PROMPT_SMALL_M  # a prompt
+    assert kl.triton_row_limit((2, 3, 4096), quantized=False) == PROMPT_SMALL_M
+    assert kl.triton_row_limit((1, 128, 4096), quantized=True) == SMALL_M  # int8 keeps the kernel
 
 
 def test_validation_errors():
@@ -198,7 +199,7 @@ def test_gpu_gemv_matches_reference(shape, m, dtype, no_tf32):
     n, k = shape
     w, q, s = _weights(n, k, dtype)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    assert kernels.gemv_supported(x) == (m <= SMALL_M)
+    assert kl.gemv_supported(x) == (m <= SMALL_M)
     out = torch.ops.redline.linear(x, w)
     assert out.shape == (m, n) and out.dtype == dtype and out.is_contiguous()
     err = rel_err(out, linear_reference(x, w))
@@ -216,8 +217,8 @@ def test_gpu_prompt_rows_route_by_weight_dtype(tokens, no_tf32):
     n, k = 1000, 1000
     w, q, s = _weights(n, k, torch.bfloat16)
     x = torch.randn(1, tokens, k, device="cuda", dtype=torch.bfloat16)
-    assert kernels.gemv_supported(x) == (tokens <= PROMPT_SMALL_M)
-    assert kernels.gemv_supported(x, quantized=True)
+    assert kl.gemv_supported(x) == (tokens <= PROMPT_SMALL_M)
+    assert kl.gemv_supported(x, quantized=True)
     assert rel_err(torch.ops.redline.linear(x, w), linear_reference(x, w)) <= 1e-2
     assert rel_err(torch.ops.redline.int8_linear(x, q, s), int8_linear_reference(x, q, s)) <= 1e-2
 
@@ -251,7 +252,7 @@ def test_gpu_int8_fp32_x_and_prefill(x_dtype, m, no_tf32):
 
 @pytest.mark.gpu
 def test_gpu_int8_prefill_chunked(monkeypatch, no_tf32):
-    monkeypatch.setattr(kernels, "_DEQUANT_CHUNK_ELEMENTS", 1000 * 64)  # forces 16 row blocks
+    monkeypatch.setattr(kl, "_DEQUANT_CHUNK_ELEMENTS", 1000 * 64)  # forces 16 row blocks
     _, q, s = _weights(1000, 1000, torch.bfloat16)
     x = torch.randn(2, 17, 1000, device="cuda", dtype=torch.bfloat16)
     assert rel_err(torch.ops.redline.int8_linear(x, q, s), int8_linear_reference(x, q, s)) <= 1e-2
@@ -262,10 +263,12 @@ def test_gpu_int8_prefill_chunked(monkeypatch, no_tf32):
 @pytest.mark.parametrize("int8_mode", [1, 2])
 @pytest.mark.parametrize("shape", [(4096, 11008), (50, 72), (7, 13)])
 def test_gpu_gemv_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no_tf32):
-    import triton_kernels as tk
+    from kernels import triton_linear as tk
 
-    if pdl and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90+")
+    from kernels.device import device_caps
+
+    if pdl and not device_caps().supports_pdl:
+        pytest.skip("PDL needs NVIDIA sm_90+")
     n, k = shape
     w, q, s = _weights(n, k, torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -286,38 +289,34 @@ def test_gpu_gemv_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no_t
 @pytest.mark.parametrize("shape", [(4096, 11008), (4096, 14336), (33, 4100), (50, 72)])
 def test_gpu_gemv_configs(shape, cfg, no_tf32):
     """Every config the table may pick is correct, also when BLOCK_K does not divide K."""
-    import triton_kernels as tk
+    from kernels import triton_linear as tk
 
     n, k = shape
     w, q, s = _weights(n, k, torch.bfloat16)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     out = torch.full((1, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    tk.gemv(x, w, None, out, config=tk.GemvConfig(*cfg))
+    tk.gemv(x, w, None, out, config=GemvConfig(*cfg))
     assert rel_err(out, linear_reference(x, w)) <= 1e-2
     out.fill_(float("nan"))
-    tk.gemv(x, q, s, out, config=tk.GemvConfig(*cfg))
+    tk.gemv(x, q, s, out, config=GemvConfig(*cfg))
     assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2
 
 
 @pytest.mark.gpu
 def test_gpu_kernel_bounds():
-    import triton_kernels as tk
+    from kernels import triton_linear as tk
 
     x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one row"):
         tk.gemv(x, w)
-    with pytest.raises(ValueError, match="block_m"):
-        tk.DotConfig(32, 64, 4, 3, 24)
-    with pytest.raises(ValueError, match="block_k"):
-        tk.DotConfig(32, 8, 4, 3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(4096, 11008), (12288, 4096), (50, 72), (4097, 2056)])
 def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
-    import triton_kernels as tk
+    from kernels import triton_linear as tk
 
     n, k = shape
     w32, q, s = _weights(n, k, torch.float32)
@@ -336,7 +335,7 @@ def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
 @pytest.mark.parametrize("config", [(32, 64, 4, 3, 16), (64, 128, 4, 4, 32), (128, 64, 4, 4, 64), (128, 64, 8, 4, 128)])
 def test_gpu_small_m_dot_row_tiles(config, no_tf32):
     """Explicit rows per tile: every tile of rows, the partial last one included, is computed and stored."""
-    import triton_kernels as tk
+    from kernels import triton_linear as tk
 
     n, k = 4097, 2056
     w32, q, s = _weights(n, k, torch.float32)
@@ -344,10 +343,10 @@ def test_gpu_small_m_dot_row_tiles(config, no_tf32):
     for m in (1, 37, 129, 300):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        tk.small_m_dot(x, w, None, out, config=tk.DotConfig(*config))
+        tk.small_m_dot(x, w, None, out, config=DotConfig(*config))
         assert rel_err(out, linear_reference(x, w)) <= 1e-2, m
         out.fill_(float("nan"))
-        tk.small_m_dot(x, q, s, out, config=tk.DotConfig(*config))
+        tk.small_m_dot(x, q, s, out, config=DotConfig(*config))
         assert rel_err(out, int8_linear_reference(x, q, s)) <= 1e-2, m
 
 
@@ -410,8 +409,8 @@ def test_gpu_torch_compile_reduce_overhead(no_tf32):
     assert not torch.equal(results[0], results[1])
 
 
-def test_route_linears_keeps_weights_shared_and_outputs_equal():
-    from kernels import KernelLinear, route_linears_to_kernels
+def test_use_kernels_swaps_linears_keeping_weights_shared_and_outputs_equal():
+    from kernels import KernelLinear, use_kernels
     from model import ModelArgs, Transformer
 
     torch.manual_seed(0)
@@ -421,12 +420,28 @@ def test_route_linears_keeps_weights_shared_and_outputs_equal():
     with torch.no_grad():
         model.setup_caches(1, 12)
         before = model(ids, torch.arange(12))
-        assert route_linears_to_kernels(model) == 2 * 4 + 1
+        assert use_kernels(model) is model
+        assert sum(type(m) is KernelLinear for m in model.modules()) == 2 * 4 + 1
         model.setup_caches(1, 12)
         after = model(ids, torch.arange(12))
     assert isinstance(model.layers[1].feed_forward.w2, KernelLinear)
     assert model.output.weight is model.tok_embeddings.weight
     torch.testing.assert_close(after, before)
+
+
+def test_use_kernels_swaps_int8_linears_for_the_kernel_op():
+    from kernels import KernelInt8Linear, use_kernels
+    from model import ModelArgs, Transformer
+    from quantize import Int8Linear, quantize_
+
+    torch.manual_seed(0)
+    model = quantize_(Transformer(ModelArgs.from_name("debug-tiny")).eval(), "int8")
+    use_kernels(use_kernels(model))  # twice: the second call changes nothing
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(int8) == 2 * 4 + 1 and all(type(m) is KernelInt8Linear for m in int8)
+    layer = int8[0]
+    x = torch.randn(2, 3, layer.in_features)
+    torch.testing.assert_close(layer(x), int8_linear_reference(x, layer.weight, layer.scales), rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- fused decode projections (redline.fused_linear)
@@ -543,22 +558,22 @@ def test_gpu_fused_linear_matches_reference(name, int8, no_tf32):
     assert torch.isfinite(out).all()
     assert rel_err(out, fused_fp32(x, w, s, nw, 1e-5, r, swiglu)) < 8e-3
     if out.numel() >= 64:  # a few outputs may sit one bf16 step apart (the normalized input is not rounded)
-        unfused = kernels.fused_linear_reference(x, w, s, nw, 1e-5, r, swiglu)
+        unfused = kl.fused_linear_reference(x, w, s, nw, 1e-5, r, swiglu)
         assert rel_err(out, unfused) < 8e-3
 
 
 @pytest.mark.gpu
 def test_gpu_fused_linear_configs_and_no_pdl(no_tf32):
-    import triton_kernels as tk
+    from kernels import triton_linear as tk
 
     x, w, s, nw, r = fused_inputs(4098, 4096, device="cuda", swiglu=True)
     ref = fused_fp32(x, w, s, nw, 1e-6, None, True)
-    for cfg in (tk.GemvConfig(2, 256, 2, 1), tk.GemvConfig(4, 1024, 4, 2, True), tk.GemvConfig(8, 512, 4, 2)):
+    for cfg in (GemvConfig(2, 256, 2, 1), GemvConfig(4, 1024, 4, 2, True), GemvConfig(8, 512, 4, 2)):
         for pdl in (False, True):
             out = tk.gemv(x.view(1, -1), w, norm_weight=nw, eps=1e-6, swiglu=True, config=cfg, pdl=pdl)
             assert rel_err(out, ref.view(1, -1)) < 8e-3, (cfg, pdl)
     with pytest.raises(ValueError, match="even block_n"):
-        tk.gemv(x.view(1, -1), w, norm_weight=nw, eps=1e-6, swiglu=True, config=tk.GemvConfig(1, 256, 2, 1))
+        tk.gemv(x.view(1, -1), w, norm_weight=nw, eps=1e-6, swiglu=True, config=GemvConfig(1, 256, 2, 1))
 
 
 def test_fused_linear_cpu_accumulates_the_sum_of_squares():

@@ -1,11 +1,13 @@
-"""redline.decode_attention: the reference against SDPA, the op on the CPU, and the Triton kernels on a GPU."""
+"""kernels/attention.py and kernels/triton_attention.py: the references against SDPA, the ops on the CPU, the Triton
+kernels on a GPU, and KernelAttention in a model."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import decode_attention as da
+from kernels import attention as da
+from kernels.configs import AttentionConfig
 from conftest import prefill_then_decode_logits
 
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (H, Hkv); gqa is 4:1
@@ -192,37 +194,17 @@ def test_gpu_other_dtypes_and_head_dims(dtype, tol, head_dim):
 @pytest.mark.parametrize("block_s", [16, 64, 128])
 @pytest.mark.parametrize("layout", ["mha", "gqa"])
 def test_gpu_explicit_configs(layout, block_s, num_splits):
-    import triton_attention as ta
+    from kernels import triton_attention as ta
 
     n_heads, n_kv_heads = GPU_LAYOUTS[layout]
     q, k, v = make_inputs(1, n_heads, n_kv_heads, 3000, 128, torch.bfloat16, "cuda")
     for stages in (1, 3):
-        cfg = ta.DecodeConfig(num_splits=num_splits, block_s=block_s, num_stages=stages)
+        cfg = AttentionConfig(num_splits=num_splits, block_s=block_s, num_stages=stages)
         for pos in (0, 200, 2999):
             p = torch.tensor([pos], device="cuda")
             ref = da.decode_attention_reference(q.float(), k.float(), v.float(), p)
             out = ta.decode_attention(q, poisoned(k, pos), poisoned(v, pos), p, cfg)
             assert rel_err(out, ref) <= BF16_TOL, (stages, pos)
-
-
-@pytest.mark.gpu
-def test_gpu_split_count_depends_on_shape_only():
-    import triton_attention as ta
-
-    a = ta.pick_config(1, 32, 8, 8192, 128, sms=132)
-    assert a == ta.pick_config(1, 32, 8, 8192, 128, sms=132)
-    assert 1 < a.num_splits <= 8192 // a.block_s
-    short = ta.pick_config(1, 32, 8, 128, 128, sms=132)
-    assert (short.block_s, short.num_splits) == (ta.SHORT_CACHE_BLOCK_S, 4)  # never more splits than key blocks
-    assert ta.pick_config(1, 32, 32, 256, 128, sms=132).block_s == ta.SHORT_CACHE_BLOCK_S  # 4 blocks of 64 < 9
-    assert ta.pick_config(1, 32, 32, 2304, 128, sms=132).block_s == 64  # 36 blocks of 64: enough for 9 splits
-    assert ta.pick_config(64, 32, 32, 256, 128, sms=132).num_splits == 1  # enough groups to fill the GPU
-    # Long caches: splits of at most MAX_SPLIT_KEYS keys, up to MAX_PROGRAMS_PER_SM programs per SM.
-    assert ta.pick_config(1, 32, 32, 4096, 128, sms=132).num_splits == 4096 // ta.MAX_SPLIT_KEYS  # 16, not 9
-    assert ta.pick_config(1, 32, 8, 8192, 128, sms=132).num_splits == 33  # 2 per SM already gives 248 keys each
-    assert ta.pick_config(16, 32, 32, 4096, 128, sms=132).num_splits == 2  # capped at 4 programs per SM
-    with pytest.raises(ValueError, match="block_s"):
-        ta.DecodeConfig(num_splits=4, block_s=48)
 
 
 @pytest.mark.gpu
@@ -273,7 +255,7 @@ def test_gpu_torch_compile_reduce_overhead():
 
 def test_routed_model_decodes_like_sdpa():
     """The model's one-token steps through the op give the logits of the masked-SDPA path."""
-    from decode_attention import route_decode_attention_to_kernel
+    from kernels import KernelAttention, use_kernels
     from model import ModelArgs, Transformer
 
     torch.manual_seed(0)
@@ -281,9 +263,9 @@ def test_routed_model_decodes_like_sdpa():
     ids = torch.randint(0, 512, (2, 20))
     with torch.no_grad():
         reference = prefill_then_decode_logits(model, ids, 5)
-        assert route_decode_attention_to_kernel(model) == 2
+        use_kernels(model)
+        assert sum(type(m) is KernelAttention for m in model.modules()) == 2
         routed = prefill_then_decode_logits(model, ids, 5)
-    assert model.layers[0].attention.attention_kernels
     torch.testing.assert_close(routed, reference, atol=1e-5, rtol=1e-5)
 
 
@@ -376,11 +358,11 @@ def test_gpu_qkv_kernel_matches_unfused_steps(layout, seq_len):
 
 @pytest.mark.gpu
 def test_gpu_qkv_kernel_in_a_cuda_graph():
-    import triton_attention as ta
+    from kernels import triton_attention as ta
 
     qkv, k, v, rope, ip = qkv_inputs(1, 32, 8, 2304, 128, 0, torch.bfloat16, "cuda")
     for splits in (1, 8):
-        cfg = ta.DecodeConfig(num_splits=splits, block_s=64)
+        cfg = AttentionConfig(num_splits=splits, block_s=64)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -395,22 +377,6 @@ def test_gpu_qkv_kernel_in_a_cuda_graph():
             ref, _, _ = unfused_steps(qkv.float(), k_run.float(), v_run.float(), rope, p)
             graph.replay()
             assert rel_err(out, ref) <= BF16_TOL, (splits, p)
-
-
-def test_set_fused_decode_needs_routed_linears():
-    import kernels
-    from model import ModelArgs, Transformer
-
-    model = Transformer(ModelArgs.from_name("debug-tiny"))
-    with pytest.raises(ValueError, match="route_linears_to_kernels"):
-        da.set_fused_decode(model)
-    with pytest.raises(ValueError, match="model.Transformer"):
-        da.set_fused_decode(model.layers[0])
-    kernels.route_linears_to_kernels(model)
-    da.set_fused_decode(model)
-    assert model.fused_decode
-    da.set_fused_decode(model, False)
-    assert not model.fused_decode
 
 
 # --- prefill from position 0: rope + cache write in one op ---
@@ -480,7 +446,7 @@ def test_prefill_op_opcheck_cpu():
 
 def test_routed_model_prefills_from_start_like_the_unrouted_one():
     """A from_start prefill through the op (then decode steps reading the cache it wrote) gives the same logits."""
-    from decode_attention import route_decode_attention_to_kernel
+    from kernels import use_kernels
     from model import ModelArgs, Transformer
 
     torch.manual_seed(0)
@@ -495,7 +461,7 @@ def test_routed_model_prefills_from_start_like_the_unrouted_one():
 
     with torch.no_grad():
         reference = run()
-        route_decode_attention_to_kernel(model)
+        use_kernels(model)
         routed = run()
     torch.testing.assert_close(routed, reference, atol=1e-5, rtol=1e-5)
 

@@ -1,0 +1,49 @@
+"""Redline's GPU fast paths, applied to a plain model.Transformer from outside.
+
+    import kernels
+    if kernels.available():
+        kernels.use_kernels(model)        # swaps linears and attention for the kernel modules, in place
+        step = kernels.FusedDecode(model)  # batch-1 decode in five kernels per block; else model(...)
+
+Every op is a torch.library custom op (torch.ops.redline.*) with a plain PyTorch reference, which is what runs
+on the CPU and what the tests compare against; importing this package registers them. Triton is imported only
+when a GPU kernel first runs, so the package imports on a machine without Triton or a GPU.
+
+    device.py          what the running GPU supports (DeviceCaps, device_caps)
+    configs.py         the launch config tables (gemv_config, dot_config, attention_config)
+    linear.py          redline::linear, int8_linear, fused_linear; KernelLinear, KernelInt8Linear
+    attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
+    fused_decode.py    FusedDecode
+    triton_linear.py, triton_attention.py, triton_common.py: the Triton sources and launchers
+"""
+from __future__ import annotations
+
+import torch
+
+from model import Attention, Transformer
+
+from .attention import KernelAttention
+from .device import DeviceCaps, device_caps, triton_importable
+from .fused_decode import FusedDecode
+from .linear import KernelInt8Linear, KernelLinear, swap_linears
+
+__all__ = ["DeviceCaps", "FusedDecode", "KernelAttention", "KernelInt8Linear", "KernelLinear", "available",
+           "device_caps", "use_kernels"]
+
+
+def available() -> bool:
+    """Whether the Triton kernels can run here: a CUDA/HIP GPU is visible and Triton is importable."""
+    return torch.cuda.is_available() and triton_importable()
+
+
+def use_kernels(model: Transformer) -> Transformer:
+    """Swap the model's modules for the kernel ones, in place, and return it: float nn.Linear -> KernelLinear
+    (redline::linear), quantize.Int8Linear -> KernelInt8Linear (redline::int8_linear), model.Attention ->
+    KernelAttention (redline::decode_attention for one-token steps, redline::prefill_rope_cache for prefills from
+    position 0). Only classes change, so weights (and a tied output head) stay shared; applying it twice is a
+    no-op. Where no kernel fits (the CPU, unsupported shapes) the ops run their PyTorch references."""
+    swap_linears(model)
+    for module in model.modules():
+        if type(module) is Attention:
+            module.__class__ = KernelAttention
+    return model

@@ -1,0 +1,204 @@
+"""The launch configs of every Triton kernel: deterministic tables from the shapes alone, never autotuning.
+
+Nothing compiles or benchmarks inside CUDA-graph capture or torch.compile tracing: the first eager call compiles
+the kernel a table picks, and a capture only records launches. The tables were measured on an H200; the
+reasoning behind each row is next to it. Plain Python: importing this module needs neither Triton nor a GPU.
+
+    gemv_config(n, k, w_bytes, ...)        one row of x: the matrix-vector kernel (triton_linear.gemv)
+    dot_config(n, k, w_bytes, m)           2 or more rows: the tensor-core kernel (triton_linear.small_m_dot)
+    attention_config(batch, ..., sms)      one decode token: the split flash-decoding kernel (triton_attention)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Rows of x per tile of the tensor-core kernel by default (padded to a power of two >= 16); up to this many rows,
+# one tile serves them all, so each weight byte is read once.
+DOT_MAX_BLOCK_M = 64
+
+# The attention split count aims for this many programs per SM over the whole grid: on an H200
+# (scripts/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes) 1 per SM was 10-35% slower on full
+# long caches, 4 per SM within about +-7% of 2, 8 per SM mostly slower.
+TARGET_PROGRAMS_PER_SM = 2
+# Long caches get more splits, up to MAX_PROGRAMS_PER_SM, so that no split walks more than this many keys: in the
+# model on an H200, the 7B shape at a 4096-key cache decoded 249.8 / 363.4 tok/s (bf16 / int8) with 16 splits
+# against 244.8 / 355.6 with 9 (455 keys each); the 8B shape at 8192 keys keeps 33 splits of 248 keys.
+MAX_SPLIT_KEYS = 256
+# The cap on programs per SM when long caches ask for more splits: 8 per SM measured mostly slower than 2-4.
+MAX_PROGRAMS_PER_SM = 4
+# The most splits per KV group, which bounds the per-split partials the combine kernel loads at once.
+MAX_SPLITS = 256
+# Keys per block when the cache is too short to give every wanted split a 64-key block.
+SHORT_CACHE_BLOCK_S = 32
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch parameters of the matrix-vector kernel."""
+
+    block_n: int  # rows of w per program
+    block_k: int  # K elements per loop step
+    num_warps: int
+    depth: int = 2  # weight blocks in flight per program (software pipeline depth, 1 or 2)
+    red: bool = False  # pre-sum each thread's 8 contiguous products (fewer accumulator registers)
+
+
+@dataclass(frozen=True)
+class DotConfig:
+    """Launch parameters of the tensor-core kernel."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    block_m: int = 0  # rows of x per tile; 0: M rounded up to a power of two in [16, DOT_MAX_BLOCK_M]
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"DotConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+        if self.block_m and (self.block_m < 16 or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"DotConfig.block_m must be 0 (from M) or a power of two >= 16, got {self.block_m}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of the split decode-attention kernel."""
+
+    num_splits: int  # programs per KV group (fixed for a given shape, never from input_pos)
+    block_s: int  # keys per loop step
+    num_warps: int = 4
+    num_stages: int = 2  # K/V tiles in flight; on an H200 3 was within about +-5% of 2, 1 up to 30% slower
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {self.num_splits}")
+        if self.block_s < 16 or self.block_s & (self.block_s - 1):
+            raise ValueError(f"block_s must be a power of two >= 16, got {self.block_s}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
+
+# --- the matrix-vector kernel ---
+
+
+def gemv_config(n: int, k: int, w_bytes: int, fused_input: bool = False, swiglu: bool = False,
+                residual: bool = False) -> GemvConfig:
+    """The GEMV config table: deterministic, from the shape alone (n: rows of w).
+
+    Measured on an H200, most rows alone (CUDA graph of 20 calls, weights rotated past L2; see
+    benchmarks/kernel-notes.md): a BLOCK_K that divides K matters for the long-K down projections (a
+    partial last block costs a masked pass).
+    fused_input (a norm in the prologue) and swiglu need at least 2 rows per program (the second pairs
+    a gate row with its up row); the fused int8 rows come from a sweep of the fused kernels
+    (BENCHMARKS.md, "Fused decode"), and four int8 rows from sweeps inside the whole model, where they beat
+    the winners measured on the kernel alone.
+    """
+    if w_bytes == 1 and k < 8192 and not swiglu:
+        if fused_input and 8192 <= n < 16384:
+            # One warp per program measured fastest for the 7B int8 wqkv+norm in the model on an H200 (473.8 /
+            # 472.4 / 473.3 / 473.7 / 474.4 tok/s against 456.8-457.4 with (8, 1024, 4, 2)); the 8B wqkv (6144
+            # rows) lost 3% that way.
+            return GemvConfig(8, 512, 1, 2, True)
+        if fused_input and n < 8192:
+            # Measured fastest for the 8B int8 wqkv+norm (6144 rows) in the model on an H200: 416.7 / 417.0 tok/s
+            # against 415.0 / 414.9 with (8, 1024, 4, 2), alternating in one call.
+            return GemvConfig(4, 1024, 4, 2, True)
+        if residual:
+            return GemvConfig(4, 2048, 4, 1, True)  # 7B wo+residual 6.0 us (table: 6.6)
+    if w_bytes == 1 and swiglu and k < 8192 and n < 24576:
+        # Measured fastest for the 7B int8 gate/up+norm in the model on an H200 (476.3 / 476.1 tok/s against
+        # 473.8 / 472.4 with the table's (4, 512, 2, 2)); the 8B one (28672 rows) measured 385.0 against 386.3,
+        # so it keeps the table row.
+        return GemvConfig(8, 512, 2, 2, True)
+    if w_bytes == 2 and residual and k < 8192:
+        # Half the programs, each streaming both rows before its PDL wait, measured fastest for the bf16 wo after
+        # attention in the model on an H200 (286.8 / 286.1 tok/s against 285.3 / 285.0 with the one-row row).
+        return GemvConfig(2, 2048, 4, 2, True)
+    cfg = _gemv_table_config(n, k, w_bytes)
+    if (fused_input or swiglu) and cfg.block_n == 1:
+        return GemvConfig(2, cfg.block_k, cfg.num_warps, cfg.depth, cfg.red)
+    return cfg
+
+
+def _gemv_table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
+    if w_bytes == 1:
+        if k >= 8192:
+            # Measured fastest for the 8B int8 w2 (K 14336) in the model on an H200: 414.9 tok/s against
+            # 402.6 / 402.8 with (2, 2048, 4, 1).
+            return GemvConfig(8, 1024, 4, 2, True)
+        if n >= 16384:
+            return GemvConfig(4, 512, 2, 2, True)
+        return GemvConfig(2, 1024, 2, 2, True)
+    if k >= 8192:
+        return GemvConfig(2, 1024, 4, 2)
+    return GemvConfig(1, 2048, 4, 2, True)
+
+
+# --- the tensor-core kernel ---
+
+
+def dot_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
+    """The tensor-core kernel's config table (m: rows of x, 2 or more)."""
+    if m > DOT_MAX_BLOCK_M:
+        return _row_tiles_config(n, w_bytes, m)
+    if m > 16:
+        return _medium_m_config(n, k, w_bytes, m)
+    if n >= 12288:
+        return DotConfig(64, 256, 4, 3) if w_bytes == 1 else DotConfig(64, 128, 4, 4)
+    return DotConfig(32, 256, 4, 4)
+
+
+def _medium_m_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
+    """17..64 rows of x (x padded to 32 or 64 rows): the best of 8 configs per 7B shape on an H200
+    (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64; BENCHMARKS.md, "Kernels")."""
+    if n < 8192:  # wo, w2: few output tiles, so narrow ones
+        if w_bytes == 1:
+            if m <= 32:
+                return DotConfig(16, 256, 4, 4)
+            return DotConfig(32, 256, 4, 3) if k < 8192 else DotConfig(32, 128, 4, 4)
+        return DotConfig(32, 256, 4, 3)
+    if w_bytes == 1 and m <= 32:
+        return DotConfig(64, 128, 4, 4) if n >= 32000 else DotConfig(64, 256, 4, 3)
+    if w_bytes == 2 and m <= 32 and n < 16384:
+        return DotConfig(32, 128, 4, 4)
+    return DotConfig(64, 64, 4, 5) if n < 16384 else DotConfig(128, 64, 4, 4)
+
+
+def _row_tiles_config(n: int, w_bytes: int, m: int) -> DotConfig:
+    """More than 64 rows of x (several tiles of rows): the best of 10 configs per 7B shape at 128 and 256 rows
+    on an H200 (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 128,256)."""
+    if n >= 32000:
+        return DotConfig(128, 64, 8, 4, 128)
+    if n < 8192 and m <= 128:  # wo, w2
+        return DotConfig(64, 128, 4, 3, 64)
+    if w_bytes == 1:
+        return DotConfig(128, 64, 4, 4, 64)
+    if n < 8192:
+        return DotConfig(128, 128, 8, 3, 64)
+    if m <= 128:
+        return DotConfig(64, 64, 4, 4, 64) if n < 16384 else DotConfig(128, 64, 8, 3, 64)
+    return DotConfig(128, 64, 8, 3, 64) if n < 16384 else DotConfig(128, 64, 8, 4, 128)
+
+
+# --- the decode-attention kernel ---
+
+
+def attention_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int, sms: int,
+                     programs_per_sm: int = TARGET_PROGRAMS_PER_SM) -> AttentionConfig:
+    """The split kernel's config for these shapes (sms: the GPU's SM count); depends on the cache length, never
+    on input_pos, so one captured graph is correct at every position."""
+    block_s = 64 if head_dim <= 128 else 32
+    groups = batch * n_kv_heads
+    splits = math.ceil(programs_per_sm * sms / groups)
+    splits = max(splits, min(math.ceil(seq_len / MAX_SPLIT_KEYS), math.ceil(MAX_PROGRAMS_PER_SM * sms / groups)))
+    if math.ceil(seq_len / block_s) < splits:
+        # A short cache has fewer blocks than the splits wanted: 32-key blocks let twice the programs share the
+        # keys (H200, 256-key cache, batch 1: 294.7 vs 292.0 tok/s for the 7B shape, 266.2 vs 264.0 for the 8B).
+        block_s = SHORT_CACHE_BLOCK_S
+    splits = max(1, min(splits, MAX_SPLITS, math.ceil(seq_len / block_s)))
+    return AttentionConfig(num_splits=splits, block_s=block_s)

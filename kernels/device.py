@@ -1,0 +1,79 @@
+"""What the running GPU supports, read once from torch: the one place the kernels ask about the hardware.
+
+Every capability decision of the package (programmatic dependent launch, the tf32 dot precision, the inline-PTX
+int8 conversion, the SM count that sizes the attention grid) reads `device_caps()` rather than querying
+torch.cuda itself. Importing this module imports neither Triton nor anything that touches a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+VENDORS = ("nvidia", "amd", "cpu")
+# Shared memory a block may use when torch does not report it: 48 KiB is the limit every CUDA GPU grants
+# without an opt-in, so nothing sized from it can fail to launch.
+DEFAULT_SHARED_MEMORY_BYTES = 48 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """One GPU (or the CPU) as the kernels see it."""
+
+    vendor: str  # "nvidia", "amd" or "cpu"
+    arch: str  # "sm90" on NVIDIA, the gcnArchName without its feature flags ("gfx90a") on AMD, "cpu"
+    shared_memory_per_block: int  # bytes a block may use (the opt-in maximum where torch reports it)
+    warp_size: int  # threads per warp (32) or wavefront (64 on most AMD GPUs)
+    sm_count: int  # streaming multiprocessors (NVIDIA) or compute units (AMD); 0 on the CPU
+    supports_tf32: bool  # tensor-core tf32 dots (NVIDIA sm80+)
+    supports_pdl: bool  # programmatic dependent launch (NVIDIA sm90+)
+    inline_ptx: bool  # Triton kernels may carry inline PTX (NVIDIA only)
+
+    def __post_init__(self) -> None:
+        if self.vendor not in VENDORS:
+            raise ValueError(f"DeviceCaps.vendor must be one of {VENDORS}, got {self.vendor!r}")
+        if self.warp_size <= 0 or self.sm_count < 0 or self.shared_memory_per_block < 0:
+            raise ValueError(f"DeviceCaps needs a positive warp size and non-negative counts, got {self}")
+        if self.vendor != "nvidia" and (self.supports_pdl or self.inline_ptx):
+            raise ValueError(f"PDL and inline PTX are NVIDIA features; {self.vendor} cannot claim them")
+
+
+CPU_CAPS = DeviceCaps(vendor="cpu", arch="cpu", shared_memory_per_block=0, warp_size=1, sm_count=0,
+                      supports_tf32=False, supports_pdl=False, inline_ptx=False)
+
+
+def device_caps(device: torch.device | str | int | None = None) -> DeviceCaps:
+    """The capabilities of `device` (default: the current CUDA/HIP device; the CPU when no GPU is visible)."""
+    if isinstance(device, (str, int)):
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device is not None and device.type != "cuda":
+        return CPU_CAPS
+    if not torch.cuda.is_available():
+        return CPU_CAPS
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _gpu_caps(index)
+
+
+@functools.cache
+def _gpu_caps(index: int) -> DeviceCaps:
+    props = torch.cuda.get_device_properties(index)
+    amd = torch.version.hip is not None
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or getattr(props, "shared_memory_per_block", 0)
+    warp = getattr(props, "warp_size", 0) or (64 if amd else 32)
+    if amd:
+        arch = (getattr(props, "gcnArchName", "") or "gfx").split(":")[0]
+        return DeviceCaps(vendor="amd", arch=arch, shared_memory_per_block=shared or DEFAULT_SHARED_MEMORY_BYTES,
+                          warp_size=warp, sm_count=props.multi_processor_count, supports_tf32=False,
+                          supports_pdl=False, inline_ptx=False)
+    return DeviceCaps(vendor="nvidia", arch=f"sm{props.major}{props.minor}",
+                      shared_memory_per_block=shared or DEFAULT_SHARED_MEMORY_BYTES, warp_size=warp,
+                      sm_count=props.multi_processor_count, supports_tf32=props.major >= 8,
+                      supports_pdl=props.major >= 9, inline_ptx=True)
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Triton is installed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None

@@ -1,0 +1,83 @@
+"""The fused batch-1 decode: each block of a model in five kernels instead of about ten.
+
+    fused = FusedDecode(use_kernels(model))
+    logits = fused(token, input_pos)  # one token: the fused path; anything else: model(...)
+
+Per block: norm+qkv, rope+cache write+attention (redline::decode_attention_qkv), wo+residual,
+norm+gate/up+SwiGLU, w2+residual; the final norm rides in the output head's GEMV. Each residual kernel
+also adds its output's sum of squares into a slot of an fp32 buffer, so the next norm needs no pass of its
+own. Same math and roundings as model.Transformer.forward, except that the normalized input of a projection
+stays fp32 (the GPU kernel does not round it to the activation dtype).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from model import Attention, RMSNorm, Transformer, TransformerBlock
+from quantize import Int8Linear
+
+# The fused kernels add each output's sum of squares into this many lanes (program i into lane i % lanes):
+# thousands of atomic adds on one address would queue; the next kernel reads all lanes.
+NORM_SUM_LANES = 32
+
+
+def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None,
+                     swiglu: bool = False, sums: Tensor | None = None, sum_in: int = -1, sum_out: int = -1) -> Tensor:
+    """redline::fused_linear on a kernel linear layer (KernelLinear or KernelInt8Linear):
+    [norm(x) ->] linear [-> silu(gate) * up] [+ residual], one GPU kernel for a single row of x. sums[sum_in]
+    holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to sums[sum_out]."""
+    return torch.ops.redline.fused_linear(
+        x, linear.weight, linear.scales, None if norm is None else norm.weight,
+        0.0 if norm is None else norm.eps, residual, swiglu, sums, sum_in, sum_out)
+
+
+def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor,
+                index: int) -> Tensor:
+    """block.forward for one token (batch 1) in five ops. The residual kernels sum their outputs' squares into
+    sums slots 2 * index and 2 * index + 1; block 0's first norm sums x itself (sum_in -1). x (1, 1, dim)."""
+    attn, ffn = block.attention, block.feed_forward
+    cache = attn.cache()
+    qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm, sums=sums,
+                           sum_in=2 * index - 1)  # (1, 1, (H + 2 Hkv) D)
+    out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
+    h = fused_projection(attn.wo, out, residual=x, sums=sums, sum_out=2 * index)  # (1, 1, dim)
+    act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums, sum_in=2 * index)  # (1, 1, I)
+    return fused_projection(ffn.w2, act, residual=h, sums=sums, sum_out=2 * index + 1)  # (1, 1, dim)
+
+
+class FusedDecode(nn.Module):
+    """Wraps a model already passed through kernels.use_kernels: one-token steps (batch 1) run the fused path,
+    every other call runs model(...)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        if not isinstance(model, Transformer):
+            raise ValueError(f"FusedDecode takes a model.Transformer, got {type(model).__name__}")
+        if any(type(m) in (nn.Linear, Int8Linear, Attention) for m in model.modules()):
+            raise ValueError("FusedDecode needs the model's layers swapped for the kernel ones first; "
+                             "call kernels.use_kernels(model)")
+        self.model = model
+        device = model.norm.weight.device
+        # The blocks' sums of squares, zeroed each step: (2 n_layer, NORM_SUM_LANES) fp32.
+        self.register_buffer("norm_sums", torch.zeros(2 * model.args.n_layer, NORM_SUM_LANES, dtype=torch.float32,
+                                                      device=device), persistent=False)
+
+    def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
+                from_start: bool = False) -> Tensor:
+        """model.forward's contract; idx (1, 1) takes the fused path and returns logits (1, 1, vocab)."""
+        model = self.model
+        if idx.numel() != 1:
+            return model(idx, input_pos, logits_at, from_start)
+        if model.max_seq_length == 0:
+            raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
+        x = model.tok_embeddings(idx)  # (1, 1, dim)
+        self.norm_sums.zero_()
+        # The attention kernel reads the rope row at input_pos from the whole (S, 2, D/2) table itself: a gather here
+        # would be one more kernel, which inductor re-emits before several layers' attention. No mask either: the
+        # kernel reads keys 0..input_pos.
+        for i, layer in enumerate(model.layers):
+            x = fused_block(layer, x, model.rope, input_pos, self.norm_sums, i)
+        return fused_projection(model.output, x, norm=model.norm, sums=self.norm_sums,
+                                sum_in=2 * len(model.layers) - 1)  # (1, 1, vocab)

@@ -1,0 +1,65 @@
+"""kernels/fused_decode.py: FusedDecode runs the model's math in five ops per block."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import fused_decode
+from model import ModelArgs, Transformer
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_fused_decode_gives_the_unfused_logits(quantized, monkeypatch):
+    """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
+    the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise."""
+    from quantize import quantize_
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("debug-tiny-llama3")).eval()  # GQA 4:1, llama3 rope
+    if quantized:
+        quantize_(model, "int8")
+    kernels.use_kernels(model)
+    fused = kernels.FusedDecode(model)
+    ids = torch.randint(0, 512, (1, 24))
+
+    def prefill_then_decode(step):  # logits of a 6-token prefill, then one token per step
+        model.setup_caches(1, 64)
+        logits = [step(ids[:, :6], torch.arange(6))]
+        logits += [step(ids[:, p:p + 1], torch.tensor([p])) for p in range(6, ids.shape[1])]
+        return torch.cat(logits, dim=1)
+
+    calls = []
+    original = fused_decode.fused_block
+    monkeypatch.setattr(fused_decode, "fused_block", lambda *a: calls.append(1) or original(*a))
+    with torch.no_grad():
+        reference = prefill_then_decode(model)
+        assert not calls
+        out = prefill_then_decode(fused)
+    assert len(calls) == 18 * model.args.n_layer  # every one-token step took the fused path (the prefill did not)
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_decode_needs_the_kernel_modules():
+    model = Transformer(ModelArgs.from_name("debug-tiny"))
+    with pytest.raises(ValueError, match="use_kernels"):
+        kernels.FusedDecode(model)
+    with pytest.raises(ValueError, match="model.Transformer"):
+        kernels.FusedDecode(model.layers[0])
+    fused = kernels.FusedDecode(kernels.use_kernels(model))
+    assert fused.model is model
+    assert fused.norm_sums.shape == (2 * model.args.n_layer, fused_decode.NORM_SUM_LANES)
+    assert fused.norm_sums.dtype == torch.float32
+
+
+def test_fused_decode_zeroes_its_sums_each_step():
+    """The sums of squares start from zero every step: two steps at one position give the same logits."""
+    torch.manual_seed(0)
+    model = kernels.use_kernels(Transformer(ModelArgs.from_name("debug-tiny")).eval())
+    fused = kernels.FusedDecode(model)
+    with torch.no_grad():
+        model.setup_caches(1, 16)
+        token, pos = torch.tensor([[7]]), torch.tensor([0])
+        first = fused(token, pos)
+        assert fused.norm_sums.abs().sum() > 0  # the residual kernels wrote their sums
+        torch.testing.assert_close(fused(token, pos), first, rtol=0, atol=0)
