@@ -44,8 +44,8 @@ def _rope_table(seq_len: int, head_dim: int) -> torch.Tensor:
 
 
 def _gemv_case(variant: str, dtype: torch.dtype) -> float:
-    import kernels
-    import triton_kernels as tk
+    from kernels import configs, linear
+    from kernels import triton_linear as tk
 
     k = 100 if variant in ("odd_k", "int8_odd_k") else 256
     n = 48
@@ -53,42 +53,43 @@ def _gemv_case(variant: str, dtype: torch.dtype) -> float:
     if variant.startswith("int8"):
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scales = torch.rand(n, dtype=dtype) / 50
-        got = tk.gemv(x, w, scales, pdl=False, int8_mode=1, config=tk.GemvConfig(2, 64, 2, 1, True))
-        return _rel_err(got, kernels.int8_linear_reference(x, w, scales))
+        got = tk.gemv(x, w, scales, pdl=False, int8_mode=1, config=configs.GemvConfig(2, 64, 2, 1, True))
+        return _rel_err(got, linear.int8_linear_reference(x, w, scales))
     w = torch.randn(2 * n if variant == "swiglu" else n, k, dtype=dtype) / k ** 0.5
     # small blocks (the interpreter runs each program in Python), both pipeline depths, with and without RED
-    configs = {"plain": tk.GemvConfig(1, 64, 2, 2, False), "residual": tk.GemvConfig(4, 32, 2, 1, True)}
+    chosen = {"plain": configs.GemvConfig(1, 64, 2, 2, False), "residual": configs.GemvConfig(4, 32, 2, 1, True)}
     norm = torch.rand(k, dtype=dtype) + 0.5 if variant in ("norm", "swiglu") else None
     residual = torch.randn(n, dtype=dtype) if variant == "residual" else None
     got = tk.gemv(x, w, pdl=False, int8_mode=1, norm_weight=norm, eps=1e-5, residual=residual,
-                  swiglu=variant == "swiglu", config=configs.get(variant, tk.GemvConfig(2, 64, 2, 2, True)))
-    want = kernels.fused_linear_reference(x, w, None, norm, 1e-5, residual, variant == "swiglu")
+                  swiglu=variant == "swiglu", config=chosen.get(variant, configs.GemvConfig(2, 64, 2, 2, True)))
+    want = linear.fused_linear_reference(x, w, None, norm, 1e-5, residual, variant == "swiglu")
     return _rel_err(got, want)
 
 
 def _dot_case(variant: str, dtype: torch.dtype) -> float:
-    import kernels
-    import triton_kernels as tk
+    from kernels import configs, linear
+    from kernels import triton_linear as tk
 
     m = 5 if variant == "int8" else int(variant)
     n, k = 96, 160  # K not a multiple of the 128-wide blocks below: the masked path
     x = torch.randn(m, k, dtype=dtype)
-    config = tk.DotConfig(32, 128, 4, 2)  # small tiles: the interpreter runs each program in Python
+    config = configs.DotConfig(32, 128, 4, 2)  # small tiles: the interpreter runs each program in Python
     if variant == "int8":
         w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scales = torch.rand(n, dtype=dtype) / 50
-        return _rel_err(tk.small_m_dot(x, w, scales, config=config), kernels.int8_linear_reference(x, w, scales))
+        return _rel_err(tk.small_m_dot(x, w, scales, config=config), linear.int8_linear_reference(x, w, scales))
     w = torch.randn(n, k, dtype=dtype) / k ** 0.5
-    return _rel_err(tk.small_m_dot(x, w, config=config), kernels.linear_reference(x, w))
+    return _rel_err(tk.small_m_dot(x, w, config=config), linear.linear_reference(x, w))
 
 
 def _attention_case(variant: str, dtype: torch.dtype) -> float:
-    import decode_attention as da
-    import triton_attention as ta
+    from kernels import attention as da
+    from kernels import configs
+    from kernels import triton_attention as ta
 
     n_heads, n_kv_heads = (4, 4) if variant == "mha" else (8, 2)
     batch, seq_len, head_dim, pos = 2, 80, 32, 70
-    config = ta.DecodeConfig(num_splits=1 if variant == "single" else 3, block_s=16)
+    config = configs.AttentionConfig(num_splits=1 if variant == "single" else 3, block_s=16)
     k_cache = torch.randn(batch, n_kv_heads, seq_len, head_dim, dtype=dtype)  # (B, Hkv, S, D)
     v_cache = torch.randn(batch, n_kv_heads, seq_len, head_dim, dtype=dtype)
     k_cache[:, :, pos + 1:] = float("nan")  # past input_pos: never read
@@ -108,8 +109,9 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
 
 
 def _rope_case(dtype: torch.dtype) -> float:
-    import decode_attention as da
-    import triton_attention as ta
+    from kernels import attention as da
+    from kernels import configs
+    from kernels import triton_attention as ta
     batch, length, n_heads, n_kv_heads, head_dim = 2, 37, 4, 2, 32
     rope = _rope_table(length, head_dim)
     qkv = torch.randn(batch, length, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
