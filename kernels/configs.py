@@ -235,12 +235,17 @@ def fitted_dot_config(n: int, k: int, w_bytes: int, x_bytes: int, m: int, caps: 
     K block, one stage, fewer columns, fewer rows per tile. None when nothing fits: the caller takes cuBLAS/hipBLAS.
     A config that fits is returned unchanged (every H200 choice fits its 227 KiB)."""
     cfg = dot_config(n, k, w_bytes, m)
-    block_m = cfg.block_m or min(DOT_MAX_BLOCK_M, max(16, 1 << max(m - 1, 1).bit_length()))
+    block_m = dot_block_m(cfg, m)
     for c in _smaller_dot_configs(cfg, block_m):
         if dot_smem_bytes(c.block_m or block_m, c.block_n, c.block_k, c.num_stages, x_bytes, w_bytes,
                           caps) <= caps.shared_memory_per_block:
             return c
     return None
+
+
+def dot_block_m(cfg: DotConfig, m: int) -> int:
+    """Rows of x per tile: cfg.block_m, or m rounded up to a power of two in [16, DOT_MAX_BLOCK_M]."""
+    return cfg.block_m or min(DOT_MAX_BLOCK_M, max(16, 1 << (max(m, 2) - 1).bit_length()))
 
 
 def _smaller_dot_configs(cfg: DotConfig, block_m: int) -> Iterator[DotConfig]:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import DOT_MAX_BLOCK_M, DotConfig, GemvConfig, fitted_dot_config, gemv_config
+from .configs import DotConfig, GemvConfig, dot_block_m, fitted_dot_config, gemv_config
 from .device import DeviceCaps, device_caps
 from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
 
@@ -393,7 +393,7 @@ def small_m_dot(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = 
     if cfg is None:  # kernels.linear checks first and takes cuBLAS/hipBLAS
         raise ValueError(f"no tensor-core config fits this GPU's shared memory for ({m}, {k}) x ({n}, {k}); "
                          "use F.linear")
-    block_m = cfg.block_m or min(DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    block_m = dot_block_m(cfg, m)
     w_int8 = w.dtype == torch.int8
     _small_m_dot_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))](
         x, w, scales if w_int8 else w, out,

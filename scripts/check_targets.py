@@ -18,6 +18,7 @@ Compiled kernels land in Triton's cache (TRITON_CACHE_DIR), so a second run is f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import itertools
 import json
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
@@ -147,31 +149,52 @@ def target_driver(caps: DeviceCaps, device_index: int):
     return TargetDriver()
 
 
+@contextlib.contextmanager
+def active_driver(driver) -> Iterator[None]:
+    """Make `driver` Triton's active driver within the block, then restore the one before (DriverConfig keeps it
+    in _active, None until first use; reset_active would need a real GPU driver)."""
+    import triton
+
+    config = triton.runtime.driver
+    previous = config._active
+    config.set_active(driver)
+    try:
+        yield
+    finally:
+        config._active = previous
+
+
+# Constexprs that only index (head counts, the combine kernel's split vector): configurations that differ in
+# nothing else compile to the same tiles, shared memory and registers, so one of them is compiled.
+SHAPE_ONLY_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS", "SPLITS_P2"}
+
+
 class _Recorder:
-    """A jit_cache_hook that records each launch's specialization and tells Triton not to compile or run it."""
+    """A jit_cache_hook that records each launch's configuration and tells Triton not to compile or run it."""
 
     def __init__(self) -> None:
-        self.launches: dict[tuple[str, str], Launch] = {}
+        self.launches: dict[str, Launch] = {}
         self.call = ""
 
     def __call__(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled) -> bool:
         jit = fn.jit_function
         name = f"{jit.fn.__module__}.{jit.fn.__name__}"
-        found = self.launches.get((name, str(key)))
+        summary = _summary(jit, compile)
+        found = self.launches.get(summary)
         if found is not None:
             found.calls += 1
         else:
-            self.launches[(name, str(key))] = Launch(name, compile["specialization_data"], _summary(jit, compile),
-                                                     self.call)
+            self.launches[summary] = Launch(name, compile["specialization_data"], summary, self.call)
         return True
 
 
 def _summary(jit, compile: dict) -> str:
+    """The kernel, its pointer dtypes, the constexprs that shape its code, and its launch options."""
     constants = {jit.arg_names[path[0]]: value for path, value in compile["constants"].items() if len(path) == 1}
-    dtypes = [t for t in compile["signature"].values() if isinstance(t, str) and t.startswith("*")][:2]
-    shown = " ".join(f"{k}={v}" for k, v in constants.items() if k.isupper() and not k.startswith("N_"))
-    return (f"{jit.fn.__name__}[{','.join(dtypes)}] {shown} warps={compile['num_warps']} "
-            f"stages={compile['num_stages']}")
+    dtypes = ",".join(str(t)[1:] for t in compile["signature"].values() if str(t).startswith("*"))
+    shown = " ".join(f"{k}={v}" for k, v in constants.items() if k.isupper() and k not in SHAPE_ONLY_CONSTEXPRS)
+    pdl = " pdl" if json.loads(compile["specialization_data"])["options"].get("launch_pdl") else ""
+    return f"{jit.fn.__name__}({dtypes}) {shown} warps={compile['num_warps']} stages={compile['num_stages']}{pdl}"
 
 
 # --- what the dispatcher chooses ---
@@ -191,13 +214,17 @@ def _linear_calls(record: _Recorder, caps: DeviceCaps) -> list[str]:
         for proj, (n, k) in model.projections().items():
             w = _meta(n, k, dtype=w_dtype)
             scales = _meta(n, dtype=x_dtype) if w_dtype == torch.int8 else None
-            for m in range(1, MAX_ROWS + 1):
+            record.call = f"{model.name} {proj} {str(x_dtype)[6:]}x{str(w_dtype)[6:]} rows=1"
+            triton_linear.gemv(_meta(1, k, dtype=x_dtype), w, scales)
+            tried = set()
+            for m in range(2, MAX_ROWS + 1):
                 record.call = f"{model.name} {proj} {str(x_dtype)[6:]}x{str(w_dtype)[6:]} rows={m}"
-                if m == 1:
-                    triton_linear.gemv(_meta(1, k, dtype=x_dtype), w, scales)
-                elif configs.fitted_dot_config(n, k, w.element_size(), x_dtype.itemsize, m, caps) is None:
+                cfg = configs.fitted_dot_config(n, k, w.element_size(), x_dtype.itemsize, m, caps)
+                if cfg is None:
                     fallbacks.append(record.call)
-                else:
+                elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
+                    # (row counts with the same config and tile height launch the same kernel)
+                    tried.add((cfg, configs.dot_block_m(cfg, m)))
                     triton_linear.small_m_dot(_meta(m, k, dtype=x_dtype), w, scales)
             _fused_gemv_calls(record, model, proj, x_dtype, w_dtype)
     return fallbacks
@@ -249,20 +276,17 @@ def _attention_calls(record: _Recorder, caps: DeviceCaps) -> list[str]:
 def target_launches(name: str, device_index: int = 1000) -> tuple[list[Launch], list[str]]:
     """The distinct kernel configurations the dispatcher chooses on target `name`, and the calls that take a
     fallback (cuBLAS/hipBLAS or the reference attention) because no configuration fits."""
-    import triton
     from triton import knobs
 
     caps = target_caps(name)
     record = _Recorder()
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = record
-    triton.runtime.driver.set_active(target_driver(caps, device_index))
     try:
-        with simulated(caps):
+        with active_driver(target_driver(caps, device_index)), simulated(caps):
             fallbacks = _linear_calls(record, caps) + _attention_calls(record, caps)
     finally:
         knobs.runtime.jit_cache_hook = previous
-        triton.runtime.driver.reset_active()
     return list(record.launches.values()), fallbacks
 
 
@@ -319,21 +343,17 @@ def _pointer_bytes(pointer_type: str) -> int:
 
 def check_launch(target: str, launch: Launch, device_index: int) -> Result:
     """Compile one configuration for its target and check it against the target's limits."""
-    import triton
-
     caps = target_caps(target)
-    triton.runtime.driver.set_active(target_driver(caps, device_index))
     module, kernel = launch.kernel.rsplit(".", 1)
     jit = getattr(importlib.import_module(module), kernel)
     start = time.perf_counter()
     try:
-        compiled = jit.preload(launch.spec)
+        with active_driver(target_driver(caps, device_index)):
+            compiled = jit.preload(launch.spec)
     except Exception as e:  # a compile error is this configuration's result, reported on its line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return Result(target, launch, False, f"compile error: {type(e).__name__}: {first[:200]}",
                       seconds=time.perf_counter() - start, problems=["compile"])
-    finally:
-        triton.runtime.driver.reset_active()
     seconds = time.perf_counter() - start
     shared = compiled.metadata.shared
     problems = []
