@@ -204,13 +204,13 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, device="meta", dtype=dtype)
 
 
-def _linear_calls(record: _Recorder, caps: DeviceCaps) -> list[str]:
+def _linear_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
     """Every linear op row count and dtype on every model shape; returns the calls that fell back to BLAS."""
     from kernels import triton_linear
 
     fallbacks = []
     weights = [(dt, dt) for dt in FLOAT_DTYPES] + [(dt, torch.int8) for dt in FLOAT_DTYPES]
-    for model, (x_dtype, w_dtype) in itertools.product(MODELS, weights):
+    for model, (x_dtype, w_dtype) in itertools.product(models, weights):
         for proj, (n, k) in model.projections().items():
             w = _meta(n, k, dtype=w_dtype)
             scales = _meta(n, dtype=x_dtype) if w_dtype == torch.int8 else None
@@ -247,12 +247,12 @@ def _fused_gemv_calls(record: _Recorder, model: ModelShape, proj: str, x_dtype, 
             sq_in=lanes if norm == 2 else None, sq_out=lanes if residual else None)
 
 
-def _attention_calls(record: _Recorder, caps: DeviceCaps) -> list[str]:
+def _attention_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
     """Decode attention (rotated q, and the fused qkv form) and the prefill rope kernel on every model shape."""
     from kernels import attention, triton_attention
 
     fallbacks = []
-    for model, dtype in itertools.product(MODELS, FLOAT_DTYPES):
+    for model, dtype in itertools.product(models, FLOAT_DTYPES):
         h, hkv, d = model.n_heads, model.n_kv_heads, model.head_dim
         rope = _meta(max(CACHE_LENGTHS), 2, d // 2, dtype=torch.float32)
         for batch, seq_len in itertools.product(DECODE_BATCHES, CACHE_LENGTHS):
@@ -273,9 +273,10 @@ def _attention_calls(record: _Recorder, caps: DeviceCaps) -> list[str]:
     return fallbacks
 
 
-def target_launches(name: str, device_index: int = 1000) -> tuple[list[Launch], list[str]]:
-    """The distinct kernel configurations the dispatcher chooses on target `name`, and the calls that take a
-    fallback (cuBLAS/hipBLAS or the reference attention) because no configuration fits."""
+def target_launches(name: str, device_index: int = 1000,
+                    models: tuple[ModelShape, ...] = MODELS) -> tuple[list[Launch], list[str]]:
+    """The distinct kernel configurations the dispatcher chooses on target `name` for these models, and the calls
+    that take a fallback (cuBLAS/hipBLAS or the reference attention) because no configuration fits."""
     from triton import knobs
 
     caps = target_caps(name)
@@ -284,7 +285,7 @@ def target_launches(name: str, device_index: int = 1000) -> tuple[list[Launch], 
     knobs.runtime.jit_cache_hook = record
     try:
         with active_driver(target_driver(caps, device_index)), simulated(caps):
-            fallbacks = _linear_calls(record, caps) + _attention_calls(record, caps)
+            fallbacks = _linear_calls(record, caps, models) + _attention_calls(record, caps, models)
     finally:
         knobs.runtime.jit_cache_hook = previous
     return list(record.launches.values()), fallbacks
@@ -293,11 +294,12 @@ def target_launches(name: str, device_index: int = 1000) -> tuple[list[Launch], 
 # --- compiling one configuration and reading its resources ---
 
 
-def _nvidia_registers(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, local memory bytes per thread: spills and stack) of a cubin, from cuobjdump."""
+def _nvidia_registers(cubin: bytes, arch: int) -> tuple[int, int]:
+    """(registers per thread, local memory bytes per thread: spills and stack) of a cubin, from the cuobjdump
+    that Triton ships beside its ptxas."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    tool = os.path.join(os.path.dirname(get_ptxas().path), "cuobjdump")
+    tool = os.path.join(os.path.dirname(get_ptxas(arch).path), "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -364,7 +366,7 @@ def check_launch(target: str, launch: Launch, device_index: int) -> Result:
         problems.append(f"shared {shared} B above the dispatcher's estimate {estimate} B")
     threads = compiled.metadata.num_warps * caps.warp_size
     if caps.vendor == "nvidia":
-        regs, spill = _nvidia_registers(compiled.asm["cubin"])
+        regs, spill = _nvidia_registers(compiled.asm["cubin"], int(caps.arch[2:]))
         if regs > NVIDIA_REGISTERS_PER_THREAD or regs * threads > NVIDIA_REGISTERS_PER_BLOCK:
             problems.append(f"{regs} registers x {threads} threads over the register file")
         detail = f"shared {shared} B, {regs} regs/thread, local {spill} B"
@@ -414,8 +416,8 @@ def parse_args(argv: list[str] | None) -> CheckArgs:
 def format_result(r: Result) -> str:
     status = "ok  " if r.ok else "FAIL"
     why = "" if r.ok else f" -- {'; '.join(p for p in r.problems if p != 'compile')}"
-    return (f"{status} {r.target:8s} {r.launch.summary} | {r.detail}{why} | {r.launch.calls} calls, "
-            f"e.g. {r.launch.first_call}")
+    return (f"{status} {r.target:8s} {r.launch.summary} | {r.detail}{why} | {r.seconds:.1f} s | {r.launch.calls} "
+            f"calls, e.g. {r.launch.first_call}")
 
 
 def run(args: CheckArgs) -> int:
