@@ -224,9 +224,12 @@ def dot_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, x_
                    caps: DeviceCaps) -> int:
     """Shared memory the tensor-core kernel needs: num_stages - 1 buffered x and w tiles (the pipeliner keeps one
     stage in registers), or one without pipelining; AMD stages the weight tile converted to x's dtype (RDNA does),
-    and the fp32 accumulator may pass through shared memory for the store."""
+    NVIDIA an int8 tile converted for an fp32 dot once more, and the fp32 accumulator may pass through shared
+    memory for the store. Measured against Triton 3.6's compiled kernels by scripts/check_targets.py."""
     w_tile_bytes = max(w_bytes, x_bytes) if caps.vendor == "amd" else w_bytes
     stages = block_k * (block_m * x_bytes + block_n * w_tile_bytes) * max(num_stages - 1, 1)
+    if caps.vendor == "nvidia" and w_bytes < x_bytes == 4:  # int8 w for an fp32 dot: one converted tile as well
+        stages += block_n * block_k * x_bytes
     return max(stages, block_m * block_n * 4)
 
 
