@@ -1,8 +1,10 @@
 """What the running GPU supports, read once from torch: the one place the kernels ask about the hardware.
 
 Every capability decision of the package (programmatic dependent launch, the tf32 dot precision, the inline-PTX
-int8 conversion, the SM count that sizes the attention grid) reads `device_caps()` rather than querying
-torch.cuda itself. Importing this module imports neither Triton nor anything that touches a GPU.
+int8 conversion, the SM count that sizes the attention grid, the shared memory the config tables must fit) reads
+`device_caps()` rather than querying torch.cuda itself. `target_caps("gfx90a")` describes a named GPU and
+`simulated(caps)` makes device_caps() return it, so the same code paths are checked for GPUs that are not here.
+Importing this module imports neither Triton nor anything that touches a GPU.
 """
 from __future__ import annotations
 
