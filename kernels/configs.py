@@ -227,7 +227,12 @@ def dot_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, x_
     NVIDIA an int8 tile converted for an fp32 dot once more, and the fp32 accumulator may pass through shared
     memory for the store. Measured against Triton 3.6's compiled kernels by scripts/check_targets.py."""
     w_tile_bytes = max(w_bytes, x_bytes) if caps.vendor == "amd" else w_bytes
-    stages = block_k * (block_m * x_bytes + block_n * w_tile_bytes) * max(num_stages - 1, 1)
+    buffers = max(num_stages - 1, 1)
+    if caps.vendor == "nvidia" and caps.arch >= "sm90" and x_bytes == 2 and block_m >= 64:
+        buffers = num_stages  # Hopper's wgmma path keeps every stage in shared memory
+    stages = block_k * (block_m * x_bytes + block_n * w_tile_bytes) * buffers
+    if buffers == num_stages and w_bytes < x_bytes:  # and the int8 tile once more
+        stages += block_n * block_k * w_bytes
     if caps.vendor == "nvidia" and w_bytes < x_bytes == 4:  # int8 w for an fp32 dot: one converted tile as well
         stages += block_n * block_k * x_bytes
     return max(stages, block_m * block_n * 4)

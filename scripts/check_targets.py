@@ -309,11 +309,10 @@ def _nvidia_registers(cubin: bytes, arch: int) -> tuple[int, int]:
 
 
 def _amd_registers(amdgcn: str) -> tuple[int, int]:
-    """(VGPRs per lane, spilled registers) from the kernel's AMDGPU metadata."""
-    vgprs = re.search(r"\.vgpr_count:\s+(\d+)", amdgcn)
-    agprs = re.search(r"\.agpr_count:\s+(\d+)", amdgcn)
+    """(VGPRs per lane, arch and accumulation registers together; spilled registers) from the AMDGPU metadata."""
+    vgprs = re.search(r"\.vgpr_count:\s+(\d+)", amdgcn)  # on gfx90a/gfx942 it counts the AGPRs already
     spills = sum(int(v) for v in re.findall(r"\.[sv]gpr_spill_count:\s+(\d+)", amdgcn))
-    return (int(vgprs.group(1)) if vgprs else -1) + (int(agprs.group(1)) if agprs else 0), spills
+    return int(vgprs.group(1)) if vgprs else -1, spills
 
 
 def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
