@@ -9,8 +9,10 @@ Every op is a torch.library custom op (torch.ops.redline.*) with a plain PyTorch
 on the CPU and what the tests compare against; importing this package registers them. Triton is imported only
 when a GPU kernel first runs, so the package imports on a machine without Triton or a GPU.
 
-    device.py          what the running GPU supports (DeviceCaps, device_caps)
-    configs.py         the launch config tables (gemv_config, dot_config, attention_config)
+    device.py          what the running GPU supports (DeviceCaps, device_caps; target_caps and simulated for
+                       named targets such as "gfx90a", checked without the hardware)
+    configs.py         the launch config tables (gemv_config, dot_config, attention_config), and the tensor-core
+                       and attention choices fitted to the GPU's shared memory (fitted_dot_config, ...)
     linear.py          redline::linear, int8_linear, fused_linear; KernelLinear, KernelInt8Linear
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
     fused_decode.py    FusedDecode

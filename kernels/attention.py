@@ -28,7 +28,8 @@ from torch import Tensor
 
 from model import Attention, split_rotated_qkv
 
-from .device import triton_importable
+from .configs import AttentionConfig, fitted_attention_config
+from .device import device_caps, triton_importable
 from .linear import FLOAT_DTYPES
 
 _POS_DTYPES = (torch.int32, torch.int64)
@@ -50,7 +51,16 @@ def decode_attention_supported(q: Tensor, k_cache: Tensor) -> bool:
     a power-of-two head_dim in [16, 256], and Triton importable."""
     if q.dim() != 4 or k_cache.dim() != 4 or q.shape[2] != 1 or q.shape[-1] != k_cache.shape[-1]:
         return False
-    return q.is_cuda and q.dtype == k_cache.dtype and _kernel_supported(k_cache)
+    return q.is_cuda and q.dtype == k_cache.dtype and _kernel_supported(k_cache) and \
+        attention_kernel_config(q.shape[0], q.shape[1], k_cache) is not None
+
+
+def attention_kernel_config(batch: int, n_heads: int, k_cache: Tensor) -> AttentionConfig | None:
+    """The split kernel's config on the cache's GPU, or None where none fits its shared memory (the ops then
+    run the reference)."""
+    _, n_kv_heads, seq_len, head_dim = k_cache.shape
+    return fitted_attention_config(batch, n_heads, n_kv_heads, seq_len, head_dim, k_cache.element_size(),
+                                   device_caps(k_cache.device))
 
 
 def _kernel_supported(k_cache: Tensor) -> bool:
@@ -194,7 +204,9 @@ def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Te
     caches at input_pos, attends over keys 0..input_pos; (B, 1, H D).
     On the GPU it is one kernel (two with a long cache: the split partials are combined)."""
     _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
-    if _kernel_supported(k_cache):  # qkv's device and dtype match the cache's (checked above)
+    # (qkv's device and dtype match the cache's: checked above)
+    n_heads = _qkv_heads(qkv, k_cache)[0]
+    if _kernel_supported(k_cache) and attention_kernel_config(qkv.shape[0], n_heads, k_cache) is not None:
         return triton_attention().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
     return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos).contiguous()
 

@@ -11,7 +11,10 @@ reasoning behind each row is next to it. Plain Python: importing this module nee
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from .device import DeviceCaps
 
 # Rows of x per tile of the tensor-core kernel by default (padded to a power of two >= 16); up to this many rows,
 # one tile serves them all, so each weight byte is read once.
@@ -202,3 +205,99 @@ def attention_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, he
         block_s = SHORT_CACHE_BLOCK_S
     splits = max(1, min(splits, MAX_SPLITS, math.ceil(seq_len / block_s)))
     return AttentionConfig(num_splits=splits, block_s=block_s)
+
+
+# --- fitting the tables to a GPU's shared memory ---
+
+# The attention kernel pipelines at most this much K/V in shared memory, even where a GPU allows more (an H200
+# allows 227 KiB a block; the table's two stages take at most 85 KiB).
+PIPELINE_SMEM_BYTES = 160 * 1024
+# Shared memory the attention kernel takes beyond its K/V stages, per row of its padded query tile and column
+# (head_dim + block_s fp32 values: q and p converted for the dots), plus a margin for Triton's small scratch.
+ATTENTION_SMEM_MARGIN = 1024
+# The smallest tiles the fitting goes down to (tl.dot needs 16; K blocks below 32 cost more than they save).
+MIN_DOT_BLOCK_K = 32
+MIN_DOT_BLOCK = 16
+
+
+def dot_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, x_bytes: int, w_bytes: int,
+                   caps: DeviceCaps) -> int:
+    """Shared memory the tensor-core kernel needs: num_stages - 1 buffered x and w tiles (the pipeliner keeps one
+    stage in registers), or one without pipelining; AMD stages the weight tile converted to x's dtype (RDNA does),
+    NVIDIA an int8 tile converted for an fp32 dot once more, and the fp32 accumulator may pass through shared
+    memory for the store. Measured against Triton 3.6's compiled kernels by scripts/check_targets.py."""
+    w_tile_bytes = max(w_bytes, x_bytes) if caps.vendor == "amd" else w_bytes
+    buffers = max(num_stages - 1, 1)
+    if caps.vendor == "nvidia" and caps.arch >= "sm90" and x_bytes == 2 and block_m >= 64:
+        buffers = num_stages  # Hopper's wgmma path keeps every stage in shared memory
+    stages = block_k * (block_m * x_bytes + block_n * w_tile_bytes) * buffers
+    if buffers == num_stages and w_bytes < x_bytes:  # and the int8 tile once more
+        stages += block_n * block_k * w_bytes
+    if caps.vendor == "nvidia" and w_bytes < x_bytes == 4:  # int8 w for an fp32 dot: one converted tile as well
+        stages += block_n * block_k * x_bytes
+    return max(stages, block_m * block_n * 4)
+
+
+def fitted_dot_config(n: int, k: int, w_bytes: int, x_bytes: int, m: int, caps: DeviceCaps) -> DotConfig | None:
+    """dot_config's choice, made smaller until it fits caps' shared memory: fewer stages (not below 2), a shorter
+    K block, one stage, fewer columns, fewer rows per tile. None when nothing fits: the caller takes cuBLAS/hipBLAS.
+    A config that fits is returned unchanged (every H200 choice fits its 227 KiB)."""
+    cfg = dot_config(n, k, w_bytes, m)
+    block_m = dot_block_m(cfg, m)
+    for c in _smaller_dot_configs(cfg, block_m):
+        if dot_smem_bytes(c.block_m or block_m, c.block_n, c.block_k, c.num_stages, x_bytes, w_bytes,
+                          caps) <= caps.shared_memory_per_block:
+            return c
+    return None
+
+
+def dot_block_m(cfg: DotConfig, m: int) -> int:
+    """Rows of x per tile: cfg.block_m, or m rounded up to a power of two in [16, DOT_MAX_BLOCK_M]."""
+    return cfg.block_m or min(DOT_MAX_BLOCK_M, max(16, 1 << (max(m, 2) - 1).bit_length()))
+
+
+def _smaller_dot_configs(cfg: DotConfig, block_m: int) -> Iterator[DotConfig]:
+    """cfg, then ever smaller variants of it (block_m: the rows per tile cfg takes)."""
+    yield cfg
+    for stages in range(cfg.num_stages - 1, 1, -1):
+        yield replace(cfg, num_stages=stages)
+    block_k = cfg.block_k
+    while block_k > MIN_DOT_BLOCK_K:
+        block_k //= 2
+        yield replace(cfg, block_k=block_k, num_stages=min(cfg.num_stages, 2))
+    block_n, rows = cfg.block_n, block_m
+    while True:
+        yield replace(cfg, block_n=block_n, block_k=block_k, num_stages=1,
+                      block_m=cfg.block_m if rows == block_m else rows)
+        if block_n > MIN_DOT_BLOCK:
+            block_n //= 2
+        elif rows > MIN_DOT_BLOCK:
+            rows //= 2
+        else:
+            return
+
+
+def attention_smem_bytes(block_g: int, block_s: int, head_dim: int, elt_bytes: int, num_stages: int,
+                         caps: DeviceCaps) -> int:
+    """Shared memory the split attention kernel needs: num_stages - 1 buffered K and V tiles (one without
+    pipelining) and the fp32 query and probability tiles of the dots."""
+    del caps  # NVIDIA and AMD measured alike (scripts/check_targets.py checks this estimate on every target)
+    kv = 2 * block_s * head_dim * elt_bytes * max(num_stages - 1, 1)
+    return kv + block_g * (head_dim + block_s) * 4 + ATTENTION_SMEM_MARGIN
+
+
+def fitted_attention_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int,
+                            elt_bytes: int, caps: DeviceCaps) -> AttentionConfig | None:
+    """attention_config's choice for caps' SM count, with its pipeline stages and then its key blocks cut until it
+    fits the shared memory (and PIPELINE_SMEM_BYTES); None when nothing fits: the caller takes the reference."""
+    cfg = attention_config(batch, n_heads, n_kv_heads, seq_len, head_dim, max(caps.sm_count, 1))
+    block_g = max(16, 1 << max(n_heads // n_kv_heads - 1, 0).bit_length())
+    limit = min(PIPELINE_SMEM_BYTES, caps.shared_memory_per_block)
+    block_s = cfg.block_s
+    while block_s >= 16:
+        for stages in range(cfg.num_stages, 0, -1):
+            if attention_smem_bytes(block_g, block_s, head_dim, elt_bytes, stages, caps) <= limit:
+                splits = max(1, min(cfg.num_splits, math.ceil(seq_len / block_s)))
+                return AttentionConfig(splits, block_s, cfg.num_warps, stages)
+        block_s //= 2
+    return None

@@ -1,13 +1,18 @@
 """What the running GPU supports, read once from torch: the one place the kernels ask about the hardware.
 
 Every capability decision of the package (programmatic dependent launch, the tf32 dot precision, the inline-PTX
-int8 conversion, the SM count that sizes the attention grid) reads `device_caps()` rather than querying
-torch.cuda itself. Importing this module imports neither Triton nor anything that touches a GPU.
+int8 conversion, the SM count that sizes the attention grid, the shared memory the config tables must fit) reads
+`device_caps()` rather than querying torch.cuda itself. `target_caps("gfx90a")` describes a named GPU and
+`simulated(caps)` makes device_caps() return it, so the same code paths are checked for GPUs that are not here.
+Importing this module imports neither Triton nor anything that touches a GPU.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +32,7 @@ class DeviceCaps:
     shared_memory_per_block: int  # bytes a block may use (the opt-in maximum where torch reports it)
     warp_size: int  # threads per warp (32) or wavefront (64 on most AMD GPUs)
     sm_count: int  # streaming multiprocessors (NVIDIA) or compute units (AMD); 0 on the CPU
-    supports_tf32: bool  # tensor-core tf32 dots (NVIDIA sm80+)
+    supports_tf32: bool  # tensor-core tf32 dots (NVIDIA sm80+; on AMD only gfx942, where Triton accepts them)
     supports_pdl: bool  # programmatic dependent launch (NVIDIA sm90+)
     inline_ptx: bool  # Triton kernels may carry inline PTX (NVIDIA only)
 
@@ -44,8 +49,51 @@ CPU_CAPS = DeviceCaps(vendor="cpu", arch="cpu", shared_memory_per_block=0, warp_
                       supports_tf32=False, supports_pdl=False, inline_ptx=False)
 
 
+# AMD architectures whose Triton backend accepts tf32 (xf32) dots; every other AMD GPU refuses input_precision="tf32".
+AMD_TF32_ARCHS = ("gfx942",)
+
+# Named targets: the GPUs people run the kernels on, described without the hardware (scripts/check_targets.py
+# compiles every kernel configuration for each; the CPU tests check the config tables against their limits).
+# Shared memory is the per-block opt-in maximum (LDS per workgroup on AMD); SM/CU counts are one common part.
+TARGETS: dict[str, DeviceCaps] = {
+    "sm80": DeviceCaps("nvidia", "sm80", 166912, 32, 108, True, False, True),  # A100
+    "sm86": DeviceCaps("nvidia", "sm86", 101376, 32, 82, True, False, True),  # RTX 3090
+    "sm89": DeviceCaps("nvidia", "sm89", 101376, 32, 128, True, False, True),  # RTX 4090, L40S
+    "sm90": DeviceCaps("nvidia", "sm90", 232448, 32, 132, True, True, True),  # H100, H200
+    "gfx90a": DeviceCaps("amd", "gfx90a", 65536, 64, 104, False, False, False),  # MI210, MI250
+    "gfx942": DeviceCaps("amd", "gfx942", 65536, 64, 304, True, False, False),  # MI300X
+    "gfx1100": DeviceCaps("amd", "gfx1100", 65536, 32, 96, False, False, False),  # RX 7900 XTX (wave32 in Triton)
+}
+DEFAULT_TARGETS = tuple(TARGETS)
+
+# The capabilities every device_caps() call returns while `simulated` is active (None: the real device).
+_SIMULATED: contextvars.ContextVar[DeviceCaps | None] = contextvars.ContextVar("redline_simulated_caps",
+                                                                               default=None)
+
+
+def target_caps(name: str) -> DeviceCaps:
+    """The capability description of a named target ("sm80", "gfx90a", ...; see TARGETS)."""
+    if name not in TARGETS:
+        raise ValueError(f"unknown target {name!r}; known targets: {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+@contextlib.contextmanager
+def simulated(caps: DeviceCaps) -> Iterator[DeviceCaps]:
+    """Within the block, device_caps() describes `caps` whatever the device: the kernels choose their paths and
+    configurations for that GPU (scripts/check_targets.py compiles them for it; tests shrink a limit with it)."""
+    token = _SIMULATED.set(caps)
+    try:
+        yield caps
+    finally:
+        _SIMULATED.reset(token)
+
+
 def device_caps(device: torch.device | str | int | None = None) -> DeviceCaps:
-    """The capabilities of `device` (default: the current CUDA/HIP device; the CPU when no GPU is visible)."""
+    """The capabilities of `device` (default: the current CUDA/HIP device; the CPU when no GPU is visible), or the
+    simulated ones inside `simulated(caps)`."""
+    if (override := _SIMULATED.get()) is not None:
+        return override
     if isinstance(device, (str, int)):
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device is not None and device.type != "cuda":
@@ -65,7 +113,7 @@ def _gpu_caps(index: int) -> DeviceCaps:
     if amd:
         arch = (getattr(props, "gcnArchName", "") or "gfx").split(":")[0]
         return DeviceCaps(vendor="amd", arch=arch, shared_memory_per_block=shared or DEFAULT_SHARED_MEMORY_BYTES,
-                          warp_size=warp, sm_count=props.multi_processor_count, supports_tf32=False,
+                          warp_size=warp, sm_count=props.multi_processor_count, supports_tf32=arch in AMD_TF32_ARCHS,
                           supports_pdl=False, inline_ptx=False)
     return DeviceCaps(vendor="nvidia", arch=f"sm{props.major}{props.minor}",
                       shared_memory_per_block=shared or DEFAULT_SHARED_MEMORY_BYTES, warp_size=warp,

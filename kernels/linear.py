@@ -25,7 +25,8 @@ from torch import Tensor
 from model import rms_norm
 from quantize import Int8Linear
 
-from .device import triton_importable
+from .configs import DotConfig, fitted_dot_config
+from .device import device_caps, triton_importable
 
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel, in one
 # tile of up to 64 rows, so each weight byte is read once, or in several); above it cuBLAS's matrix product
@@ -118,7 +119,8 @@ def _check_int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
 
 
 def _small_m(x: Tensor, weight: Tensor, scales: Tensor | None) -> Tensor:
-    """The Triton kernels on x viewed as (M, K); returns (..., N), contiguous."""
+    """The Triton kernels on x viewed as (M, K) (_takes_triton(x, weight) holds); returns (..., N), contiguous."""
+    config = _dot_config(x, weight)
     k = x.shape[-1]
     n = weight.shape[0]
     x2 = x.reshape(-1, k)
@@ -134,8 +136,25 @@ def _small_m(x: Tensor, weight: Tensor, scales: Tensor | None) -> Tensor:
         if x2.shape[0] == 1:
             tk.gemv(x2, weight, scales, out)
         else:
-            tk.small_m_dot(x2, weight, scales, out)
+            tk.small_m_dot(x2, weight, scales, out, config=config)
     return out.view(*x.shape[:-1], n)
+
+
+def _dot_config(x: Tensor, weight: Tensor) -> DotConfig | None:
+    """The tensor-core kernel's config for x's rows on x's GPU, or None where no config fits its shared memory
+    (the ops then take cuBLAS/hipBLAS). One row of x (the GEMV) needs none."""
+    rows = x.numel() // x.shape[-1]
+    if rows <= 1:
+        return None
+    return fitted_dot_config(weight.shape[0], x.shape[-1], weight.element_size(), x.element_size(), rows,
+                             device_caps(x.device))
+
+
+def _takes_triton(x: Tensor, weight: Tensor, quantized: bool) -> bool:
+    """gemv_supported, and for 2 or more rows a tensor-core config that fits the GPU."""
+    if not gemv_supported(x, quantized):
+        return False
+    return x.numel() == x.shape[-1] or _dot_config(x, weight) is not None
 
 
 def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
@@ -162,7 +181,7 @@ def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """F.linear(x, weight) (no bias); x (..., K), weight (N, K) of x's dtype; returns (..., N)."""
     _check_linear(x, weight)
-    if gemv_supported(x):
+    if _takes_triton(x, weight, quantized=False):
         return _small_m(x, weight, None)
     # cuBLAS picks a 20-40x slower kernel for a column-major x (seen at batch 64: 256 µs instead of 12 for wo),
     # and inductor may hand the op one; a copy costs a few µs.
@@ -179,7 +198,7 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,)."""
     _check_int8_linear(x, weight, scales)
-    if gemv_supported(x, quantized=True):
+    if _takes_triton(x, weight, quantized=True):
         return _small_m(x, weight, scales)
     if x.is_cuda:
         return _int8_matmul(x, weight, scales)

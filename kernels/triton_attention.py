@@ -37,15 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import AttentionConfig, attention_config
+from .configs import PIPELINE_SMEM_BYTES, AttentionConfig, fitted_attention_config
 from .device import device_caps
 from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E): the kernels fold it into the score scale
 COMBINE_SPLIT_TILE = 16  # partials the combine kernel reads per step
 DOT_MIN_ROWS = 16  # tl.dot needs at least 16 rows: a KV group's query heads are padded to this
-# Shared memory the pipelined K/V tiles of the tensor-core path may take (Hopper allows 227 KB a block).
-PIPELINE_SMEM_BYTES = 160 * 1024
 PREFILL_BLOCK_ELEMENTS = 4096  # elements per tile of the prefill rope kernel (32 tokens of a 128-wide head)
 
 
@@ -309,7 +307,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input
     group = n_heads // n_kv_heads
     caps = device_caps(q.device)
     if config is None:
-        config = attention_config(batch, n_heads, n_kv_heads, seq_len, head_dim, caps.sm_count)
+        config = fitted_attention_config(batch, n_heads, n_kv_heads, seq_len, head_dim, k_cache.element_size(), caps)
+    if config is None:  # kernels.attention checks first and takes the reference
+        raise ValueError(f"no decode-attention config fits this GPU's shared memory for head_dim {head_dim}")
     if out.numel() == 0:
         return
     if rope is None and (k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
@@ -325,8 +325,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input
     block_g = max(DOT_MIN_ROWS, triton.next_power_of_2(group))
     precision = "tf32" if q.dtype != torch.float32 and caps.supports_tf32 else "ieee"
     stage_bytes = 2 * config.block_s * head_dim * q.element_size()  # one K and one V tile per stage
-    stages = max(1, min(config.num_stages, PIPELINE_SMEM_BYTES // stage_bytes))
-    pdl = q.is_cuda and pdl_default()
+    # (a no-op for fitted configs; it caps the stages of one passed in)
+    stages = max(1, min(config.num_stages, min(PIPELINE_SMEM_BYTES, caps.shared_memory_per_block) // stage_bytes))
+    pdl = pdl_default(caps)
     extra = {"launch_pdl": True} if pdl else {}
     stride_qh = q.stride(1) if rope is None else head_dim
     # Launch on q's GPU (Triton uses the current device); the nullcontext serves Triton's CPU interpreter.

@@ -4,10 +4,9 @@ Imports Triton: only the Triton launchers import this module, on the first GPU c
 """
 from __future__ import annotations
 
-import functools
 import os
 
-from .device import device_caps
+from .device import DeviceCaps
 
 try:  # Triton >= 3.3 exposes grid dependency control (PDL)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -15,10 +14,9 @@ except ImportError:  # pragma: no cover - old Triton: PDL is never requested the
     gdc_launch_dependents = gdc_wait = None
 
 
-@functools.cache
-def pdl_default() -> bool:
+def pdl_default(caps: DeviceCaps) -> bool:
     """Programmatic dependent launch where the GPU supports it (NVIDIA sm90+) and Triton exposes it;
     REDLINE_PDL=0 turns it off for comparisons."""
     if os.environ.get("REDLINE_PDL", "1") == "0" or gdc_wait is None:
         return False
-    return device_caps().supports_pdl
+    return caps.supports_pdl

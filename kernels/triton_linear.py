@@ -26,19 +26,18 @@ rows (up to 64 rows one tile of rows, so each weight byte is still read once; mo
 tiles, whose programs run next to each other so the weight tile comes from L2 after the first), with
 Triton's software pipeliner keeping weight tiles in flight.
 
-Configs come from the deterministic tables in configs.py (`gemv_config`, `dot_config`), never from
+Configs come from the deterministic tables in configs.py (`gemv_config`, `fitted_dot_config`), never from
 autotuning. Only kernels/linear.py imports this module, lazily, from the GPU implementation of its ops.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .configs import DOT_MAX_BLOCK_M, DotConfig, GemvConfig, dot_config, gemv_config
-from .device import device_caps
+from .configs import DotConfig, GemvConfig, dot_block_m, fitted_dot_config, gemv_config
+from .device import DeviceCaps, device_caps
 from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
 
 # int8 -> fp32 conversion without I2F (a quarter of the FP32 rate on Hopper: it would cap an int8
@@ -313,10 +312,9 @@ def _small_m_dot_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask & (offs_n[None, :] < N))
 
 
-@functools.cache
-def int8_mode_default() -> int:
+def int8_mode_default(caps: DeviceCaps) -> int:
     """INT8_MODE_DEFAULT where the kernels may carry inline PTX (NVIDIA), else the portable mode 1."""
-    return INT8_MODE_DEFAULT if device_caps().inline_ptx else 1
+    return INT8_MODE_DEFAULT if caps.inline_ptx else 1
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
@@ -355,9 +353,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     if swiglu and cfg.block_n % 2:
         raise ValueError(f"a SwiGLU GEMV needs an even block_n (gate and up rows), got {cfg.block_n}")
     if pdl is None:
-        pdl = pdl_default()
+        pdl = pdl_default(device_caps(x.device))
     if int8_mode is None:
-        int8_mode = int8_mode_default()
+        int8_mode = int8_mode_default(device_caps(x.device))
     w_int8 = w.dtype == torch.int8
     words = w_int8 and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0
     even_k = k % cfg.block_k == 0
@@ -391,8 +389,11 @@ def small_m_dot(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = 
         out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if k == 0 or n == 0 or m == 0:
         return out.zero_()
-    cfg = config or dot_config(n, k, w.element_size(), m)
-    block_m = cfg.block_m or min(DOT_MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+    cfg = config or fitted_dot_config(n, k, w.element_size(), x.element_size(), m, device_caps(x.device))
+    if cfg is None:  # kernels.linear checks first and takes cuBLAS/hipBLAS
+        raise ValueError(f"no tensor-core config fits this GPU's shared memory for ({m}, {k}) x ({n}, {k}); "
+                         "use F.linear")
+    block_m = dot_block_m(cfg, m)
     w_int8 = w.dtype == torch.int8
     _small_m_dot_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, cfg.block_n))](
         x, w, scales if w_int8 else w, out,

@@ -273,3 +273,24 @@ def test_cli_profile_writes_a_trace_that_trace_summary_reads(tiny_llm_checkpoint
     assert summary_main([str(trace), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["tok_s"] == pytest.approx(stats["decode_tok_s"]) and summary["steps"] == 6
+
+
+@pytest.mark.gpu
+def test_kernels_false_runs_no_triton_kernel_int8_included(tiny_llm_checkpoint, monkeypatch):
+    from checkpoint import read_checkpoint_info
+    from kernels import attention, linear
+    from quantize import load_model, quantize_
+    from tokenizer import load_tokenizer
+
+    def refuse():
+        raise AssertionError("a Triton kernel was asked for with kernels=False")
+
+    monkeypatch.setattr(linear, "triton_linear", refuse)
+    monkeypatch.setattr(attention, "triton_attention", refuse)
+    info = read_checkpoint_info(tiny_llm_checkpoint[0])
+    model = load_model(info, torch.device("cuda"), torch.bfloat16)
+    quantize_(model, "int8")
+    llm = LLM(model, load_tokenizer(info.path), torch.device("cuda"), compile=False, info=info, kernels=False)
+    assert not llm.fuse
+    assert not any(type(m).__module__.startswith("kernels") for m in model.modules())
+    assert len(llm.generate("def fibonacci(n):", max_new_tokens=6, ignore_eos=True).token_ids) == 6

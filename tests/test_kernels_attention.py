@@ -482,3 +482,34 @@ def test_gpu_prefill_kernel_matches_the_model_steps(shape, dtype):
     torch.testing.assert_close(k, k_ref, equal_nan=True, **tol)
     torch.testing.assert_close(v, v_ref, rtol=0, atol=0, equal_nan=True)
     assert k[:batch, :, length:].isnan().all() and k[batch].isnan().all()
+
+
+@pytest.mark.gpu
+def test_no_fitting_attention_config_takes_the_reference(monkeypatch):
+    from dataclasses import replace
+
+    from kernels import triton_attention
+    from kernels.device import device_caps, simulated
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the split kernel ran on a GPU where no config fits")
+
+    monkeypatch.setattr(triton_attention, "decode_attention", refuse)
+    monkeypatch.setattr(triton_attention, "decode_attention_qkv", refuse)
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)  # (B, H, 1, D)
+    k = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)  # (B, Hkv, S, D)
+    v = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.tensor([200], device="cuda")
+    rope = torch.randn(256, 2, 64, device="cuda")
+    qkv = torch.randn(1, 1, 12 * 128, device="cuda", dtype=torch.bfloat16)
+    with simulated(replace(device_caps(), shared_memory_per_block=1024)):
+        assert da.attention_kernel_config(1, 8, k) is None
+        out = torch.ops.redline.decode_attention(q, k, v, pos)
+        k2, v2 = k.clone(), v.clone()
+        fused = torch.ops.redline.decode_attention_qkv(qkv, k2, v2, rope, pos)
+        k3, v3 = k.clone(), v.clone()
+        want = da.decode_attention_qkv_reference(qkv, k3, v3, rope, pos)  # its attention runs the reference here
+    torch.testing.assert_close(out, da.decode_attention_reference(q, k, v, pos))
+    torch.testing.assert_close(fused, want)
+    torch.testing.assert_close(k2, k3)

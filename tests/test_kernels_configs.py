@@ -1,10 +1,14 @@
 """kernels/configs.py: the launch config tables (plain Python, so they are checked on the CPU)."""
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import pytest
 
 from kernels import configs
 from kernels.configs import AttentionConfig, DotConfig, GemvConfig, attention_config, dot_config, gemv_config
+from kernels.device import DEFAULT_TARGETS, target_caps
 
 # (N, K) of Llama-2-7B's and Llama-3-8B's decode projections.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -74,3 +78,70 @@ def test_dot_table_tiles_rows_within_the_kernel_limits(m, w_bytes):
         assert isinstance(cfg, DotConfig)
         # Up to DOT_MAX_BLOCK_M rows, one tile of rows (block_m from M); more rows take explicit tiles.
         assert (cfg.block_m == 0) == (m <= configs.DOT_MAX_BLOCK_M)
+
+
+# --- the tables fitted to each target's shared memory ---
+
+# (N, K) of every projection of the demo model, Llama-2-7B, Llama-3-8B and Llama-3-70B: qkv, wo, gate/up, w2, output.
+MODEL_PROJECTIONS = sorted({
+    shape for dim, heads, kv_heads, inter, vocab in ((576, 9, 3, 1536, 49152), (4096, 32, 32, 11008, 32000),
+                                                     (4096, 32, 8, 14336, 128256), (8192, 64, 8, 28672, 128256))
+    for shape in (((heads + 2 * kv_heads) * (dim // heads), dim), (dim, dim), (2 * inter, dim), (dim, inter),
+                  (vocab, dim))})
+DTYPE_BYTES = [(2, 2), (4, 4), (1, 2), (1, 4)]  # (weight, x): bf16/fp16, fp32, int8 weights
+
+
+@pytest.mark.parametrize("target", DEFAULT_TARGETS)
+def test_dot_configs_never_exceed_the_targets_shared_memory(target):
+    caps = target_caps(target)
+    fallbacks = 0
+    for (n, k), (w_bytes, x_bytes), m in itertools.product(MODEL_PROJECTIONS, DTYPE_BYTES, range(2, 257)):
+        cfg = configs.fitted_dot_config(n, k, w_bytes, x_bytes, m, caps)
+        if cfg is None:
+            fallbacks += 1
+            continue
+        need = configs.dot_smem_bytes(configs.dot_block_m(cfg, m), cfg.block_n, cfg.block_k, cfg.num_stages,
+                                      x_bytes, w_bytes, caps)
+        assert need <= caps.shared_memory_per_block, (target, n, k, w_bytes, x_bytes, m, cfg)
+    assert fallbacks == 0  # every shape keeps a tensor-core config on every default target
+
+
+@pytest.mark.parametrize("target", DEFAULT_TARGETS)
+def test_attention_configs_never_exceed_the_targets_shared_memory(target):
+    caps = target_caps(target)
+    for batch, (heads, kv_heads), seq_len, head_dim, elt in itertools.product(
+            (1, 2, 8, 64, 256), ((9, 3), (32, 32), (32, 8), (64, 8)), (64, 256, 2048, 8192), (64, 128, 256),
+            (2, 4)):
+        cfg = configs.fitted_attention_config(batch, heads, kv_heads, seq_len, head_dim, elt, caps)
+        block_g = max(16, 1 << (heads // kv_heads - 1).bit_length())
+        need = configs.attention_smem_bytes(block_g, cfg.block_s, head_dim, elt, cfg.num_stages, caps)
+        assert need <= min(caps.shared_memory_per_block, configs.PIPELINE_SMEM_BYTES), (target, cfg)
+        assert cfg.num_splits <= -(-seq_len // cfg.block_s)
+
+
+def test_h200_keeps_every_measured_config():
+    caps = target_caps("sm90")
+    for (n, k), (w_bytes, x_bytes), m in itertools.product(MODEL_PROJECTIONS, DTYPE_BYTES, range(2, 257)):
+        assert configs.fitted_dot_config(n, k, w_bytes, x_bytes, m, caps) == configs.dot_config(n, k, w_bytes, m)
+    for batch, seq_len, head_dim, elt in itertools.product((1, 4, 64), (256, 4096, 8192), (64, 128, 256), (2, 4)):
+        table = configs.attention_config(batch, 32, 8, seq_len, head_dim, caps.sm_count)
+        assert configs.fitted_attention_config(batch, 32, 8, seq_len, head_dim, elt, caps) == table
+
+
+def test_configs_shrink_where_the_h200_tables_do_not_fit():
+    # 7B bf16 wo at 8 rows: (32, 256) tiles in 4 stages need 72 KiB, over AMD's 64 KiB of LDS
+    amd = target_caps("gfx90a")
+    table = configs.dot_config(4096, 4096, 2, 8)
+    assert configs.dot_smem_bytes(16, table.block_n, table.block_k, table.num_stages, 2, 2, amd) > 64 * 1024
+    fitted = configs.fitted_dot_config(4096, 4096, 2, 2, 8, amd)
+    assert fitted.num_stages < table.num_stages and (fitted.block_n, fitted.block_k) == (table.block_n, table.block_k)
+    # fp32 on an RTX 4090 (99 KiB): smaller tiles at any row count
+    assert configs.fitted_dot_config(4096, 4096, 4, 4, 8, target_caps("sm89")) != configs.dot_config(4096, 4096, 4, 8)
+    # fp32 attention with 128-wide heads on AMD: 64-key blocks in 2 stages do not fit, 32-key blocks do
+    assert configs.fitted_attention_config(1, 32, 32, 4096, 128, 4, amd).block_s == 32
+
+
+def test_no_config_when_nothing_fits():
+    tiny = replace(target_caps("sm80"), shared_memory_per_block=1024)
+    assert configs.fitted_dot_config(4096, 4096, 2, 2, 8, tiny) is None
+    assert configs.fitted_attention_config(1, 32, 8, 4096, 128, 2, tiny) is None

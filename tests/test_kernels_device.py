@@ -102,3 +102,34 @@ def test_gpu_caps_match_torch():
     if caps.vendor == "nvidia":
         assert caps.arch == f"sm{props.major}{props.minor}"
         assert caps.supports_pdl == (props.major >= 9)
+
+
+def test_named_targets_describe_their_gpus():
+    from kernels.device import DEFAULT_TARGETS, target_caps
+
+    assert DEFAULT_TARGETS == ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942", "gfx1100")
+    caps = {name: target_caps(name) for name in DEFAULT_TARGETS}
+    assert {n for n, c in caps.items() if c.vendor == "amd"} == {"gfx90a", "gfx942", "gfx1100"}
+    assert all(c.arch == n for n, c in caps.items())
+    assert {n for n, c in caps.items() if c.supports_tf32} == {"sm80", "sm86", "sm89", "sm90", "gfx942"}
+    assert {n for n, c in caps.items() if c.supports_pdl} == {"sm90"}
+    assert caps["sm90"].shared_memory_per_block == 227 * 1024 and caps["sm89"].shared_memory_per_block == 99 * 1024
+    assert all(caps[n].shared_memory_per_block == 64 * 1024 for n in ("gfx90a", "gfx942", "gfx1100"))
+    assert caps["gfx90a"].warp_size == 64 and caps["gfx1100"].warp_size == 32
+    with pytest.raises(ValueError, match="known targets: sm80"):
+        target_caps("sm75")
+
+
+def test_simulated_caps_apply_inside_the_block_only():
+    from kernels.device import simulated, target_caps
+
+    before = device_caps()
+    with simulated(target_caps("gfx90a")) as caps:
+        assert device_caps() is caps and device_caps("cpu") is caps and device_caps(0) is caps
+    assert device_caps() == before
+
+
+def test_amd_tf32_only_on_gfx942(fake_gpu):
+    fake_gpu(SimpleNamespace(major=9, minor=4, multi_processor_count=304, gcnArchName="gfx942:sramecc+:xnack-",
+                             shared_memory_per_block=65536, warp_size=64), hip="6.2")
+    assert device_caps().supports_tf32 and device_caps().arch == "gfx942"

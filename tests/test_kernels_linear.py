@@ -582,3 +582,29 @@ def test_fused_linear_cpu_accumulates_the_sum_of_squares():
     out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, False, sums, -1, 1)
     assert sums[0].tolist() == [0.0, 0.0]
     torch.testing.assert_close(sums[1].sum(), torch.tensor(6.0 + out.float().pow(2).sum().item()))
+
+
+@pytest.mark.gpu
+def test_no_fitting_tensor_core_config_takes_blas_and_matches_the_reference(monkeypatch):
+    from dataclasses import replace
+
+    from kernels import triton_linear
+    from kernels.device import device_caps, simulated
+
+    launched = []
+    real = triton_linear.small_m_dot
+    monkeypatch.setattr(triton_linear, "small_m_dot", lambda *a, **k: launched.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    x = torch.randn(8, 512, device="cuda", dtype=torch.float16)
+    w = torch.randn(1024, 512, device="cuda", dtype=torch.float16) / 512 ** 0.5
+    wq = torch.randint(-127, 128, (1024, 512), device="cuda", dtype=torch.int8)
+    scales = torch.rand(1024, device="cuda", dtype=torch.float16) / 100
+    # a GPU whose shared memory holds no tensor-core config: the ops must not launch the kernel
+    with simulated(replace(device_caps(), shared_memory_per_block=1024)):
+        y = torch.ops.redline.linear(x, w)
+        yq = torch.ops.redline.int8_linear(x, wq, scales)
+    assert not launched
+    torch.testing.assert_close(y, linear_reference(x, w), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(yq, int8_linear_reference(x, wq, scales), rtol=1e-2, atol=1e-2)
+    torch.ops.redline.linear(x, w)  # the real limit: the kernel runs
+    assert launched

@@ -170,6 +170,23 @@ def test_driver_graph_launches_counted_without_runtime_ones():
     assert s.graph_launches == 4  # cuGraphLaunch (cuda_driver) in the window
 
 
+def test_hip_graph_launches_counted_as_graph_launches():
+    # ROCm traces name the runtime call hipGraphLaunch (category cuda_runtime, as kineto files HIP calls)
+    t = synthetic_trace()
+    events = []
+    for e in t["traceEvents"]:
+        if e.get("name") == "cuGraphLaunch":
+            continue
+        if e.get("name") == "cudaGraphLaunch":
+            e = {**e, "name": "hipGraphLaunch"}
+        events.append(e)
+    t["traceEvents"] = events
+    s = ts.summarize_trace(t)
+    assert s.graph_launches == 4  # the two outside the decode window are not counted
+    assert s.graph_launches_per_step == 1.0
+    assert "1.00 per step" in ts.format_summary(s)
+
+
 def test_cli_json_bare_list_and_top(tmp_path, capsys):
     path = tmp_path / "list.json"
     path.write_text(json.dumps(synthetic_trace()["traceEvents"]))  # bare-list format, not gzipped

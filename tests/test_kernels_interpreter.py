@@ -1,0 +1,171 @@
+"""The Triton kernels themselves, run on the CPU by Triton's interpreter and compared with their references.
+
+TRITON_INTERPRET=1 must be set before Triton is imported, and other test modules may import Triton first, so the
+kernels run in one child process (this file run as a script, `python tests/test_kernels_interpreter.py`, with the
+variable set): it runs every case and prints one JSON line of the largest errors, and each test checks its case.
+The interpreter's tl.dot multiplies bf16 operands as raw bits, so the tensor-core kernels are checked in fp16 and
+fp32 here; the GEMV and the rope kernel (no tl.dot) also run in bf16. Shapes are small to keep the child fast.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# Error bounds against the fp32 references: the kernels accumulate in fp32 and round once to the output dtype.
+TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
+
+# (name, dtype): every case the child runs.
+CASES = [
+    *[(f"gemv_{v}", d) for v in ("plain", "odd_k", "norm", "swiglu", "residual") for d in ("float32", "bfloat16")],
+    ("gemv_int8", "float16"), ("gemv_int8_odd_k", "float32"),
+    *[(f"dot_{m}", d) for m in (2, 17, 70) for d in ("float32", "float16")],
+    ("dot_int8", "float16"),
+    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv") for d in ("float32", "float16")],
+    ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"),
+]
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+
+
+def _rope_table(seq_len: int, head_dim: int) -> torch.Tensor:
+    """A cos/sin table (S, 2, D/2) fp32 in the model's layout, base 10000."""
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (S, D/2)
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def _gemv_case(variant: str, dtype: torch.dtype) -> float:
+    from kernels import configs, linear
+    from kernels import triton_linear as tk
+
+    k = 100 if variant in ("odd_k", "int8_odd_k") else 256
+    n = 48
+    x = torch.randn(1, k, dtype=dtype)
+    if variant.startswith("int8"):
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales = torch.rand(n, dtype=dtype) / 50
+        got = tk.gemv(x, w, scales, pdl=False, int8_mode=1, config=configs.GemvConfig(2, 64, 2, 1, True))
+        return _rel_err(got, linear.int8_linear_reference(x, w, scales))
+    w = torch.randn(2 * n if variant == "swiglu" else n, k, dtype=dtype) / k ** 0.5
+    # small blocks (the interpreter runs each program in Python), both pipeline depths, with and without RED
+    chosen = {"plain": configs.GemvConfig(1, 64, 2, 2, False), "residual": configs.GemvConfig(4, 32, 2, 1, True)}
+    norm = torch.rand(k, dtype=dtype) + 0.5 if variant in ("norm", "swiglu") else None
+    residual = torch.randn(n, dtype=dtype) if variant == "residual" else None
+    got = tk.gemv(x, w, pdl=False, int8_mode=1, norm_weight=norm, eps=1e-5, residual=residual,
+                  swiglu=variant == "swiglu", config=chosen.get(variant, configs.GemvConfig(2, 64, 2, 2, True)))
+    want = linear.fused_linear_reference(x, w, None, norm, 1e-5, residual, variant == "swiglu")
+    return _rel_err(got, want)
+
+
+def _dot_case(variant: str, dtype: torch.dtype) -> float:
+    from kernels import configs, linear
+    from kernels import triton_linear as tk
+
+    m = 5 if variant == "int8" else int(variant)
+    n, k = 96, 160  # K not a multiple of the 128-wide blocks below: the masked path
+    x = torch.randn(m, k, dtype=dtype)
+    config = configs.DotConfig(32, 128, 4, 2)  # small tiles: the interpreter runs each program in Python
+    if variant == "int8":
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales = torch.rand(n, dtype=dtype) / 50
+        return _rel_err(tk.small_m_dot(x, w, scales, config=config), linear.int8_linear_reference(x, w, scales))
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    return _rel_err(tk.small_m_dot(x, w, config=config), linear.linear_reference(x, w))
+
+
+def _attention_case(variant: str, dtype: torch.dtype) -> float:
+    from kernels import attention as da
+    from kernels import configs
+    from kernels import triton_attention as ta
+
+    n_heads, n_kv_heads = (4, 4) if variant == "mha" else (8, 2)
+    batch, seq_len, head_dim, pos = 2, 80, 32, 70
+    config = configs.AttentionConfig(num_splits=1 if variant == "single" else 3, block_s=16)
+    k_cache = torch.randn(batch, n_kv_heads, seq_len, head_dim, dtype=dtype)  # (B, Hkv, S, D)
+    v_cache = torch.randn(batch, n_kv_heads, seq_len, head_dim, dtype=dtype)
+    k_cache[:, :, pos + 1:] = float("nan")  # past input_pos: never read
+    v_cache[:, :, pos + 1:] = float("nan")
+    input_pos = torch.tensor([pos])
+    if variant == "qkv":
+        rope = _rope_table(seq_len, head_dim)
+        qkv = torch.randn(batch, 1, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
+        k_ref, v_ref = k_cache.clone(), v_cache.clone()
+        want = da.decode_attention_qkv_reference(qkv, k_ref, v_ref, rope, input_pos)
+        got = ta.decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, config=config)
+        cache_err = max(_rel_err(k_cache[:, :, pos], k_ref[:, :, pos]), _rel_err(v_cache[:, :, pos], v_ref[:, :, pos]))
+        return max(_rel_err(got, want), cache_err)
+    q = torch.randn(batch, n_heads, 1, head_dim, dtype=dtype)  # (B, H, 1, D)
+    got = ta.decode_attention(q, k_cache, v_cache, input_pos, config=config)
+    return _rel_err(got, da.decode_attention_reference(q, k_cache, v_cache, input_pos))
+
+
+def _rope_case(dtype: torch.dtype) -> float:
+    from kernels import attention as da
+    from kernels import configs
+    from kernels import triton_attention as ta
+    batch, length, n_heads, n_kv_heads, head_dim = 2, 37, 4, 2, 32
+    rope = _rope_table(length, head_dim)
+    qkv = torch.randn(batch, length, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
+    caches = [torch.zeros(batch, n_kv_heads, 48, head_dim, dtype=dtype) for _ in range(4)]  # (B, Hkv, S, D)
+    got = ta.prefill_rope_cache(qkv, caches[0], caches[1], rope)
+    want = da.prefill_rope_cache_reference(qkv, caches[2], caches[3], rope)
+    return max(_rel_err(got, want), _rel_err(caches[0], caches[2]), _rel_err(caches[1], caches[3]))
+
+
+def run_case(name: str, dtype_name: str) -> float:
+    """The largest relative error of one case against its reference."""
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    kind, _, variant = name.partition("_")
+    if kind == "gemv":
+        return _gemv_case(variant, dtype)
+    if kind == "dot":
+        return _dot_case(variant, dtype)
+    if kind == "attention":
+        return _attention_case(variant, dtype)
+    return _rope_case(dtype)
+
+
+@pytest.fixture(scope="module")
+def interpreted_errors() -> dict[str, float]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])
+def test_kernel_matches_reference_in_interpreter(interpreted_errors, name, dtype):
+    err = interpreted_errors[f"{name}/{dtype}"]
+    assert err <= TOLERANCE[dtype], f"{name} in {dtype}: relative error {err:.2e}"
+
+
+def _allow_one_element_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a scalar (a one-element array) into a loop bound with int(array), which NumPy
+    2.4 refuses for arrays of one dimension; make that one conversion take the element (the child process only)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the kernels run in Triton's interpreter)")
+    _allow_one_element_loop_bounds()
+    print(json.dumps({f"{name}/{dtype}": run_case(name, dtype) for name, dtype in CASES}))
