@@ -180,9 +180,10 @@ def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embed
     return out
 
 
-def _swap_linears(model: nn.Module, build: Any) -> None:
+def _swap_linears(model: nn.Module, build: Any, float_head: bool = False) -> None:
+    """Replace each quantized linear by build(linear); float_head keeps an untied output head as it is."""
     tied = model.args.tie_word_embeddings
-    for name in quantized_linear_names(model.args.n_layer, tied):
+    for name in quantized_linear_names(model.args.n_layer, tied or float_head):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, build(getattr(parent, child)))
@@ -198,8 +199,9 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
             raise ValueError(f"checkpoint uses int4 layout {quantization.get('layout')!r}, which this Redline cannot "
                              f"load ({INT4_LAYOUT}); upgrade Redline or re-quantize")
         group_size = quantization.get("group_size")
+        float_head = any(kept.startswith("output") for kept in quantization.get("not_quantized", []))
         _swap_linears(model, lambda lin: Int4Linear(lin.in_features, lin.out_features, group_size,
-                                                    device=lin.weight.device))
+                                                    device=lin.weight.device), float_head)
         return
     if scheme != "int8":
         raise ValueError(f"checkpoint uses quantization {scheme!r}, which this Redline cannot load; upgrade Redline")
