@@ -152,7 +152,7 @@ def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth
     device = torch.device(cfg.device)
     args = ModelArgs.from_name(name)
     log(f"{name} {quant} batch {batch}: building random weights")
-    model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed)
+    model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed, cfg.group_size)
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
                        fuse=cfg.fuse, name=f"{name} (random weights)")
     weights = weights_bytes(model)
