@@ -1,10 +1,17 @@
-"""Weight-only int8 quantization: a CLI that writes a new checkpoint, a module swap, and the loader's structure.
+"""Weight-only quantization (int8, int4): a CLI that writes a new checkpoint, the module swap, the loader's structure.
 
-python quantize.py --checkpoint_path IN --mode int8 [--out FILE]
+python quantize.py --checkpoint_path IN --mode int8|int4 [--groupsize 32|64|128|256] [--out FILE]
 
 Scheme "int8": every linear layer's weight becomes int8 with one fp32 scale per output channel
-(symmetric, scale = max|w| / 127). The token embedding stays in the checkpoint's float dtype, and so does
-the output projection when it is tied to the embedding. The checkpoint's metadata says all of this.
+(symmetric, scale = max|w| / 127).
+Scheme "int4": asymmetric 4-bit in groups of `group_size` consecutive inputs: w = scale * q + offset, q in 0..15,
+one (scale, offset) pair per (output row, group), both fp16. fp16 holds GGUF's fp16 block scales and mins
+exactly (so Q4_0/Q4_1 files load with no loss), has 3 more mantissa bits than bf16, and costs half of fp32's bytes.
+Layout INT4_LAYOUT: `weight` is uint8 (N, K/2), input k of a row in byte k // 2, the even k in the low nibble, so
+each 32-bit word holds 8 consecutive inputs (the GPU kernel reads one word per 8 weights); `scales` is fp16
+(N, K/group_size, 2) holding [scale, offset] side by side (one 32-bit load per group).
+The token embedding stays in the checkpoint's float dtype, and so does the output projection when it is tied to the
+embedding. The checkpoint's metadata says all of this.
 """
 from __future__ import annotations
 
@@ -24,8 +31,15 @@ from checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, m
 from model import Transformer
 from tokenizer import copy_tokenizer_files
 
-QUANT_MODES = ("int8",)
+QUANT_MODES = ("int8", "int4")
 INT8_MAX = 127
+INT4_MAX = 15
+# The int4 group size when none is given: the common choice of gpt-fast, torchao and GPTQ checkpoints.
+DEFAULT_GROUP_SIZE = 128
+# The smallest int4 group: the GPU kernel takes 32 inputs (four 32-bit words) of a row under one (scale, offset).
+MIN_GROUP_SIZE = 32
+# The name of the packed int4 layout described above; the metadata records it so that a later layout cannot be misread.
+INT4_LAYOUT = "k-pairs-low-nibble-first/scale-offset-fp16/v1"
 # Which weights are quantized: every projection inside the blocks, plus the untied output head.
 QUANTIZED_LINEARS = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
 
@@ -49,6 +63,77 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 
 
+class Int4Linear(nn.Module):
+    """y = x @ dequantize_int4(weight, scales).T in plain PyTorch (kernels.use_kernels swaps in the GPU kernel's
+    version). weight: uint8 (N, K/2) packed nibbles; scales: fp16 (N, K/group_size, 2) [scale, offset]."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        check_group_size(group_size, in_features)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8,
+                                                   device=device))  # (N, K/2)
+        self.register_buffer("scales", torch.empty(out_features, in_features // group_size, 2, dtype=torch.float16,
+                                                   device=device))  # (N, K/G, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # The weight is dequantized in fp32 and rounded to x.dtype (as the GPU path for long prompts does).
+        return F.linear(x, dequantize_int4(self.weight, self.scales).to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 group_size={self.group_size}"
+
+
+def check_group_size(group_size: int, in_features: int) -> None:
+    """A clean error unless group_size is a power of two >= MIN_GROUP_SIZE that divides in_features."""
+    if not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE or group_size & (group_size - 1):
+        raise ValueError(f"int4 group size must be a power of two of at least {MIN_GROUP_SIZE} (32, 64, 128, 256), "
+                         f"got {group_size!r}")
+    if in_features % group_size:
+        raise ValueError(f"int4 group size {group_size} does not divide a layer's {in_features} inputs; "
+                         f"choose a smaller group size")
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """(N, K) codes 0..15 -> uint8 (N, K/2): input 2i in the low nibble of byte i, 2i + 1 in the high one."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """uint8 (N, K/2) -> uint8 codes (N, K), the inverse of pack_int4."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_int4(packed: Tensor, scales: Tensor) -> Tensor:
+    """The fp32 (N, K) matrix scale * q + offset (computed in fp32: one exact product, one rounded add)."""
+    n, groups = scales.shape[0], scales.shape[1]
+    q = unpack_int4(packed).view(n, groups, -1).float()  # (N, K/G, G)
+    s = scales.float()  # (N, K/G, 2)
+    return (q * s[..., :1] + s[..., 1:]).view(n, -1)
+
+
+def quantize_int4(weight: Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """Asymmetric group-wise int4 (min/max per group). weight (N, K) float -> (uint8 (N, K/2), fp16 (N, K/G, 2)).
+    The codes are rounded against the fp16-rounded scale and offset, the values the kernels use."""
+    n, k = weight.shape
+    check_group_size(group_size, k)
+    w = weight.float().view(n, k // group_size, group_size)  # (N, K/G, G)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/G)
+    scale = ((hi - lo) / INT4_MAX).to(torch.float16)
+    offset = lo.to(torch.float16)
+    if not (torch.isfinite(scale).all() and torch.isfinite(offset).all()):
+        raise ValueError("a weight group's range exceeds fp16 (|w| > 65504); this checkpoint cannot be int4-quantized")
+    s = scale.float().unsqueeze(-1)
+    q = torch.where(s > 0, torch.round((w - offset.float().unsqueeze(-1)) / s.clamp(min=torch.finfo(torch.float32).tiny)),
+                    torch.zeros_like(w))
+    q = q.clamp(0, INT4_MAX).view(n, k)
+    return pack_int4(q), torch.stack((scale, offset), dim=-1)
+
+
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     """Symmetric per-output-channel int8. weight (N, K) float -> (int8 (N, K), fp32 scales (N,))."""
     w = weight.float()
@@ -57,11 +142,19 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
-def quantization_metadata(mode: str, tie_word_embeddings: bool) -> dict[str, Any]:
+def quantization_metadata(mode: str, tie_word_embeddings: bool, group_size: int | None = None) -> dict[str, Any]:
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
     kept = ["tok_embeddings"] + (["output (tied to tok_embeddings)"] if tie_word_embeddings else [])
-    return {"scheme": mode, "granularity": "per-output-channel", "scale_dtype": "float32", "not_quantized": kept}
+    if mode == "int8":
+        if group_size is not None:
+            raise ValueError("int8 is per output channel; --groupsize applies to int4 only")
+        return {"scheme": mode, "granularity": "per-output-channel", "scale_dtype": "float32", "not_quantized": kept}
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    check_group_size(group_size, group_size)
+    return {"scheme": mode, "granularity": "per-group", "group_size": group_size, "layout": INT4_LAYOUT,
+            "zero_point": "offset (w = scale * q + offset, q in 0..15)", "scale_dtype": "float16",
+            "not_quantized": kept}
 
 
 def quantized_linear_names(n_layer: int, tie_word_embeddings: bool) -> list[str]:
@@ -69,20 +162,28 @@ def quantized_linear_names(n_layer: int, tie_word_embeddings: bool) -> list[str]
     return names if tie_word_embeddings else names + ["output"]
 
 
-def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embeddings: bool) -> dict[str, Tensor]:
+def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embeddings: bool, mode: str = "int8",
+                        group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, Tensor]:
     from checkpoint import progress
 
     out = dict(tensors)
     names = quantized_linear_names(n_layer, tie_word_embeddings)
+    if mode == "int4":
+        for name in names:  # every layer checked before any work
+            check_group_size(group_size, out[f"{name}.weight"].shape[1])
     for name in progress(names, len(names), "quantizing"):
         weight = out.pop(f"{name}.weight")
-        out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(weight)
+        if mode == "int4":
+            out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int4(weight, group_size)
+        else:
+            out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(weight)
     return out
 
 
-def _swap_linears(model: nn.Module, build: Any) -> None:
+def _swap_linears(model: nn.Module, build: Any, float_head: bool = False) -> None:
+    """Replace each quantized linear by build(linear); float_head keeps an untied output head as it is."""
     tied = model.args.tie_word_embeddings
-    for name in quantized_linear_names(model.args.n_layer, tied):
+    for name in quantized_linear_names(model.args.n_layer, tied or float_head):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, build(getattr(parent, child)))
@@ -93,24 +194,48 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
     scheme = quantization.get("scheme", "none")
     if scheme == "none":
         return
+    if scheme == "int4":
+        if quantization.get("layout") != INT4_LAYOUT:
+            raise ValueError(f"checkpoint uses int4 layout {quantization.get('layout')!r}, which this Redline cannot "
+                             f"load ({INT4_LAYOUT}); upgrade Redline or re-quantize")
+        group_size = quantization.get("group_size")
+        float_head = any(kept.startswith("output") for kept in quantization.get("not_quantized", []))
+        _swap_linears(model, lambda lin: Int4Linear(lin.in_features, lin.out_features, group_size,
+                                                    device=lin.weight.device), float_head)
+        return
     if scheme != "int8":
         raise ValueError(f"checkpoint uses quantization {scheme!r}, which this Redline cannot load; upgrade Redline")
     _swap_linears(model, lambda lin: Int8Linear(lin.in_features, lin.out_features, device=lin.weight.device))
 
 
 def model_quantization(model: nn.Module) -> str:
-    """The scheme the model runs in now: "int8" once quantized (from its checkpoint or in memory), else "none"."""
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"
+    """The scheme the model runs in now: "int8" or "int4" once quantized (from its checkpoint or in memory),
+    else "none"."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            return "int8"
+        if isinstance(module, Int4Linear):
+            return "int4"
+    return "none"
 
 
 @torch.no_grad()
-def quantize_(model: nn.Module, mode: str) -> nn.Module:
-    """Quantize a loaded model in place (used by `LLM.load(path, quantize="int8")`)."""
-    quantization_metadata(mode, model.args.tie_word_embeddings)  # validates the mode
+def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.Module:
+    """Quantize a loaded model in place (used by `LLM.load(path, quantize="int8" | "int4")`); group_size: int4
+    only, DEFAULT_GROUP_SIZE when None. Every layer is checked before any is changed."""
+    quantization_metadata(mode, model.args.tie_word_embeddings, group_size)  # validates the mode and group size
     if model_quantization(model) != "none":
         raise ValueError("the model is already quantized; load the unquantized checkpoint to quantize it")
+    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    if mode == "int4":
+        for name in quantized_linear_names(model.args.n_layer, model.args.tie_word_embeddings):
+            check_group_size(group_size, model.get_submodule(name).in_features)
 
-    def build(lin: nn.Linear) -> Int8Linear:
+    def build(lin: nn.Linear) -> nn.Module:
+        if mode == "int4":
+            q = Int4Linear(lin.in_features, lin.out_features, group_size, device=lin.weight.device)
+            q.weight, q.scales = quantize_int4(lin.weight, group_size)
+            return q
         q = Int8Linear(lin.in_features, lin.out_features, device=lin.weight.device)
         q.weight, q.scales = quantize_int8(lin.weight)
         return q
@@ -151,17 +276,29 @@ class QuantizeArgs:
     checkpoint_path: Path
     mode: str
     out: Path | None
+    group_size: int | None = None  # int4 only
+
+    def __post_init__(self) -> None:
+        if self.mode not in QUANT_MODES:
+            raise ValueError(f"unknown --mode {self.mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+        if self.group_size is not None and self.mode != "int4":
+            raise ValueError("--groupsize applies to --mode int4 only; drop it")
+        if self.group_size is not None:
+            check_group_size(self.group_size, self.group_size)
 
 
-def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path | None = None) -> Path:
+def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path | None = None,
+                        group_size: int | None = None) -> Path:
     """Write a quantized copy of an unquantized checkpoint; the input is never overwritten."""
     info = read_checkpoint_info(checkpoint_path)
     if info.scheme != "none":
         raise ValueError(f"{info.path} is already quantized ({info.scheme}); quantize the unquantized checkpoint")
-    quantization = quantization_metadata(mode, info.args.tie_word_embeddings)
-    out_path = Path(out) if out is not None else info.path.with_name(f"{info.path.name.split('.')[0]}.{mode}.safetensors")
+    quantization = quantization_metadata(mode, info.args.tie_word_embeddings, group_size)
+    suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
+    out_path = Path(out) if out is not None else info.path.with_name(f"{info.path.name.split('.')[0]}.{suffix}.safetensors")
     check_checkpoint_output(out_path, inputs=[info.path])
-    tensors = quantize_state_dict(load_tensors(info), info.args.n_layer, info.args.tie_word_embeddings)
+    tensors = quantize_state_dict(load_tensors(info), info.args.n_layer, info.args.tie_word_embeddings, mode,
+                                  quantization.get("group_size", DEFAULT_GROUP_SIZE))
     new_info = CheckpointInfo(path=out_path, args=info.args, dtype=info.dtype, quantization=quantization)
     return save_checkpoint(out_path, tensors, new_info)
 
@@ -172,18 +309,18 @@ def parse_args(argv: list[str] | None) -> QuantizeArgs:
     parser = OneLineArgumentParser(description="Write a weight-only quantized copy of a Redline checkpoint.")
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     parser.add_argument("--mode", required=True, help=f"quantization mode: {', '.join(QUANT_MODES)}")
+    parser.add_argument("--groupsize", type=int, default=None,
+                        help=f"int4: inputs per (scale, offset) group, a power of two >= 32 (default {DEFAULT_GROUP_SIZE})")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: beside the input, NAME.MODE.safetensors)")
     ns = parser.parse_args(argv)
-    if ns.mode not in QUANT_MODES:
-        raise ValueError(f"unknown --mode {ns.mode!r}; choose one of: {', '.join(QUANT_MODES)}")
-    return QuantizeArgs(checkpoint_path=ns.checkpoint_path, mode=ns.mode, out=ns.out)
+    return QuantizeArgs(checkpoint_path=ns.checkpoint_path, mode=ns.mode, out=ns.out, group_size=ns.groupsize)
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         before = resolve_checkpoint_path(cfg.checkpoint_path).stat().st_size
-        path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out)
+        path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out, cfg.group_size)
         copy_tokenizer_files(resolve_checkpoint_path(cfg.checkpoint_path).parent, path.parent)
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written", file=sys.stderr)

@@ -13,10 +13,11 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
                        named targets such as "gfx90a", checked without the hardware)
     configs.py         the launch config tables (gemv_config, dot_config, attention_config), and the tensor-core
                        and attention choices fitted to the GPU's shared memory (fitted_dot_config, ...)
-    linear.py          redline::linear, int8_linear, fused_linear; KernelLinear, KernelInt8Linear
+    linear.py          redline::linear, int8_linear, int4_linear, fused_linear; KernelLinear, KernelInt8Linear,
+                       KernelInt4Linear
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
     fused_decode.py    FusedDecode
-    triton_linear.py, triton_attention.py, triton_common.py: the Triton sources and launchers
+    triton_linear.py, triton_int4.py, triton_attention.py, triton_common.py: the Triton sources and launchers
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ from model import Attention, Transformer
 from .attention import KernelAttention
 from .device import DeviceCaps, device_caps, triton_importable
 from .fused_decode import FusedDecode
-from .linear import KernelInt8Linear, KernelLinear, swap_linears
+from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears
 
-__all__ = ["DeviceCaps", "FusedDecode", "KernelAttention", "KernelInt8Linear", "KernelLinear", "available",
+__all__ = ["DeviceCaps", "FusedDecode", "KernelAttention", "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
            "device_caps", "use_kernels"]
 
 
@@ -40,7 +41,8 @@ def available() -> bool:
 
 def use_kernels(model: Transformer) -> Transformer:
     """Swap the model's modules for the kernel ones, in place, and return it: float nn.Linear -> KernelLinear
-    (redline::linear), quantize.Int8Linear -> KernelInt8Linear (redline::int8_linear), model.Attention ->
+    (redline::linear), quantize.Int8Linear -> KernelInt8Linear (redline::int8_linear), quantize.Int4Linear ->
+    KernelInt4Linear (redline::int4_linear), model.Attention ->
     KernelAttention (redline::decode_attention for one-token steps, redline::prefill_rope_cache for prefills from
     position 0). Only classes change, so weights (and a tied output head) stay shared; applying it twice is a
     no-op. Where no kernel fits (the CPU, unsupported shapes) the ops run their PyTorch references."""

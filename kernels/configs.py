@@ -142,6 +142,16 @@ def _gemv_table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
     return GemvConfig(1, 2048, 4, 2, True)
 
 
+def gemv_int4_config(n: int, k: int, group_size: int, fused_input: bool = False, swiglu: bool = False,
+                     residual: bool = False) -> GemvConfig:
+    """The int4 GEMV's config (triton_int4.gemv_int4; n: rows of the packed weight): BLOCK_K a power of two of
+    32..1024 inputs that divides K where one does (a partial last block costs a masked pass), at least 2 rows per
+    program for the fused norm and SwiGLU. A first table, from the kernel's structure (4 rows of 16-byte loads
+    per thread, 2 blocks in flight) rather than from measurements; scripts/bench_int4.py sweeps alternatives."""
+    block_k = 512 if k % 512 == 0 else 256 if k % 256 == 0 else 128 if k % 128 == 0 else 512
+    return GemvConfig(8, block_k, 2, 2)
+
+
 # --- the tensor-core kernel ---
 
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from model import Attention, RMSNorm, Transformer, TransformerBlock
-from quantize import Int8Linear
+from quantize import Int4Linear, Int8Linear
 
 # The fused kernels add each output's sum of squares into this many lanes (program i into lane i % lanes):
 # thousands of atomic adds on one address would queue; the next kernel reads all lanes.
@@ -25,7 +25,7 @@ NORM_SUM_LANES = 32
 
 def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None,
                      swiglu: bool = False, sums: Tensor | None = None, sum_in: int = -1, sum_out: int = -1) -> Tensor:
-    """redline::fused_linear on a kernel linear layer (KernelLinear or KernelInt8Linear):
+    """redline::fused_linear on a kernel linear layer (KernelLinear, KernelInt8Linear or KernelInt4Linear):
     [norm(x) ->] linear [-> silu(gate) * up] [+ residual], one GPU kernel for a single row of x. sums[sum_in]
     holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to sums[sum_out]."""
     return torch.ops.redline.fused_linear(
@@ -55,7 +55,7 @@ class FusedDecode(nn.Module):
         super().__init__()
         if not isinstance(model, Transformer):
             raise ValueError(f"FusedDecode takes a model.Transformer, got {type(model).__name__}")
-        if any(type(m) in (nn.Linear, Int8Linear, Attention) for m in model.modules()):
+        if any(type(m) in (nn.Linear, Int8Linear, Int4Linear, Attention) for m in model.modules()):
             raise ValueError("FusedDecode needs the model's layers swapped for the kernel ones first; "
                              "call kernels.use_kernels(model)")
         self.model = model

@@ -2,12 +2,14 @@
 
     torch.ops.redline.linear(x, weight)               == F.linear(x, weight)
     torch.ops.redline.int8_linear(x, weight, scales)  == (x @ weight.T.float()) * scales, in x.dtype
+    torch.ops.redline.int4_linear(x, weight, scales)  == x @ quantize.dequantize_int4(weight, scales).T, in x.dtype
 
 On a CUDA/HIP device with few rows of x (decode, batches, short prompts; `triton_row_limit`), the ops
 run the Triton kernels in triton_linear.py, which dequantize int8 weights in registers: one row (batch-1
 decode) runs the matrix-vector kernel, which reads every weight byte once; more rows run the tensor-core
 kernel. With more rows (long prompts) the work is a matrix product: cuBLAS does it (for int8 on the
-weight dequantized in row blocks). On the CPU: plain PyTorch.
+weight dequantized in row blocks). int4: one row runs the int4 GEMV (triton_int4.py); 2 or more rows
+dequantize the weight in row blocks for cuBLAS (no tensor-core int4 kernel yet). On the CPU: plain PyTorch.
 
 The ops are opaque to torch.compile (custom_op + register_fake), so `fullgraph=True` traces
 through them and `mode="reduce-overhead"` captures their kernels in the model's CUDA graph.
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model import rms_norm
-from quantize import Int8Linear
+from quantize import Int4Linear, Int8Linear, dequantize_int4
 
 from .configs import DotConfig, fitted_dot_config
 from .device import device_caps, triton_importable
@@ -49,6 +51,14 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def triton_linear():
     """kernels.triton_linear, imported on first use (it imports triton)."""
     from . import triton_linear as module
+
+    return module
+
+
+@functools.cache
+def triton_int4():
+    """kernels.triton_int4, imported on first use (it imports triton)."""
+    from . import triton_int4 as module
 
     return module
 
@@ -82,6 +92,11 @@ def int8_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return (F.linear(x.float(), weight.float()) * scales.float()).to(x.dtype)
 
 
+def int4_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """x @ dequantize_int4(weight, scales).T computed in fp32, returned in x.dtype."""
+    return F.linear(x.float(), dequantize_int4(weight, scales)).to(x.dtype)
+
+
 # --- validation ---
 
 
@@ -113,6 +128,30 @@ def _check_int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
             f"got {tuple(scales.shape)}")
     if scales.dtype not in FLOAT_DTYPES:
         raise ValueError(f"redline.int8_linear: scales must be bf16, fp16 or fp32, got {scales.dtype}")
+
+
+def _check_int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
+    name = "redline.int4_linear"
+    if weight.dim() != 2 or weight.dtype != torch.uint8:
+        raise ValueError(f"{name}: weight must be packed uint8 (N, K/2), got {tuple(weight.shape)} of {weight.dtype}")
+    if x.dim() < 1 or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: x must be a bf16, fp16 or fp32 tensor (..., K), got {x.dtype}")
+    k = x.shape[-1]
+    if k != 2 * weight.shape[1]:
+        raise ValueError(f"{name}: x has K={k} but the packed weight {tuple(weight.shape)} holds K={2 * weight.shape[1]}")
+    if scales.dim() != 3 or scales.shape[0] != weight.shape[0] or scales.shape[2] != 2 or scales.dtype != torch.float16:
+        raise ValueError(f"{name}: scales must be fp16 (N, K/group_size, 2), got {tuple(scales.shape)} of {scales.dtype}")
+    groups = scales.shape[1]
+    if groups == 0 or k % groups or (k // groups) < 32 or (k // groups) & (k // groups - 1):
+        raise ValueError(f"{name}: scales give {groups} groups for K={k}; the group size must be a power of two >= 32")
+
+
+def _check_quantized(x: Tensor, weight: Tensor, scales: Tensor) -> None:
+    """int8 (weight int8, scales (N,)) or int4 (weight uint8 packed, scales (N, K/G, 2)), told apart by the weight."""
+    if weight.dtype == torch.uint8:
+        _check_int4_linear(x, weight, scales)
+    else:
+        _check_int8_linear(x, weight, scales)
 
 
 # --- the fast path ---
@@ -174,6 +213,19 @@ def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return out.view(*x.shape[:-1], n)
 
 
+def _int4_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """Two or more rows: cuBLAS on the weight dequantized (fp32, rounded to x.dtype) in row blocks."""
+    n = weight.shape[0]
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    out = torch.empty((x2.shape[0], n), device=x.device, dtype=x.dtype)
+    rows = max(1, _DEQUANT_CHUNK_ELEMENTS // max(k, 1))
+    for r0 in range(0, n, rows):
+        w = dequantize_int4(weight[r0:r0 + rows], scales[r0:r0 + rows]).to(x.dtype)
+        out[:, r0:r0 + rows] = F.linear(x2, w)
+    return out.view(*x.shape[:-1], n)
+
+
 # --- the custom ops ---
 
 
@@ -217,7 +269,7 @@ def _check_fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_w
     if scales is None:
         _check_linear(x, weight)
     else:
-        _check_int8_linear(x, weight, scales)
+        _check_quantized(x, weight, scales)
     n = weight.shape[0]
     if norm_weight is not None and (norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype):
         raise ValueError(f"{name}: norm_weight must be ({x.shape[-1]},) of {x.dtype}, "
@@ -254,7 +306,7 @@ def fused_linear_reference(x: Tensor, weight: Tensor, scales: Tensor | None, nor
     then sums[sum_out, 0] += sum(y**2) when asked. (The norm recomputes its sum; sum_in only saves the GPU kernel that.)"""
     if norm_weight is not None:
         x = rms_norm(x, norm_weight, eps)
-    y = torch.ops.redline.linear(x, weight) if scales is None else torch.ops.redline.int8_linear(x, weight, scales)
+    y = torch.ops.redline.linear(x, weight) if scales is None else _quantized_linear(x, weight, scales)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
@@ -264,12 +316,39 @@ def fused_linear_reference(x: Tensor, weight: Tensor, scales: Tensor | None, nor
     return y
 
 
+@torch.library.custom_op("redline::int4_linear", mutates_args=())
+def int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """x @ W.T in x.dtype, W = scale * q + offset per group (quantize.py's int4 layout): weight uint8 (N, K/2),
+    scales fp16 (N, K/G, 2). One row on a GPU: the int4 GEMV (fp32 accumulation); more: cuBLAS on blocks."""
+    _check_int4_linear(x, weight, scales)
+    if gemv_supported(x, quantized=True) and x.numel() == x.shape[-1]:
+        out = torch.empty((1, weight.shape[0]), device=x.device, dtype=x.dtype)
+        triton_int4().gemv_int4(x.reshape(1, -1).contiguous(), weight.contiguous(), scales.contiguous(), out)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if x.is_cuda:
+        return _int4_matmul(x, weight, scales)
+    return int4_linear_reference(x, weight, scales)
+
+
+@int4_linear.register_fake
+def _int4_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    _check_int4_linear(x, weight, scales)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _quantized_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    if weight.dtype == torch.uint8:
+        return torch.ops.redline.int4_linear(x, weight, scales)
+    return torch.ops.redline.int8_linear(x, weight, scales)
+
+
 @torch.library.custom_op("redline::fused_linear", mutates_args=("sums",))
 def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None, eps: float,
                  residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int) -> Tensor:
     """A decode projection with its neighbours fused: [RMSNorm(x) ->] x @ W.T [* scales] [-> silu(gate) * up] [+ residual].
 
-    weight (N, K) float, or int8 with scales (N,); norm_weight (K,); residual (..., N) or (..., N/2) with swiglu.
+    weight (N, K) float, int8 with scales (N,), or packed int4 (uint8 (N, K/2) with fp16 scales (N, K/G, 2));
+    norm_weight (K,); residual (..., N) or (..., N/2) with swiglu.
     sums (optional, fp32 (slots, lanes)): sum_out >= 0 adds sum(y**2) to row sum_out (spread over its lanes),
     and sum_in >= 0 says that row sum_in already sums to sum(x**2) for the norm (the kernel that wrote x added
     it); -1 for neither.
@@ -283,7 +362,8 @@ def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: 
     x1 = x.reshape(1, k).contiguous()
     weight = weight.contiguous()
     out = torch.empty((1, weight.shape[0] // 2 if swiglu else weight.shape[0]), device=x.device, dtype=x.dtype)
-    triton_linear().gemv(
+    gemv = triton_linear().gemv if weight.dtype != torch.uint8 else triton_int4().gemv_int4
+    gemv(
         x1, weight, scales.contiguous() if scales is not None else None, out,
         norm_weight=norm_weight.contiguous() if norm_weight is not None else None, eps=eps,
         residual=residual.reshape(-1).contiguous() if residual is not None else None, swiglu=swiglu,
@@ -320,8 +400,16 @@ class KernelInt8Linear(Int8Linear):
         return torch.ops.redline.int8_linear(x, self.weight, self.scales)
 
 
+class KernelInt4Linear(Int4Linear):
+    """quantize.Int4Linear whose forward runs torch.ops.redline.int4_linear: the int4 GEMV for one row."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline.int4_linear(x, self.weight, self.scales)
+
+
 def swap_linears(model: nn.Module) -> None:
-    """Make every bias-free float nn.Linear a KernelLinear and every Int8Linear a KernelInt8Linear, in place.
+    """Make every bias-free float nn.Linear a KernelLinear, every Int8Linear a KernelInt8Linear and every
+    Int4Linear a KernelInt4Linear, in place.
 
     Only the class changes, so weights (and a tied output head) stay shared."""
     for module in model.modules():
@@ -329,3 +417,5 @@ def swap_linears(model: nn.Module) -> None:
             module.__class__ = KernelLinear
         elif type(module) is Int8Linear:
             module.__class__ = KernelInt8Linear
+        elif type(module) is Int4Linear:
+            module.__class__ = KernelInt4Linear

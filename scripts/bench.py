@@ -50,6 +50,7 @@ from checkpoint import dtype_from_name
 from model import ModelArgs
 from scripts.bench_compile_time import CompileTimeRecord, measure_compile_times, run_ttft_probe
 from scripts.bench_env import BANDWIDTH_REPEATS, environment, measure_read_bandwidth
+from scripts.bench_int4 import tinygemm_anchor
 from scripts.bench_hf import HF_SHORT_TOKENS, HFRecord, attach_ratios, bench_hf
 from scripts.bench_model import QUANT_CHOICES
 from scripts.bench_redline import RedlineRecord, bench_redline, median
@@ -88,6 +89,7 @@ def _positive_ints(text: str, flag: str) -> tuple[int, ...]:
 class BenchConfig:
     models: tuple[str, ...] = ()
     quants: tuple[str, ...] = ("none",)
+    group_size: int = 128  # int4: inputs per (scale, offset) group
     batch_sizes: tuple[int, ...] = (1,)
     prompt_lengths: tuple[int, ...] = (8,)
     new_tokens: int = 200
@@ -131,6 +133,10 @@ class BenchConfig:
         for quant in self.quants:
             if quant not in QUANT_CHOICES:
                 raise ValueError(f"unknown --quant mode {quant!r}; choose from {', '.join(QUANT_CHOICES)}")
+        if "int4" in self.quants:
+            from quantize import check_group_size
+
+            check_group_size(self.group_size, self.group_size)
         for what in self.compare:
             if what not in COMPARE_CHOICES:
                 raise ValueError(f"unknown --compare target {what!r}; choose from {', '.join(COMPARE_CHOICES)}")
@@ -202,7 +208,9 @@ def _importable(module: str) -> bool:
 def parse_args(argv: Sequence[str]) -> BenchConfig:
     p = BenchArgumentParser(prog="scripts/bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="comma-separated registry names, e.g. Llama-2-7B,Llama-3-8B")
-    p.add_argument("--quant", default="none", help="comma-separated: none, int8")
+    p.add_argument("--quant", default="none", help="comma-separated: none, int8, int4 (int4 also times torch's "
+                                                   "int4 kernel, tinygemm, on the model's GEMV shapes)")
+    p.add_argument("--groupsize", type=int, default=128, help="int4 group size: 32, 64, 128 or 256")
     p.add_argument("--batch-size", default="1", help="comma-separated batch sizes (aggregate tok/s is reported)")
     p.add_argument("--prompt-lengths", default="8", help="comma-separated prompt lengths; decode uses the shortest")
     p.add_argument("--new-tokens", type=int, default=200)
@@ -239,7 +247,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     if ranks is not None:  # each rank its own GPU
         device = str(tensor_parallel.rank_device(device, ranks[2]))
     return BenchConfig(
-        models=_split(ns.model), quants=_split(ns.quant), batch_sizes=_positive_ints(ns.batch_size, "--batch-size"),
+        models=_split(ns.model), quants=_split(ns.quant), group_size=ns.groupsize, batch_sizes=_positive_ints(ns.batch_size, "--batch-size"),
         prompt_lengths=_positive_ints(ns.prompt_lengths, "--prompt-lengths"), new_tokens=ns.new_tokens,
         runs=ns.runs, compare=_split(ns.compare), compile_time=ns.compile_time or ns.compile_time_only,
         compile_time_only=ns.compile_time_only, compile_prefill=ns.compile_prefill, compile=ns.compile,
@@ -309,6 +317,9 @@ def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None,
                     record = attempt(f"{name} {quant} batch {batch}",
                                      lambda: bench_redline(cfg, name, quant, batch, bandwidth, log, world))
                     records += [record] if record is not None else []
+            if "int4" in cfg.quants and device.type == "cuda":
+                anchor = attempt(f"{name} tinygemm", lambda: tinygemm_anchor(name, cfg.group_size, device, log))
+                report.setdefault("tinygemm", []).extend([anchor] if anchor else [])
             if "hf" in cfg.compare:
                 hf_records += attempt(f"{name} HF", lambda: bench_hf(cfg, name, log)) or []
     if cfg.compile_time:

@@ -7,8 +7,8 @@ from torch import Tensor
 
 from model import ModelArgs, Transformer
 
-# The weight formats a random model can be built in: the dense dtype, or int8 per channel (quantize.py).
-QUANT_CHOICES = ("none", "int8")
+# The weight formats a random model can be built in: the dense dtype, int8 per channel or int4 per group (quantize.py).
+QUANT_CHOICES = ("none", "int8", "int4")
 WEIGHT_STD = 0.02  # the initializer scale of Llama-family checkpoints; norm gains are drawn around 1
 
 
@@ -41,17 +41,39 @@ def fill_random_(model: torch.nn.Module, seed: int) -> None:
         p.normal_(mean, WEIGHT_STD, generator=gen)
 
 
+@torch.no_grad()
+def fill_random_int4_(model: torch.nn.Module, seed: int) -> None:
+    """Random packed int4 weights drawn directly (every code 0..15 equally likely), scale 0.005 and offset
+    -7.5 * scale, so the values lie within +-0.0375 around 0 like an N(0, 0.02) matrix; no float copy is made."""
+    from quantize import INT4_MAX, Int4Linear
+
+    gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 1)
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.weight.copy_(torch.randint(0, 256, module.weight.shape, generator=gen, device=module.weight.device,
+                                              dtype=torch.int32).to(torch.uint8))
+            module.scales[..., 0] = 0.005
+            module.scales[..., 1] = -0.005 * INT4_MAX / 2
+
+
 def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: str,
-                       seed: int = 0) -> Transformer:
-    """The registry model on `device` in `dtype` with random weights, quantized in place when asked."""
+                       seed: int = 0, group_size: int = 128) -> Transformer:
+    """The registry model on `device` in `dtype` with random weights, quantized in place when asked (int4:
+    packed weights drawn directly, so a 70B model never needs a bf16 copy)."""
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to(dtype=dtype)
+    if quant == "int4":
+        from quantize import prepare_quantized_structure, quantization_metadata
+
+        prepare_quantized_structure(model, quantization_metadata("int4", args.tie_word_embeddings, group_size))
     model.to_empty(device=device)
     if args.tie_word_embeddings:  # to_empty gives each module its own tensor; tie them again
         model.output.weight = model.tok_embeddings.weight
     fill_random_(model, seed)
-    if quant != "none":
+    if quant == "int4":
+        fill_random_int4_(model, seed)
+    elif quant != "none":
         from quantize import quantize_
 
         quantize_(model, quant)

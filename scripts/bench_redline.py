@@ -159,7 +159,7 @@ def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth
     args = ModelArgs.from_name(name)
     log(f"{name} {quant} batch {batch}: building random weights" + (f" (rank 0 of {world.world_size})" if world
                                                                       else ""))
-    model = (build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed) if world is None
+    model = (build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed, cfg.group_size) if world is None
              else build_random_tp_model(args, world, cfg.torch_dtype, quant, cfg.seed))
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
                        fuse=cfg.fuse, name=f"{name} (random weights)")

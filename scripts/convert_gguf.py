@@ -3,7 +3,12 @@ with its tokenizer, chat template and generation config written beside it.
 
 python scripts/convert_gguf.py --gguf FILE.gguf [--out FILE] [--dtype bfloat16|float16|float32] [--dequantize]
 
-Quantized tensors are read as (packed, scales, mins) blocks first and then dequantized to --dtype.
+Quantized tensors are read as (codes, scales, mins) blocks first. By default, when the projections inside the
+blocks are Q4_0/Q4_1, the checkpoint is int4 with group size 32 and no loss (quantize.py's layout): GGUF's 32-value
+blocks are Redline's groups, Q4_1's d * q + m keeps scale d and offset m, Q4_0's d * (q - 8) becomes scale d and
+offset -8d (both fp16, exactly). An output head of another type (llama.cpp writes Q6_K there) stays float; a
+projection of another type is quantized to int4 g32 from its dequantized values (the metadata lists those).
+Everything else, and every tensor with --dequantize, is dequantized to --dtype.
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ FUSED_PARTS = {"attention.wqkv.weight": 3, "feed_forward.w13.weight": 2}
 # llama.cpp stores Llama 3.1 rope scaling as per-frequency factors; these are the parameters Meta's models use.
 LLAMA3_ROPE_CANDIDATES = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},)
 IGNORED_TENSORS = ("rope_freqs.weight",)
+# The GGUF types whose blocks are Redline int4 groups as they are.
+NATIVE_INT4_TYPES = ("Q4_0", "Q4_1")
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
@@ -52,7 +59,7 @@ class GGUFConvertArgs:
     gguf: Path
     out: Path
     dtype: torch.dtype
-    dequantize: bool = True
+    dequantize: bool = False
 
     def __post_init__(self) -> None:
         if self.out.suffix != ".safetensors":
@@ -166,6 +173,23 @@ def dequantize_blocks(q: QuantBlocks) -> np.ndarray:
     return values.reshape(values.shape[0], -1)
 
 
+def tensor_to_int4(t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A Q4_0/Q4_1 matrix as Redline int4 parts with group size 32: codes uint8 (rows, cols) in 0..15 and
+    fp16 (rows, cols / 32, 2) [scale, offset], value = scale * q + offset exactly as gguf dequantizes it."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    rows = int(np.prod(shape[:-1]))
+    q = split_blocks(np.asarray(t.data), t.tensor_type.name, rows, shape[-1])
+    if q.mins is not None:
+        offsets = q.mins
+    else:
+        with np.errstate(over="ignore"):
+            offsets = (q.scales * np.float16(-8.0)).astype(np.float16)  # exact: a power-of-two multiple
+        if not np.isfinite(offsets).all():
+            raise ValueError(f"tensor {t.name} has a Q4_0 scale above 8188, whose offset -8d overflows fp16; "
+                             f"convert with --dequantize")
+    return q.packed.reshape(rows, shape[-1]), np.stack([q.scales, offsets], axis=-1)
+
+
 def tensor_to_float(t: Any) -> np.ndarray:
     """A GGUF tensor as float32, shaped (rows, cols) as PyTorch orders it (GGUF lists dims innermost first)."""
     import gguf
@@ -189,10 +213,31 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def redline_tensors(reader: Any, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Every GGUF tensor as float32 under its Redline name, q/k unpermuted, qkv and gate/up fused."""
-    parts: dict[str, list[np.ndarray | None]] = {}
-    out: dict[str, torch.Tensor] = {}
+def native_int4_targets(reader: Any, args: ModelArgs) -> set[str]:
+    """The Redline linear weights whose every GGUF source is Q4_0/Q4_1 (empty unless every projection inside the
+    blocks has at least one such source, so that the checkpoint can be int4)."""
+    from quantize import quantized_linear_names
+
+    kinds: dict[str, set[str]] = {}
+    for t in reader.tensors:
+        match = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
+        if t.name == "output.weight":
+            target = "output.weight"
+        elif match and match.group(2) in LAYER_PARTS:
+            target = f"layers.{match.group(1)}.{LAYER_PARTS[match.group(2)][0]}"
+        else:
+            continue
+        kinds.setdefault(target, set()).add(t.tensor_type.name)
+    native = {name for name, types in kinds.items() if types <= set(NATIVE_INT4_TYPES)}
+    blocks = [f"{name}.weight" for name in quantized_linear_names(args.n_layer, True)]
+    return native if any(name in native for name in blocks) else set()
+
+
+def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()) -> dict[str, Any]:
+    """Every GGUF tensor under its Redline name, q/k unpermuted, qkv and gate/up fused: float32 tensors, and for
+    the targets in `native` (codes, scales) int4 parts (tensor_to_int4)."""
+    parts: dict[str, list[Any]] = {}
+    out: dict[str, Any] = {}
     for t in reader.tensors:
         if t.name in IGNORED_TENSORS:
             continue
@@ -205,36 +250,68 @@ def redline_tensors(reader: Any, args: ModelArgs) -> dict[str, torch.Tensor]:
             local = match.group(2)
             name, index = LAYER_PARTS[local]
             target = f"layers.{match.group(1)}.{name}"
-        w = tensor_to_float(t)
-        if local == "attn_q.weight":
-            w = unpermute_rope_rows(w, args.n_head)
-        elif local == "attn_k.weight":
-            w = unpermute_rope_rows(w, args.n_kv_heads)
+        heads = args.n_head if local == "attn_q.weight" else args.n_kv_heads if local == "attn_k.weight" else 0
+        if target in native:
+            w = tuple(unpermute_rope_rows(a, heads) if heads else a for a in tensor_to_int4(t))
+        else:
+            w = tensor_to_float(t)
+            w = unpermute_rope_rows(w, heads) if heads else w
         if index is None:
-            out[target] = torch.from_numpy(np.array(w, dtype=np.float32))
+            out[target] = w if target in native else torch.from_numpy(np.array(w, dtype=np.float32))
         else:
             parts.setdefault(target, [None] * FUSED_PARTS[target.split(".", 2)[2]])[index] = w
     for target, pieces in parts.items():
         if any(p is None for p in pieces):
             raise ValueError(f"the GGUF file lacks part of {target}; the file is incomplete")
-        out[target] = torch.from_numpy(np.concatenate(pieces, axis=0))
+        if target in native:
+            out[target] = tuple(np.concatenate([p[i] for p in pieces], axis=0) for i in range(2))
+        else:
+            out[target] = torch.from_numpy(np.concatenate(pieces, axis=0))
     if args.tie_word_embeddings:
         out.pop("output.weight", None)
     return out
 
 
-def check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs) -> None:
+def check_shapes(tensors: dict[str, Any], args: ModelArgs) -> None:
     expected = expected_shapes(args)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"the GGUF file lacks tensor {missing[0]} ({len(missing)} missing); the file is incomplete")
     for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
+        got = tensors[name][0].shape if isinstance(tensors[name], tuple) else tensors[name].shape
+        if tuple(got) != shape:
             raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, but the metadata implies {shape}")
 
 
+def int4_checkpoint_tensors(tensors: dict[str, Any], args: ModelArgs,
+                            dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The int4 g32 checkpoint's tensors and quantization metadata: native parts packed as they are, other block
+    projections quantized from float, an output head of another type kept float, the rest in `dtype`."""
+    from quantize import pack_int4, quantization_metadata, quantize_int4, quantized_linear_names
+
+    quantization = quantization_metadata("int4", args.tie_word_embeddings, 32)
+    out: dict[str, torch.Tensor] = {}
+    requantized = []
+    linears = {f"{name}.weight" for name in quantized_linear_names(args.n_layer, args.tie_word_embeddings)}
+    for name, t in tensors.items():
+        scales_name = name.removesuffix(".weight") + ".scales"
+        if isinstance(t, tuple):
+            out[name] = pack_int4(torch.from_numpy(np.ascontiguousarray(t[0])))
+            out[scales_name] = torch.from_numpy(np.ascontiguousarray(t[1]))
+        elif name in linears and name != "output.weight":
+            out[name], out[scales_name] = quantize_int4(t, 32)
+            requantized.append(name.removesuffix(".weight"))
+        else:
+            out[name] = t.to(dtype)
+    if "output.weight" in out and "output.scales" not in out:
+        quantization["not_quantized"].append("output (not Q4_0/Q4_1 in the GGUF file)")
+    if requantized:
+        quantization["quantized_from_float"] = requantized
+    return out, quantization
+
+
 def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: torch.dtype | str = torch.bfloat16,
-                 dequantize: bool = True) -> Path:
+                 dequantize: bool = False) -> Path:
     """Write the Redline checkpoint (and tokenizer files beside it) for a GGUF file; returns the checkpoint."""
     gguf_path = Path(gguf_path)
     out_path = Path(out) if out is not None else gguf_path.with_suffix(".redline.safetensors")
@@ -243,10 +320,13 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
     rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     args = model_args(reader, tensor_to_float(rope) if rope is not None else None)
     tokenizer = tokenizer_files(reader)  # built before anything is written, so a bad tokenizer leaves no files
-    tensors = redline_tensors(reader, args)
+    native = set() if cfg.dequantize else native_int4_targets(reader, args)
+    tensors = redline_tensors(reader, args, native)
     check_shapes(tensors, args)
-    tensors = {name: t.to(cfg.dtype) for name, t in tensors.items()}
-    path = save_checkpoint(cfg.out, tensors, CheckpointInfo(path=cfg.out, args=args, dtype=cfg.dtype))
+    tensors, quantization = int4_checkpoint_tensors(tensors, args, cfg.dtype) if native else (
+        {name: t.to(cfg.dtype) for name, t in tensors.items()}, {"scheme": "none"})
+    info = CheckpointInfo(path=cfg.out, args=args, dtype=cfg.dtype, quantization=quantization)
+    path = save_checkpoint(cfg.out, tensors, info)
     write_tokenizer_files(tokenizer, cfg.out.parent)
     return path
 
@@ -258,10 +338,10 @@ def parse_args(argv: list[str] | None) -> GGUFConvertArgs:
                         help="output file (default: beside the input, NAME.redline.safetensors)")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     parser.add_argument("--dequantize", action="store_true",
-                        help="dequantize every quantized tensor to --dtype (the only mode for now)")
+                        help="dequantize every quantized tensor to --dtype (default: Q4_0/Q4_1 projections stay int4)")
     ns = parser.parse_args(argv)
     out = ns.out if ns.out is not None else ns.gguf.with_suffix(".redline.safetensors")
-    return GGUFConvertArgs(gguf=ns.gguf, out=out, dtype=dtype_from_name(ns.dtype), dequantize=True)
+    return GGUFConvertArgs(gguf=ns.gguf, out=out, dtype=dtype_from_name(ns.dtype), dequantize=ns.dequantize)
 
 
 def main(argv: list[str] | None = None) -> int:

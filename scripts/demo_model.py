@@ -70,14 +70,17 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def demo_checkpoint(directory: Path = DEFAULT_DIR, dtype: str = DEFAULT_DTYPE) -> Path:
-    """The converted demo checkpoint, fetched and converted when absent or older than its GGUF."""
+def demo_checkpoint(directory: Path = DEFAULT_DIR, dtype: str = DEFAULT_DTYPE, int4: bool = False) -> Path:
+    """The converted demo checkpoint (dequantized to dtype, or with int4 its Q4_1 projections kept as int4 g32),
+    fetched and converted when absent or older than its GGUF."""
     source = fetch_gguf(directory)
     out = checkpoint_path(directory, dtype)
+    if int4:
+        out = out.with_name(out.name.replace(".safetensors", ".int4-g32.safetensors"))
     tokenizer_ready = (out.parent / "tokenizer_config.json").is_file()
     if out.is_file() and tokenizer_ready and out.stat().st_mtime >= source.stat().st_mtime:
         return out
-    return convert_gguf(source, out, dtype)
+    return convert_gguf(source, out, dtype, dequantize=not int4)
 
 
 def main(argv: list[str] | None = None) -> int:

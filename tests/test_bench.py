@@ -136,10 +136,10 @@ def test_merge_reports_saved_runs_together(full_run, tmp_path):
 def test_a_failed_configuration_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch, capsys):
     build = bench_redline.build_random_model
 
-    def build_or_fail(args, device, dtype, quant, seed=0):
+    def build_or_fail(args, device, dtype, quant, seed=0, group_size=128):
         if quant == "int8":
             raise RuntimeError("CUDA out of memory (simulated)")
-        return build(args, device, dtype, quant, seed)
+        return build(args, device, dtype, quant, seed, group_size)
 
     monkeypatch.setattr(bench_redline, "build_random_model", build_or_fail)
     out = tmp_path / "partial.json"
@@ -169,7 +169,8 @@ def test_compile_time_runs_child_processes_cold_then_warm(tmp_path, monkeypatch)
 
 BAD_ARGUMENTS = [
     (["--model", "Llama-9-1T"], "unknown model name"),
-    (["--quant", "int4"], "unknown --quant mode"),
+    (["--quant", "int3"], "unknown --quant mode"),
+    (["--quant", "int4", "--groupsize", "48"], "power of two"),
     (["--new-tokens", "0"], "--new-tokens"),
     (["--prompt-lengths", "4,-1"], "--prompt-lengths"),
     (["--batch-size", "0"], "--batch-size"),

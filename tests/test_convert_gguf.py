@@ -295,3 +295,34 @@ def test_bad_arguments(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["--gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "m.bin")]) == 2
     assert ".safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("qtype", (QT.Q4_0, QT.Q4_1), ids=lambda t: t.name)
+def test_q4_files_load_natively_as_int4_g32_with_no_loss(tmp_path, tiny_hf, qtype):
+    """Every block projection keeps its codes: the int4 checkpoint dequantizes to exactly gguf's own values,
+    an untied output head of the same type is int4 too, and --dequantize still gives float."""
+    from checkpoint import load_tensors
+    from quantize import dequantize_int4
+
+    path = write_gguf(tmp_path / "m.gguf", tiny_hf, qtype)
+    native = convert_gguf(path, tmp_path / "int4" / "model.safetensors", "float32")
+    info = read_checkpoint_info(native)
+    assert info.scheme == "int4" and info.quantization["group_size"] == 32
+    assert "quantized_from_float" not in info.quantization
+    tensors = load_tensors(info)
+    floats = load_tensors(read_checkpoint_info(convert_gguf(path, tmp_path / "f" / "model.safetensors", "float32",
+                                                           dequantize=True)))
+    int4_names = [n for n in tensors if n.endswith(".scales")]
+    assert len(int4_names) == 4 * tiny_hf.config.num_hidden_layers + 1  # the untied head too
+    for name in int4_names:
+        weight = name.removesuffix(".scales") + ".weight"
+        assert tensors[name].dtype == torch.float16 and tensors[weight].dtype == torch.uint8
+        assert torch.equal(dequantize_int4(tensors[weight], tensors[name]), floats[weight]), weight
+    # and against gguf's reference dequantization directly, on a tensor that needs no row reordering
+    w = tiny_hf.state_dict()["model.layers.0.mlp.down_proj.weight"].float().numpy()
+    expected = gguf.quants.dequantize(stored(w, qtype), qtype).reshape(w.shape)
+    got = dequantize_int4(tensors["layers.0.feed_forward.w2.weight"], tensors["layers.0.feed_forward.w2.scales"])
+    assert np.array_equal(got.numpy(), expected)
+    ids = torch.randint(0, tiny_hf.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(redline_logits(native, ids), redline_logits(tmp_path / "f" / "model.safetensors", ids),
+                               atol=1e-5, rtol=1e-5)

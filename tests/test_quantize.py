@@ -122,7 +122,7 @@ def test_llm_loads_int8_without_flags_and_quantizes_on_load(bf16_checkpoint, int
 def test_quantize_in_memory_rejects_bad_mode_and_double_quantization(bf16_checkpoint):
     model = load_model(read_checkpoint_info(bf16_checkpoint), "cpu")
     with pytest.raises(ValueError, match="int4"):
-        quantize_(model, "int4")
+        quantize_(model, "int3")
     quantize_(model, "int8")
     with pytest.raises(ValueError, match="already quantized"):
         quantize_(model, "int8")

@@ -1,0 +1,190 @@
+"""The int4 GEMV on one GPU, in one process: correctness against the reference, per-shape speed next to torch's
+int4 kernel (tinygemm, `aten._weight_int4pack_mm`), a config sweep, then the decode benchmark of scripts/bench.py.
+
+    PYTHONPATH=$PWD python scripts/bench_int4.py [--skip-decode] [--json FILE]
+
+Every GEMV time is a CUDA graph of back-to-back calls whose weights rotate over enough copies that the bytes read
+between two uses of one copy exceed the L2 cache. The "tinygemm ceiling" is 1 / (the sum of tinygemm's GEMV times
+for one token of the model): the tok/s its GEMVs alone allow. bench.py's `--quant int4` reports it too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+import torch
+
+from model import ModelArgs
+from profiling import cuda_graph_us_per_call
+
+# Bytes of weights read between two uses of one copy: five times an H200's 60 MB L2.
+ROTATE_BYTES = 5 * 60 * 2**20
+# Back-to-back calls per captured graph and graph replays per measurement.
+CALLS, REPEATS = 20, 10
+# tinygemm's K tiling (what torchao and gpt-fast pass).
+INNER_K_TILES = 8
+# (BLOCK_N, BLOCK_K, num_warps, depth) of the int4 GEMV tried on each 7B shape.
+INT4_SWEEP = [(8, 512, 2, 2), (4, 512, 1, 2), (8, 1024, 4, 2), (4, 1024, 2, 2), (16, 512, 4, 2), (8, 256, 1, 2),
+              (4, 256, 1, 2), (16, 1024, 8, 2), (8, 512, 4, 1), (2, 1024, 1, 2)]
+
+
+def model_gemv_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(N, K) of one token's projections: per block wqkv, wo, w13, w2, and the output head."""
+    return {"wqkv": (args.q_size + 2 * args.kv_size, args.dim), "wo": (args.dim, args.q_size),
+            "w13": (2 * args.intermediate_size, args.dim), "w2": (args.dim, args.intermediate_size),
+            "lm_head": (args.vocab_size, args.dim)}
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, math.ceil(ROTATE_BYTES / max(nbytes, 1)))
+
+
+def random_int4(n: int, k: int, group_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed weights (uint8 (N, K/2)) and [scale, offset] (fp16 (N, K/G, 2)) in quantize.py's layout."""
+    w = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.int32).to(torch.uint8)
+    sz = torch.empty(n, k // group_size, 2, device=device, dtype=torch.float16)
+    sz[..., 0].uniform_(0.002, 0.01)
+    sz[..., 1].uniform_(-0.05, 0.0)
+    return w, sz
+
+
+def tinygemm_us(n: int, k: int, group_size: int, device: torch.device) -> float:
+    """µs per call of aten._weight_int4pack_mm for one bf16 row (its own packing of random codes)."""
+    copies = copies_for(n * k // 2)
+    mats = []
+    for _ in range(copies):
+        codes = torch.randint(0, 256, (n, k // 2), device=device, dtype=torch.int32).to(torch.uint8)
+        packed = torch._convert_weight_to_int4pack(codes, INNER_K_TILES)
+        sz = torch.rand(k // group_size, n, 2, device=device, dtype=torch.bfloat16) * 0.01
+        mats.append((packed, sz))
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    calls = [lambda p=p, s=s: torch._weight_int4pack_mm(x, p, group_size, s) for p, s in mats]
+    return cuda_graph_us_per_call([calls[i % copies] for i in range(CALLS)], REPEATS)
+
+
+def redline_us(n: int, k: int, group_size: int, device: torch.device, config: Any = None) -> float:
+    from kernels.triton_int4 import gemv_int4
+
+    copies = copies_for(n * k // 2)
+    mats = [random_int4(n, k, group_size, device) for _ in range(copies)]
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    out = torch.empty(1, n, device=device, dtype=torch.bfloat16)
+    calls = [lambda w=w, s=s: gemv_int4(x, w, s, out, config=config) for w, s in mats]
+    return cuda_graph_us_per_call([calls[i % copies] for i in range(CALLS)], REPEATS)
+
+
+def int4_bytes(n: int, k: int, group_size: int) -> int:
+    return n * k // 2 + n * (k // group_size) * 4
+
+
+def tinygemm_anchor(name: str, group_size: int, device: torch.device, log: Any) -> dict[str, Any]:
+    """tinygemm's GEMV time on each of the model's shapes and the tok/s its GEMVs alone allow."""
+    args = ModelArgs.from_name(name)
+    shapes = model_gemv_shapes(args)
+    us = {part: tinygemm_us(n, k, group_size, device) for part, (n, k) in shapes.items()}
+    token_us = args.n_layer * sum(us[p] for p in ("wqkv", "wo", "w13", "w2")) + us["lm_head"]
+    ceiling = 1e6 / token_us
+    log(f"{name} tinygemm int4 g{group_size}: " + ", ".join(f"{p} {t:.1f} us" for p, t in us.items())
+        + f"; GEMV ceiling {ceiling:.0f} tok/s")
+    return {"model": name, "group_size": group_size, "us": us, "ceiling_tok_s": ceiling}
+
+
+def check_correctness(device: torch.device) -> float:
+    """Max relative error of the int4 GEMV (plain and fused) against the fp32 reference on real and odd shapes."""
+    from kernels.linear import fused_linear_reference, int4_linear_reference
+    from kernels.triton_int4 import gemv_int4
+
+    worst = 0.0
+    shapes = [(12288, 4096), (4096, 11008), (22016, 4096), (6144, 4096), (4096, 14336), (10240, 8192),
+              (8192, 28672), (57344, 8192), (32000, 4096), (1000, 96), (7, 32), (333, 4160), (64, 1056)]
+    for n, k in shapes:
+        for g in (32, 64, 128, 256):
+            if k % g:
+                continue
+            w, sz = random_int4(n, k, g, device)
+            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            ref = int4_linear_reference(x, w, sz).float()
+            err = ((gemv_int4(x, w, sz).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+            worst = max(worst, err)
+            print(f"check int4 GEMV N={n} K={k} g{g}: max error / max |y| = {err:.2e}", flush=True)
+    for n, k, g in ((22016, 4096, 128), (1002, 288, 32)):  # fused: norm + SwiGLU, and norm + residual
+        w, sz = random_int4(n, k, g, device)
+        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+        nw = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5
+        for swiglu in (True, False):
+            res = None if swiglu else torch.randn(1, n, device=device, dtype=torch.bfloat16)
+            ref = fused_linear_reference(x, w, sz, nw, 1e-5, res, swiglu).float()
+            got = gemv_int4(x, w, sz, norm_weight=nw, eps=1e-5, residual=None if res is None else res.view(-1),
+                            swiglu=swiglu).float()
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            worst = max(worst, err)
+            print(f"check fused int4 GEMV N={n} K={k} g{g} swiglu={swiglu}: {err:.2e}", flush=True)
+    return worst
+
+
+def time_shapes(device: torch.device, sweep: bool) -> list[dict[str, Any]]:
+    from kernels.configs import GemvConfig
+
+    rows = []
+    shapes = model_gemv_shapes(ModelArgs.from_name("Llama-2-7B"))
+    for g in (128, 32):
+        for part, (n, k) in shapes.items():
+            nbytes = int4_bytes(n, k, g)
+            ours, tiny = redline_us(n, k, g, device), tinygemm_us(n, k, g, device)
+            row = {"group_size": g, "part": part, "n": n, "k": k, "redline_us": ours, "tinygemm_us": tiny,
+                   "redline_gb_s": nbytes / ours / 1e3, "tinygemm_gb_s": nbytes / tiny / 1e3}
+            if sweep:
+                best = None
+                for c in INT4_SWEEP:
+                    try:
+                        t = redline_us(n, k, g, device, GemvConfig(*c))
+                    except Exception as exc:  # a config that does not compile or fit is skipped, not fatal
+                        print(f"  config {c} failed: {type(exc).__name__}", flush=True)
+                        continue
+                    if best is None or t < best[1]:
+                        best = (c, t)
+                row["best_config"], row["best_us"] = best if best else (None, None)
+            rows.append(row)
+            print(f"7B {part} g{g}: redline {ours:.1f} us ({row['redline_gb_s']:.0f} GB/s), tinygemm {tiny:.1f} us "
+                  f"({row['tinygemm_gb_s']:.0f} GB/s)" + (f", best {row['best_config']} {row['best_us']:.1f} us"
+                                                          if sweep and row.get('best_us') else ""), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--skip-decode", action="store_true", help="only the kernel checks and timings")
+    p.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
+    p.add_argument("--json", default=None, help="write the kernel numbers here")
+    ns = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: bench_int4 needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    worst = check_correctness(device)
+    print(f"int4 GEMV worst relative error: {worst:.2e} ({'OK' if worst < 2e-2 else 'FAIL'})", flush=True)
+    rows = time_shapes(device, not ns.no_sweep)
+    for g in (128, 32):
+        us = {r["part"]: r for r in rows if r["group_size"] == g}
+        for who in ("redline", "tinygemm"):
+            token = 32 * sum(us[p][f"{who}_us"] for p in ("wqkv", "wo", "w13", "w2")) + us["lm_head"][f"{who}_us"]
+            print(f"7B g{g} {who} GEMVs alone: {1e6 / token:.0f} tok/s", flush=True)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"worst_error": worst, "shapes": rows}, f, indent=1)
+    if ns.skip_decode:
+        return 0 if worst < 2e-2 else 1
+    from scripts import bench
+
+    status = 0
+    for g in ("128", "32"):
+        status |= bench.main(["--model", "Llama-2-7B", "--quant", "int4", "--groupsize", g, "--new-tokens", "200",
+                              "--runs", "5", "--bandwidth-gib", "2"])
+    return status or (0 if worst < 2e-2 else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
