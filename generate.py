@@ -30,6 +30,7 @@ from model import Transformer
 from options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
 from profiling import ProfileConfig, TraceRecorder
+import speculative
 from quantize import load_model, model_quantization
 from sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
 from streaming import GenerationLock, Stream, TextStream
@@ -164,6 +165,7 @@ class LLM:
             if compile_prefill:  # one CUDA graph per prompt bucket too: short prompts are otherwise launch-bound
                 self._prefill_fn = CompiledStep(prefill, device)
         self._warm: set[tuple] = set()  # graphs already compiled and captured
+        self._speculative_fns: dict[str, Callable[..., Any]] = {}  # speculative.py's verify/draft steps, made once
         self._lock = GenerationLock()  # held for a whole generation, a stream's included
 
     @classmethod
@@ -351,6 +353,7 @@ class LLM:
         options = resolve_options(options, settings)
         ids = self.encode_prompt(prompt)
         self._plan_lengths(len(ids), options.max_new_tokens)
+        speculative.Speculator.for_options(self, options)  # a bad draft is refused here, before the first piece
         return Stream(self._lock, lambda: self._pieces(ids, options))
 
     def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
@@ -365,6 +368,7 @@ class LLM:
                     **settings: Any) -> Stream:
         options = resolve_options(options, settings)
         ids = self.chat_prompt(messages)
+        speculative.Speculator.for_options(self, options)
         room = self.context_left(len(ids))
         if room < self.chat_reply_room(options.max_new_tokens):
             raise ValueError(f"the conversation takes {len(ids)} of the model's {self.model.args.block_size} tokens "
@@ -410,36 +414,43 @@ class LLM:
         eos = set() if options.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         stops, sampling, max_new = list(options.stop), options.sampling, options.max_new_tokens
         prompts = torch.tensor([prompt_ids], dtype=torch.long)
-        compile_s = self._prepare(1, len(prompt_ids), max_new, sampling)  # never inside the timings
-        recorder = self._recorder(options.profile, prompts, max_new, sampling)
+        spec = speculative.Speculator.for_options(self, options)  # None without a draft
+        engine: Any = spec if spec is not None else self  # whose token loop runs
+        compile_s = engine._prepare(1, len(prompt_ids), max_new, sampling)  # never inside the timings
+        recorder = self._recorder(options.profile, prompts, max_new, sampling, engine)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         text_stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
         new_ids: list[int] = []
-        times: list[float] = []
+        times: list[float] = []  # when each step's tokens arrived
+        counts: list[int] = []  # tokens taken from each step (a speculative step brings several)
         text, emitted, finish = "", 0, "length"
         with recorder if recorder is not None else contextlib.nullcontext():
             sync(self.device)
             start = time.perf_counter()
-            for tokens, arrived in self.generate_token_batches(prompts, max_new, sampling, recorder):
-                token = tokens[0]
+            for tokens, arrived in engine.generate_token_batches(prompts, max_new, sampling, recorder):
                 times.append(arrived)
-                if token in eos:
-                    finish = "eos"
+                counts.append(0)
+                for token in tokens:  # batch 1: one token, or a verify step's accepted run
+                    counts[-1] += 1
+                    if token in eos:
+                        finish = "eos"
+                        break
+                    new_ids.append(token)
+                    if text_stream is None:
+                        continue
+                    text += text_stream.push(token)
+                    cut = first_stop(text, stops)
+                    if cut is not None:
+                        text, finish = text[:cut], "stop"
+                        break
+                    # Hold back a tail that could still grow into a stop string.
+                    safe = len(text) - max((len(s) - 1 for s in stops), default=0)
+                    if safe > emitted:
+                        yield text[emitted:safe]
+                        emitted = safe
+                if finish != "length":
                     break
-                new_ids.append(token)
-                if text_stream is None:
-                    continue
-                text += text_stream.push(token)
-                cut = first_stop(text, stops)
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    break
-                # Hold back a tail that could still grow into a stop string.
-                safe = len(text) - max((len(s) - 1 for s in stops), default=0)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
             if finish == "length" and text_stream is not None:
                 text += text_stream.flush()
                 cut = first_stop(text, stops)
@@ -447,32 +458,36 @@ class LLM:
                     text, finish = text[:cut], "stop"
         if len(text) > emitted:
             yield text[emitted:]
-        stats = self._stats(len(prompt_ids), len(new_ids), start, times, compile_s)
-        trace = recorder.write(self._trace_stats(stats), step_seconds(times)) if recorder is not None else None
+        stats = self._stats(len(prompt_ids), len(new_ids), start, times, compile_s, counts=counts,
+                            speculation=spec.stats() if spec is not None else {})
+        trace = recorder.write(self._trace_stats(stats), step_seconds(times, counts)) if recorder is not None else None
         return GenerationResult(text=text, token_ids=new_ids, stats=stats, finish_reason=finish, trace_path=trace)
 
     def _stats(self, prompt_len: int, n_new: int, start: float, times: list[float], compile_s: float,
-               batch: int = 1) -> GenerationStats:
+               batch: int = 1, counts: list[int] | None = None,
+               speculation: Mapping[str, Any] | None = None) -> GenerationStats:
         ttft = times[0] - start
         decode_s = times[-1] - times[0]
-        decode_rate = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else 0.0
+        timed = len(times) > 1 and decode_s > 0
+        steps = (len(times) - 1) / decode_s if timed else 0.0  # weight reads per second
+        decode_rate = sum(counts[1:]) / decode_s if timed and counts else steps  # tokens (a step may bring several)
         peak = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
         return GenerationStats(
             prompt_tokens=prompt_len, new_tokens=n_new, ttft_s=ttft, prefill_tok_s=prompt_len * batch / ttft,
             decode_tok_s=decode_rate * batch, model_bytes_per_token=self.bytes_per_token,
-            bandwidth_gb_s=decode_rate * self.bytes_per_token / 1e9, peak_memory_gb=peak,
-            compile_s=compile_s, batch_size=batch,
+            bandwidth_gb_s=steps * self.bytes_per_token / 1e9, peak_memory_gb=peak,
+            compile_s=compile_s, batch_size=batch, **(speculation or {}),
         )
 
     # -- profiling -----------------------------------------------------------------------------------------------------
 
     def _recorder(self, profile: ProfileConfig | None, prompts: Tensor, max_new_tokens: int,
-                  sampling: SamplingParams) -> TraceRecorder | None:
+                  sampling: SamplingParams, engine: Any = None) -> TraceRecorder | None:
         if profile is None:
             return None
         # Run the whole path once outside the trace, so the window holds only steady-state steps.
         warm = dataclasses.replace(sampling, seed=0)
-        for _ in self.generate_token_batches(prompts, min(max_new_tokens, 4), warm):
+        for _ in (engine or self).generate_token_batches(prompts, min(max_new_tokens, 4), warm):
             pass
         return TraceRecorder(profile, self.device)
 
@@ -495,8 +510,10 @@ class LLM:
         return out
 
 
-def step_seconds(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
+def step_seconds(times: list[float], counts: list[int] | None = None) -> list[float]:
+    """Seconds per token of each step after the first (a step of several tokens: its time over their number)."""
+    counts = counts or [1] * len(times)
+    return [(b - a) / max(c, 1) for a, b, c in zip(times, times[1:], counts[1:])]
 
 
 def first_stop(text: str, stops: list[str]) -> int | None:
