@@ -548,9 +548,15 @@ class GenerateArgs:
     system: str | None = None
     profile: Path | None = None
     profile_steps: int = 16
+    prompt_lookup: bool = False
+    draft_checkpoint_path: Path | None = None
+    draft_quantize: str | None = None
+    speculate_k: int | None = None
 
     def __post_init__(self) -> None:
-        self.engine, self.options(0)  # validate every engine and generation setting before any work
+        # Validate every engine and generation setting before any work (a draft model's k as prompt lookup's).
+        self.engine, self.options(0, "prompt_lookup" if self.draft_checkpoint_path is not None else None)
+        speculative.check_cli_draft(self.prompt_lookup, self.draft_checkpoint_path, self.draft_quantize)
         if self.num_samples < 1:
             raise ValueError(f"--num_samples must be >= 1, got {self.num_samples}")
         if self.chat and self.interactive:
@@ -570,11 +576,13 @@ class GenerateArgs:
         return EngineConfig(self.device, self.dtype, self.compile, self.compile_prefill, self.quantize, self.kernels,
                             self.fuse)
 
-    def options(self, sample: int) -> GenerationOptions:
-        """Sample i's options: seed + i, and the trace for the first sample only."""
+    def options(self, sample: int, draft: Any = None) -> GenerationOptions:
+        """Sample i's options: seed + i, and the trace for the first sample only; `draft`: the loaded draft model."""
         profile = ProfileConfig(self.profile, self.profile_steps) if self.profile is not None and sample == 0 else None
+        draft = "prompt_lookup" if self.prompt_lookup else draft
         return GenerationOptions(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.stop,
-                                 self.seed + sample if self.seed is not None else None, profile=profile)
+                                 self.seed + sample if self.seed is not None else None, profile=profile,
+                                 draft=draft, speculate_k=self.speculate_k)
 
     def messages(self, prompt: str) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + \
@@ -607,6 +615,10 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--system", default=None, help="system message for --chat and --interactive")
     p.add_argument("--profile", type=Path, default=None, help="write a Perfetto trace (.json.gz) here")
     p.add_argument("--profile_steps", type=int, default=16, help="decode steps recorded in the trace")
+    p.add_argument("--prompt_lookup", action="store_true", help="speculate: draft by copying from the context")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="speculate with this draft model")
+    p.add_argument("--draft_quantize", default=None, help="quantize the draft model on load (int8)")
+    p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step (default 5)")
     ns = p.parse_args(argv)
     return GenerateArgs(**{**vars(ns), "stop": tuple(ns.stop)})
 
@@ -622,13 +634,15 @@ def print_stream(stream: Stream, out: Any) -> GenerationResult:
 def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     llm = LLM.from_config(cfg.checkpoint_path, cfg.engine)
+    draft = None if cfg.draft_checkpoint_path is None else LLM.from_config(
+        cfg.draft_checkpoint_path, dataclasses.replace(cfg.engine, quantize=cfg.draft_quantize))
     if cfg.interactive:
-        return interactive(llm, cfg, stdin or sys.stdin, out, err)
+        return interactive(llm, cfg, stdin or sys.stdin, out, err, draft)
     for i in range(cfg.num_samples):
         if cfg.chat:
-            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.options(i))
+            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.options(i, draft))
         else:
-            stream = llm.stream(cfg.prompt, cfg.options(i))  # checks the prompt before it is echoed
+            stream = llm.stream(cfg.prompt, cfg.options(i, draft))  # checks the prompt before it is echoed
             out.write(cfg.prompt)
         result = print_stream(stream, out)
         print(f"[sample {i + 1}/{cfg.num_samples}] {result.stats.summary()}", file=err)
@@ -637,10 +651,10 @@ def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = No
     return 0
 
 
-def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any) -> int:
+def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any, draft: LLM | None = None) -> int:
     """A conversation on stdin: the oldest turns are dropped (the system message kept) when it outgrows the context."""
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    options = cfg.options(0)
+    options = cfg.options(0, draft)
     print(f"chatting with {llm.model_name}; an empty line or EOF ends.", file=err)
     while True:
         out.write("you> ")

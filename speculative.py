@@ -345,6 +345,18 @@ def make_draft(target: Any, draft: Any) -> Draft:
     raise ValueError(f"draft must be 'prompt_lookup', an LLM or a speculative.Draft, got {type(draft).__name__}")
 
 
+def check_cli_draft(prompt_lookup: bool, draft_path: Any, draft_quantize: str | None) -> None:
+    """The CLI's speculation flags: one draft source; --draft_quantize only with a draft model."""
+    from quantize import QUANT_MODES
+
+    if prompt_lookup and draft_path is not None:
+        raise ValueError("--prompt_lookup and --draft_checkpoint_path are two draft sources; pick one")
+    if draft_quantize is not None and draft_path is None:
+        raise ValueError("--draft_quantize quantizes the draft model; add --draft_checkpoint_path")
+    if draft_quantize is not None and draft_quantize not in QUANT_MODES:
+        raise ValueError(f"unknown --draft_quantize {draft_quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
+
+
 def compiled(fn: Any, llm: Any) -> Any:
     from generate import CompiledStep
 
