@@ -27,6 +27,15 @@ FALSE_ALARM = 1e-3
 SAMPLES = 1500
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny models' many small matmuls run fastest on one thread (several contend on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_llm_checkpoint):
     return LLM.load(tiny_llm_checkpoint[0], device="cpu")
@@ -50,7 +59,7 @@ def noisy_llm(path, scale: float, seed: int = 0, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def noisy_draft(tiny_llm_checkpoint):
-    return noisy_llm(tiny_llm_checkpoint[0], 0.5)
+    return noisy_llm(tiny_llm_checkpoint[0], 0.1)  # about half its drafts are accepted
 
 
 def greedy(llm, prompt, n=40, **kwargs):
@@ -94,7 +103,7 @@ def test_stats_count_accepted_tokens(llm):
 
 def test_compiled_speculation_equals_plain_greedy(tiny_llm_checkpoint, llm):
     target = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
-    draft = noisy_llm(tiny_llm_checkpoint[0], 0.5, compile=True)
+    draft = noisy_llm(tiny_llm_checkpoint[0], 0.1, compile=True)
     first = greedy(target, PROMPTS[1], draft=draft, speculate_k=4)
     assert first.token_ids == greedy(llm, PROMPTS[1]).token_ids and first.stats.compile_s > 0
     with torch._dynamo.config.patch(error_on_recompile=True):  # every later step replays the same graphs
@@ -158,11 +167,27 @@ def exact_joint(model: Transformer, prompt: list[int], depth: int, **sampling) -
     return out
 
 
-def chi_square_p_value(counts: Counter, expected: dict, n: int) -> float:
-    assert set(counts) <= set(expected)  # never a token plain sampling could not give
-    cells = sorted(expected)
-    observed = [counts.get(c, 0) for c in cells]
-    return scipy.stats.chisquare(observed, [expected[c] * n for c in cells]).pvalue
+def fits(counts: Counter, expected: dict, n: int) -> bool:
+    """Whether n samples' counts pass Pearson's chi-square test against the probabilities at FALSE_ALARM (cells
+    expecting under 5 are pooled into one); a sample the probabilities rule out fails it."""
+    if not set(counts) <= set(expected):
+        return False
+    total = sum(expected.values())
+    observed, wanted, pooled = [], [], [0, 0.0]
+    for cell, prob in expected.items():
+        e = prob / total * n
+        target = (observed, wanted) if e >= 5 else None
+        if target is None:
+            pooled[0] += counts.get(cell, 0)
+            pooled[1] += e
+        else:
+            observed.append(counts.get(cell, 0))
+            wanted.append(e)
+    if pooled[1] > 0:
+        observed.append(pooled[0])
+        wanted.append(pooled[1])
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, wanted))
+    return float(scipy.stats.chi2.sf(statistic, len(observed) - 1)) > FALSE_ALARM
 
 
 @pytest.mark.parametrize("source", ["deterministic", "draft_model"])
@@ -170,8 +195,8 @@ def test_sampled_distribution_equals_plain_sampling(tiny_llm_checkpoint, llm, so
     path = tiny_llm_checkpoint[0]
     prompt = [1, 40, 41, 42, 40]
     sampling = dict(temperature=2.0, top_k=3)
-    draft_llm = noisy_llm(path, 0.5)
-    draft = ArgmaxDraft(noisy_llm(path, 0.3, seed=1)) if source == "deterministic" else draft_llm
+    draft_llm = noisy_llm(path, 0.1)
+    draft = ArgmaxDraft(LLM.load(path, device="cpu")) if source == "deterministic" else draft_llm
     counts: Counter = Counter()
     accepted = 0.0
     for seed in range(SAMPLES):
@@ -181,11 +206,11 @@ def test_sampled_distribution_equals_plain_sampling(tiny_llm_checkpoint, llm, so
         accepted += result.stats.acceptance_rate
     reference = load_model(read_checkpoint_info(path), torch.device("cpu"))
     expected = exact_joint(reference, prompt, 3, **sampling)
-    assert chi_square_p_value(counts, expected, SAMPLES) > FALSE_ALARM
+    assert fits(counts, expected, SAMPLES)
     assert 0.1 < accepted / SAMPLES < 0.95  # drafts were both kept and rejected
     # The test can fail: the draft model's own distribution is told apart from the target's.
     if source == "draft_model":
-        assert chi_square_p_value(counts, exact_joint(draft_llm.model, prompt, 3, **sampling), SAMPLES) < FALSE_ALARM
+        assert not fits(counts, exact_joint(draft_llm.model, prompt, 3, **sampling), SAMPLES)
 
 
 def test_seeded_speculative_sampling_is_reproducible(llm, noisy_draft):
