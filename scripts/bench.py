@@ -5,6 +5,7 @@
         --prompt-lengths 8,512,2048 --new-tokens 200 --runs 5 [--compare hf] [--compile-prefill] \\
         [--compile-time | --compile-time-only] [--device cuda|cpu] [--dtype bfloat16] [--json FILE] [--plot FILE.png]
     python scripts/bench.py --merge a.json,b.json [--json all.json] [--plot all.png]   # re-report saved runs
+    python scripts/bench.py --model Llama-2-7B --quant none,int8 --speculate-k 1,2,3,4,5,6,7,8 [--json FILE]
 
 Models come from the registry (`model.ModelArgs.from_name`) and get random weights of a realistic scale, so nothing
 is downloaded. What each number means:
@@ -19,6 +20,8 @@ is downloaded. What each number means:
 - HF decode tok/s = (N - n_short) / (t(N) - t(n_short)) from two `generate` calls, so prefill cancels out.
 - compile time: time to first token after process start, measured around child processes with a fresh
   (cold) and then the same (warm) TORCHINDUCTOR_CACHE_DIR.
+- --speculate-k (instead of the runs above): a verify step's time for each k against one decode step, and the
+  ceiling with a replay draft that is always right (scripts/bench_speculative.py says how).
 
 This file is the CLI and the run; each measurement has its own module: bench_redline (Redline), bench_hf
 (transformers), bench_compile_time (the child processes), bench_model (random weights and the counts), bench_env
@@ -42,12 +45,14 @@ import torch._dynamo
 
 from checkpoint import dtype_from_name
 from model import ModelArgs
+from options import MAX_SPECULATE_K
 from scripts.bench_compile_time import CompileTimeRecord, measure_compile_times, run_ttft_probe
 from scripts.bench_env import BANDWIDTH_REPEATS, environment, measure_read_bandwidth
 from scripts.bench_hf import HF_SHORT_TOKENS, HFRecord, attach_ratios, bench_hf
 from scripts.bench_model import QUANT_CHOICES
 from scripts.bench_redline import RedlineRecord, bench_redline, median
 from scripts.bench_report import NOTES, format_report, merge_reports, write_json, write_plot
+from scripts.bench_speculative import bench_speculative, format_speculative
 
 # What --compare can time next to Redline: transformers' LlamaForCausalLM (scripts/bench_hf.py).
 COMPARE_CHOICES = ("hf",)
@@ -105,6 +110,7 @@ class BenchConfig:
     profile_dir: Path | None = None  # write one Perfetto trace per configuration here
     profile_steps: int = 16
     start_time: float | None = None  # the parent's time.time() when it started a --ttft-probe child
+    speculate_ks: tuple[int, ...] = ()  # measure speculative decoding at these k instead of the usual runs
     argv: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -141,6 +147,8 @@ class BenchConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but no CUDA/ROCm GPU is visible; use --device cpu")
+        if any(k > MAX_SPECULATE_K for k in self.speculate_ks):
+            raise ValueError(f"--speculate-k values must be in 1..{MAX_SPECULATE_K}, got {self.speculate_ks}")
         if self.compile_prefill and not self.compiled:
             raise ValueError("--compile-prefill needs compilation; on the CPU add --compile")
         longest = max(self.prompt_lengths) + self.new_tokens
@@ -209,6 +217,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--profile", dest="profile_dir", type=Path, default=None,
                    help="folder: also trace one generation per configuration (Perfetto .json.gz)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps recorded in each trace")
+    p.add_argument("--speculate-k", default="", help="comma-separated k: time verify steps and the replay-draft "
+                   "ceiling instead of the usual runs")
     p.add_argument("--ttft-probe", action="store_true", help="internal: child process of --compile-time")
     p.add_argument("--start-time", type=float, default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(list(argv))
@@ -223,6 +233,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         merge=tuple(Path(p) for p in _split(ns.merge)), bandwidth_gib=ns.bandwidth_gib,
         probe_new_tokens=ns.probe_new_tokens, seed=ns.seed, ttft_probe=ns.ttft_probe, start_time=ns.start_time,
         profile_dir=ns.profile_dir, profile_steps=ns.profile_steps, argv=tuple(argv),
+        speculate_ks=_positive_ints(ns.speculate_k, "--speculate-k") if ns.speculate_k else (),
     )
 
 
@@ -272,6 +283,15 @@ def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None) -> dict[str, Any
             refresh()
 
     refresh()
+    if cfg.speculate_ks:
+        report["speculative"] = {"verify": [], "ceiling": []}
+        for name in cfg.models:
+            for quant in cfg.quants:
+                found = attempt(f"{name} {quant} speculative", lambda: bench_speculative(cfg, name, quant, log))
+                for part, rows in (found or {}).items():
+                    report["speculative"][part] += rows
+        refresh()
+        return report
     if not cfg.compile_time_only:
         for name in cfg.models:
             for quant in cfg.quants:
@@ -305,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         json_path = cfg.json_path
         save = (lambda partial: write_json(partial, json_path)) if json_path is not None else None
         report = merge_reports(cfg.merge) if cfg.merge else run_benchmark(cfg, make_logger(), save)
-        print(format_report(report))
+        print(format_speculative(report["speculative"]) if "speculative" in report else format_report(report))
         if json_path is not None:
             write_json(report, json_path)
             print(f"\nJSON written to {json_path}")
