@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Transformer
 from options import GenerationOptions
 from sampling import SamplingParams, as_int64, exponential_noise, mix64, nucleus_keep_mask
 
@@ -448,7 +447,7 @@ class Speculator:
         region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
         vocab = llm.model.args.vocab_size
         room = min(llm.model.max_seq_length, self.draft.room() or llm.model.max_seq_length)
-        lock = getattr(self.draft, "llm", None)
+        lock = self.draft.llm if isinstance(self.draft, ModelDraft) else None
         number = lock._lock.acquire() if lock is not None else 0  # the draft engine is ours for the generation
         try:
             with torch.inference_mode():

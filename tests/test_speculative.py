@@ -10,7 +10,6 @@ import pytest
 import scipy.stats
 import torch
 
-import generate
 from checkpoint import read_checkpoint_info
 from generate import LLM, main
 from model import ModelArgs, Transformer
