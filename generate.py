@@ -31,6 +31,7 @@ from model import Transformer
 from options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
 from profiling import ProfileConfig, TraceRecorder
+import speculative
 from quantize import load_model, model_quantization
 from sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
 from streaming import GenerationLock, Stream, TextStream
@@ -166,6 +167,7 @@ class LLM:
             if compile_prefill:  # one CUDA graph per prompt bucket too: short prompts are otherwise launch-bound
                 self._prefill_fn = CompiledStep(prefill, device)
         self._warm: set[tuple] = set()  # graphs already compiled and captured
+        self._speculative_fns: dict[str, Callable[..., Any]] = {}  # speculative.py's verify/draft steps, made once
         self._lock = GenerationLock()  # held for a whole generation, a stream's included
 
     @classmethod
@@ -361,6 +363,7 @@ class LLM:
         options = resolve_options(options, settings)
         ids = self.encode_prompt(prompt)
         self._plan_lengths(len(ids), options.max_new_tokens)
+        speculative.Speculator.for_options(self, options)  # a bad draft is refused here, before the first piece
         return Stream(self._lock, lambda: self._pieces(ids, options))
 
     def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
@@ -375,6 +378,7 @@ class LLM:
                     **settings: Any) -> Stream:
         options = resolve_options(options, settings)
         ids = self.chat_prompt(messages)
+        speculative.Speculator.for_options(self, options)
         room = self.context_left(len(ids))
         if room < self.chat_reply_room(options.max_new_tokens):
             raise ValueError(f"the conversation takes {len(ids)} of the model's {self.model.args.block_size} tokens "
@@ -420,36 +424,43 @@ class LLM:
         eos = set() if options.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         stops, sampling, max_new = list(options.stop), options.sampling, options.max_new_tokens
         prompts = torch.tensor([prompt_ids], dtype=torch.long)
-        compile_s = self._prepare(1, len(prompt_ids), max_new, sampling)  # never inside the timings
-        recorder = self._recorder(options.profile, prompts, max_new, sampling)
+        spec = speculative.Speculator.for_options(self, options)  # None without a draft
+        engine: Any = spec if spec is not None else self  # whose token loop runs
+        compile_s = engine._prepare(1, len(prompt_ids), max_new, sampling)  # never inside the timings
+        recorder = self._recorder(options.profile, prompts, max_new, sampling, engine)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         text_stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
         new_ids: list[int] = []
-        times: list[float] = []
+        times: list[float] = []  # when each step's tokens arrived
+        counts: list[int] = []  # tokens taken from each step (a speculative step brings several)
         text, emitted, finish = "", 0, "length"
         with recorder if recorder is not None else contextlib.nullcontext():
             sync(self.device)
             start = time.perf_counter()
-            for tokens, arrived in self.generate_token_batches(prompts, max_new, sampling, recorder):
-                token = tokens[0]
+            for tokens, arrived in engine.generate_token_batches(prompts, max_new, sampling, recorder):
                 times.append(arrived)
-                if token in eos:
-                    finish = "eos"
+                counts.append(0)
+                for token in tokens:  # batch 1: one token, or a verify step's accepted run
+                    counts[-1] += 1
+                    if token in eos:
+                        finish = "eos"
+                        break
+                    new_ids.append(token)
+                    if text_stream is None:
+                        continue
+                    text += text_stream.push(token)
+                    cut = first_stop(text, stops)
+                    if cut is not None:
+                        text, finish = text[:cut], "stop"
+                        break
+                    # Hold back a tail that could still grow into a stop string.
+                    safe = len(text) - max((len(s) - 1 for s in stops), default=0)
+                    if safe > emitted:
+                        yield text[emitted:safe]
+                        emitted = safe
+                if finish != "length":
                     break
-                new_ids.append(token)
-                if text_stream is None:
-                    continue
-                text += text_stream.push(token)
-                cut = first_stop(text, stops)
-                if cut is not None:
-                    text, finish = text[:cut], "stop"
-                    break
-                # Hold back a tail that could still grow into a stop string.
-                safe = len(text) - max((len(s) - 1 for s in stops), default=0)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
             if finish == "length" and text_stream is not None:
                 text += text_stream.flush()
                 cut = first_stop(text, stops)
@@ -457,32 +468,36 @@ class LLM:
                     text, finish = text[:cut], "stop"
         if len(text) > emitted:
             yield text[emitted:]
-        stats = self._stats(len(prompt_ids), len(new_ids), start, times, compile_s)
-        trace = recorder.write(self._trace_stats(stats), step_seconds(times)) if recorder is not None else None
+        stats = self._stats(len(prompt_ids), len(new_ids), start, times, compile_s, counts=counts,
+                            speculation=spec.stats() if spec is not None else {})
+        trace = recorder.write(self._trace_stats(stats), step_seconds(times, counts)) if recorder is not None else None
         return GenerationResult(text=text, token_ids=new_ids, stats=stats, finish_reason=finish, trace_path=trace)
 
     def _stats(self, prompt_len: int, n_new: int, start: float, times: list[float], compile_s: float,
-               batch: int = 1) -> GenerationStats:
+               batch: int = 1, counts: list[int] | None = None,
+               speculation: Mapping[str, Any] | None = None) -> GenerationStats:
         ttft = times[0] - start
         decode_s = times[-1] - times[0]
-        decode_rate = (len(times) - 1) / decode_s if len(times) > 1 and decode_s > 0 else 0.0
+        timed = len(times) > 1 and decode_s > 0
+        steps = (len(times) - 1) / decode_s if timed else 0.0  # weight reads per second
+        decode_rate = sum(counts[1:]) / decode_s if timed and counts else steps  # tokens (a step may bring several)
         peak = torch.cuda.max_memory_allocated(self.device) / 1e9 if self.device.type == "cuda" else None
         return GenerationStats(
             prompt_tokens=prompt_len, new_tokens=n_new, ttft_s=ttft, prefill_tok_s=prompt_len * batch / ttft,
             decode_tok_s=decode_rate * batch, model_bytes_per_token=self.bytes_per_token,
-            bandwidth_gb_s=decode_rate * self.bytes_per_token / 1e9, peak_memory_gb=peak,
-            compile_s=compile_s, batch_size=batch,
+            bandwidth_gb_s=steps * self.bytes_per_token / 1e9, peak_memory_gb=peak,
+            compile_s=compile_s, batch_size=batch, **(speculation or {}),
         )
 
     # -- profiling -----------------------------------------------------------------------------------------------------
 
     def _recorder(self, profile: ProfileConfig | None, prompts: Tensor, max_new_tokens: int,
-                  sampling: SamplingParams) -> TraceRecorder | None:
+                  sampling: SamplingParams, engine: Any = None) -> TraceRecorder | None:
         if profile is None:
             return None
         # Run the whole path once outside the trace, so the window holds only steady-state steps.
         warm = dataclasses.replace(sampling, seed=0)
-        for _ in self.generate_token_batches(prompts, min(max_new_tokens, 4), warm):
+        for _ in (engine or self).generate_token_batches(prompts, min(max_new_tokens, 4), warm):
             pass
         return TraceRecorder(profile, self.device)
 
@@ -505,8 +520,10 @@ class LLM:
         return out
 
 
-def step_seconds(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
+def step_seconds(times: list[float], counts: list[int] | None = None) -> list[float]:
+    """Seconds per token of each step after the first (a step of several tokens: its time over their number)."""
+    counts = counts or [1] * len(times)
+    return [(b - a) / max(c, 1) for a, b, c in zip(times, times[1:], counts[1:])]
 
 
 def first_stop(text: str, stops: list[str]) -> int | None:
@@ -541,9 +558,15 @@ class GenerateArgs:
     system: str | None = None
     profile: Path | None = None
     profile_steps: int = 16
+    prompt_lookup: bool = False
+    draft_checkpoint_path: Path | None = None
+    draft_quantize: str | None = None
+    speculate_k: int | None = None
 
     def __post_init__(self) -> None:
-        self.engine, self.options(0)  # validate every engine and generation setting before any work
+        # Validate every engine and generation setting before any work (a draft model's k as prompt lookup's).
+        self.engine, self.options(0, "prompt_lookup" if self.draft_checkpoint_path is not None else None)
+        speculative.check_cli_draft(self.prompt_lookup, self.draft_checkpoint_path, self.draft_quantize)
         if self.num_samples < 1:
             raise ValueError(f"--num_samples must be >= 1, got {self.num_samples}")
         if self.chat and self.interactive:
@@ -563,11 +586,13 @@ class GenerateArgs:
         return EngineConfig(self.device, self.dtype, self.compile, self.compile_prefill, self.quantize, self.kernels,
                             self.fuse)
 
-    def options(self, sample: int) -> GenerationOptions:
-        """Sample i's options: seed + i, and the trace for the first sample only."""
+    def options(self, sample: int, draft: Any = None) -> GenerationOptions:
+        """Sample i's options: seed + i, and the trace for the first sample only; `draft`: the loaded draft model."""
         profile = ProfileConfig(self.profile, self.profile_steps) if self.profile is not None and sample == 0 else None
+        draft = "prompt_lookup" if self.prompt_lookup else draft
         return GenerationOptions(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.stop,
-                                 self.seed + sample if self.seed is not None else None, profile=profile)
+                                 self.seed + sample if self.seed is not None else None, profile=profile,
+                                 draft=draft, speculate_k=self.speculate_k)
 
     def messages(self, prompt: str) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + \
@@ -600,6 +625,10 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--system", default=None, help="system message for --chat and --interactive")
     p.add_argument("--profile", type=Path, default=None, help="write a Perfetto trace (.json.gz) here")
     p.add_argument("--profile_steps", type=int, default=16, help="decode steps recorded in the trace")
+    p.add_argument("--prompt_lookup", action="store_true", help="speculate: draft by copying from the context")
+    p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="speculate with this draft model")
+    p.add_argument("--draft_quantize", default=None, help="quantize the draft model on load (int8)")
+    p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step (default 5)")
     ns = p.parse_args(argv)
     return GenerateArgs(**{**vars(ns), "stop": tuple(ns.stop)})
 
@@ -619,13 +648,15 @@ def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = No
     llm = LLM.from_config(cfg.checkpoint_path, cfg.engine)
     if not tensor_parallel.is_main_process():  # under torchrun rank 0 alone prints
         out = err = tensor_parallel.NullWriter()
+    draft = None if cfg.draft_checkpoint_path is None else LLM.from_config(
+        cfg.draft_checkpoint_path, dataclasses.replace(cfg.engine, quantize=cfg.draft_quantize))
     if cfg.interactive:
-        return interactive(llm, cfg, stdin or sys.stdin, out, err)
+        return interactive(llm, cfg, stdin or sys.stdin, out, err, draft)
     for i in range(cfg.num_samples):
         if cfg.chat:
-            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.options(i))
+            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.options(i, draft))
         else:
-            stream = llm.stream(cfg.prompt, cfg.options(i))  # checks the prompt before it is echoed
+            stream = llm.stream(cfg.prompt, cfg.options(i, draft))  # checks the prompt before it is echoed
             out.write(cfg.prompt)
         result = print_stream(stream, out)
         print(f"[sample {i + 1}/{cfg.num_samples}] {result.stats.summary()}", file=err)
@@ -634,10 +665,10 @@ def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = No
     return 0
 
 
-def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any) -> int:
+def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any, draft: LLM | None = None) -> int:
     """A conversation on stdin: the oldest turns are dropped (the system message kept) when it outgrows the context."""
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    options = cfg.options(0)
+    options = cfg.options(0, draft)
     print(f"chatting with {llm.model_name}; an empty line or EOF ends.", file=err)
     while True:
         out.write("you> ")

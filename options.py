@@ -14,11 +14,18 @@ import torch
 from torch import Tensor
 
 from checkpoint import dtype_from_name
+from kernels.linear import PROMPT_SMALL_M
 from profiling import ProfileConfig
 from quantize import QUANT_MODES
 from sampling import SamplingParams, is_int
 
 DEFAULT_MAX_NEW_TOKENS = 200
+# Drafted tokens per verify step when a draft is given without speculate_k: gpt-fast's default, and well inside
+# the range where a verify step costs about one decode step.
+DEFAULT_SPECULATE_K = 5
+# A verify step runs k + 1 rows; the GPU's tensor-core linear kernel takes at most this many prompt rows (above it
+# cuBLAS runs, and a verify step would cost a prefill's matrix product).
+MAX_SPECULATE_K = PROMPT_SMALL_M - 1
 
 
 def check_text(text: str, what: str) -> None:
@@ -115,6 +122,8 @@ class GenerationOptions:
     seed: int | None = None  # None: drawn from torch's global RNG, once per generation
     ignore_eos: bool = False
     profile: ProfileConfig | None = None  # a Perfetto trace of the run; a path (str/PathLike) is taken as one
+    draft: Any = None  # speculative decoding: "prompt_lookup", a draft LLM sharing the tokenizer, or a Draft
+    speculate_k: int | None = None  # tokens drafted per verify step; None: DEFAULT_SPECULATE_K with a draft
 
     def __post_init__(self) -> None:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -137,6 +146,20 @@ class GenerationOptions:
         if profile is not None:
             check_output_path(profile.path, "the trace path")
         object.__setattr__(self, "profile", profile)
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        if isinstance(self.draft, str) and self.draft != "prompt_lookup":
+            raise ValueError(f"unknown draft {self.draft!r}; use 'prompt_lookup', a draft LLM or a speculative.Draft")
+        if self.draft is None:
+            if self.speculate_k is not None:
+                raise ValueError("speculate_k needs a draft; add draft='prompt_lookup' (or a draft model)")
+            return
+        k = DEFAULT_SPECULATE_K if self.speculate_k is None else self.speculate_k
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATE_K:
+            raise ValueError(f"speculate_k must be an integer in 1..{MAX_SPECULATE_K} (a verify step's k + 1 rows "
+                             f"fit the GPU kernel's {PROMPT_SMALL_M}), got {k!r}")
+        object.__setattr__(self, "speculate_k", int(k))
 
     @property
     def sampling(self) -> SamplingParams:
@@ -163,6 +186,8 @@ class GenerationStats:
     peak_memory_gb: float | None  # None on the CPU
     compile_s: float = 0.0  # compile/warm-up time spent before this generation, kept out of the rates above
     batch_size: int = 1
+    mean_accepted: float | None = None  # speculative decoding: drafts accepted per verify step (0..k); else None
+    acceptance_rate: float | None = None  # accepted / drafted tokens over the verify steps; None without a draft
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,6 +195,8 @@ class GenerationStats:
     def summary(self) -> str:
         mem = f", peak memory {self.peak_memory_gb:.2f} GB" if self.peak_memory_gb is not None else ""
         compiled = f", compile {self.compile_s:.1f} s" if self.compile_s else ""
+        if self.mean_accepted is not None:
+            compiled += f", {self.mean_accepted:.2f} drafts accepted per step ({self.acceptance_rate:.0%})"
         return (f"prompt {self.prompt_tokens} tok, generated {self.new_tokens} tok | TTFT {self.ttft_s * 1e3:.1f} ms, "
                 f"prefill {self.prefill_tok_s:.1f} tok/s, decode {self.decode_tok_s:.2f} tok/s, "
                 f"{self.bandwidth_gb_s:.1f} GB/s of {self.model_bytes_per_token / 1e9:.2f} GB/token{mem}{compiled}")

@@ -43,8 +43,9 @@ def mix64(x: Tensor) -> Tensor:
 
 def exponential_noise(seed: Tensor, position: Tensor, rows: int, cols: int) -> Tensor:
     """Exp(1) noise (rows, cols) that is a pure function of (seed, position, row, column): counter-based, so it
-    needs no generator state, runs inside a compiled graph and makes seeded runs reproducible in any thread."""
-    key = mix64(mix64(seed) + (position.view(1, 1) + 1) * GOLDEN_GAMMA)  # (1, 1)
+    needs no generator state, runs inside a compiled graph and makes seeded runs reproducible in any thread.
+    position (1,), or (P,) with rows 1: then (P, cols), row i equal to the noise of position[i] alone."""
+    key = mix64(mix64(seed) + (position.view(-1, 1) + 1) * GOLDEN_GAMMA)  # (1, 1) or (P, 1)
     counter = torch.arange(1, rows * cols + 1, device=position.device).view(rows, cols)  # (B, V)
     bits = mix64(key + counter * GOLDEN_GAMMA)  # (B, V)
     uniform = (shift_right(bits, 11).double() + 0.5) * 2.0 ** -53  # (B, V), 53 random bits, in (0, 1)

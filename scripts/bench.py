@@ -6,6 +6,7 @@
         [--compile-time | --compile-time-only] [--device cuda|cpu] [--dtype bfloat16] [--json FILE] [--plot FILE.png]
     python scripts/bench.py --merge a.json,b.json [--json all.json] [--plot all.png]   # re-report saved runs
     torchrun --nproc_per_node 2 scripts/bench.py --tp 2 --model Llama-2-70B   # tensor parallel over 2 GPUs
+    python scripts/bench.py --model Llama-2-7B --quant none,int8 --speculate-k 1,2,3,4,5,6,7,8 [--json FILE]
 
 Models come from the registry (`model.ModelArgs.from_name`) and get random weights of a realistic scale, so nothing
 is downloaded. What each number means:
@@ -24,6 +25,8 @@ is downloaded. What each number means:
   bandwidth and the limit are one GPU's (each reads its slices in parallel); the all-reduce time per token is a CUDA
   graph of just the 2 x n_layer all-reduces of one decode step, NCCL and one-shot (REDLINE_ALL_REDUCE picks the one
   the model runs). Rank 0 alone prints and writes the JSON.
+- --speculate-k (instead of the runs above): a verify step's time for each k against one decode step, and the
+  ceiling with a replay draft that is always right (scripts/bench_speculative.py says how).
 
 This file is the CLI and the run; each measurement has its own module: bench_redline (Redline), bench_hf
 (transformers), bench_compile_time (the child processes), bench_model (random weights and the counts), bench_env
@@ -48,6 +51,7 @@ import torch._dynamo
 import tensor_parallel
 from checkpoint import dtype_from_name
 from model import ModelArgs
+from options import MAX_SPECULATE_K
 from scripts.bench_compile_time import CompileTimeRecord, measure_compile_times, run_ttft_probe
 from scripts.bench_env import BANDWIDTH_REPEATS, environment, measure_read_bandwidth
 from scripts.bench_int4 import tinygemm_anchor
@@ -55,6 +59,7 @@ from scripts.bench_hf import HF_SHORT_TOKENS, HFRecord, attach_ratios, bench_hf
 from scripts.bench_model import QUANT_CHOICES
 from scripts.bench_redline import RedlineRecord, bench_redline, median
 from scripts.bench_report import NOTES, format_report, merge_reports, write_json, write_plot
+from scripts.bench_speculative import bench_speculative, format_speculative
 
 # What --compare can time next to Redline: transformers' LlamaForCausalLM (scripts/bench_hf.py).
 COMPARE_CHOICES = ("hf",)
@@ -113,6 +118,7 @@ class BenchConfig:
     profile_dir: Path | None = None  # write one Perfetto trace per configuration here
     profile_steps: int = 16
     start_time: float | None = None  # the parent's time.time() when it started a --ttft-probe child
+    speculate_ks: tuple[int, ...] = ()  # measure speculative decoding at these k instead of the usual runs
     argv: tuple[str, ...] = ()
     tp: int = 1  # tensor-parallel ranks: the WORLD_SIZE of the torchrun launch
 
@@ -155,6 +161,8 @@ class BenchConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for, but no CUDA/ROCm GPU is visible; use --device cpu")
+        if any(k > MAX_SPECULATE_K for k in self.speculate_ks):
+            raise ValueError(f"--speculate-k values must be in 1..{MAX_SPECULATE_K}, got {self.speculate_ks}")
         if self.compile_prefill and not self.compiled:
             raise ValueError("--compile-prefill needs compilation; on the CPU add --compile")
         longest = max(self.prompt_lengths) + self.new_tokens
@@ -239,6 +247,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
                    help="folder: also trace one generation per configuration (Perfetto .json.gz)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps recorded in each trace")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun --nproc_per_node N)")
+    p.add_argument("--speculate-k", default="", help="comma-separated k: time verify steps and the replay-draft "
+                   "ceiling instead of the usual runs")
     p.add_argument("--ttft-probe", action="store_true", help="internal: child process of --compile-time")
     p.add_argument("--start-time", type=float, default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(list(argv))
@@ -256,6 +266,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         merge=tuple(Path(p) for p in _split(ns.merge)), bandwidth_gib=ns.bandwidth_gib,
         probe_new_tokens=ns.probe_new_tokens, seed=ns.seed, ttft_probe=ns.ttft_probe, start_time=ns.start_time,
         profile_dir=ns.profile_dir, profile_steps=ns.profile_steps, argv=tuple(argv), tp=ns.tp,
+        speculate_ks=_positive_ints(ns.speculate_k, "--speculate-k") if ns.speculate_k else (),
     )
 
 
@@ -310,6 +321,15 @@ def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None,
             refresh()
 
     refresh()
+    if cfg.speculate_ks:
+        report["speculative"] = {"verify": [], "ceiling": []}
+        for name in cfg.models:
+            for quant in cfg.quants:
+                found = attempt(f"{name} {quant} speculative", lambda: bench_speculative(cfg, name, quant, log))
+                for part, rows in (found or {}).items():
+                    report["speculative"][part] += rows
+        refresh()
+        return report
     if not cfg.compile_time_only:
         for name in cfg.models:
             for quant in cfg.quants:
@@ -351,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = merge_reports(cfg.merge) if cfg.merge else run_benchmark(cfg, log, save, world)
         if not main_rank:
             return 1 if report.get("errors") else 0
-        print(format_report(report))
+        print(format_speculative(report["speculative"]) if "speculative" in report else format_report(report))
         if json_path is not None:
             write_json(report, json_path)
             print(f"\nJSON written to {json_path}")

@@ -1,0 +1,141 @@
+"""Speculative decoding on one random-weight model (scripts/bench.py --speculate-k 1,2,4,8): what a verify step of
+k+1 tokens costs against one decode step, and the ceiling a draft that is always right reaches.
+
+- verify / decode: the median time of the compiled verify step (k+1 rows, positions p..p+k) over the median time
+  of one compiled decode step, both called back to back at the same position; on a GPU each call is one CUDA graph
+  replay, timed with CUDA events (on the CPU: the host clock, eager unless --compile).
+- ceiling: decode tok/s of greedy generation with speculative.ReplayDraft replaying the plain greedy output (every
+  draft accepted) over plain decode tok/s, both from LLM.generate in the same process, median of --runs each.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+import generate
+import speculative
+from model import ModelArgs
+from scripts.bench_model import build_random_model, random_prompts
+
+if TYPE_CHECKING:
+    from scripts.bench import BenchConfig
+
+# Timed calls per step measurement (median reported); steps are a few ms, so this is well under a second each.
+STEP_REPEATS = 50
+# The ceiling is reported at these k (when asked for with --speculate-k); the requirement's targets are at 4 and 8.
+CEILING_KS = (4, 8)
+
+
+@dataclass(frozen=True)
+class VerifyRecord:
+    model: str
+    quant: str
+    k: int
+    decode_us: float  # median of one decode step
+    verify_us: float  # median of one verify step of k+1 rows
+    ratio: float  # verify_us / decode_us
+
+
+@dataclass(frozen=True)
+class CeilingRecord:
+    model: str
+    quant: str
+    k: int
+    plain_tok_s: float  # median decode tok/s without a draft
+    speculative_tok_s: float  # median decode tok/s with a replay draft that is always right
+    speedup: float
+    mean_accepted: float
+
+
+def median_us(call: Callable[[], Any], device: torch.device, repeats: int = STEP_REPEATS) -> float:
+    """Median microseconds of one call (CUDA events on a GPU, the host clock on the CPU), after three warm calls."""
+    for _ in range(3):
+        call()
+    if device.type == "cuda":
+        from profiling import cuda_event_ms
+
+        torch.cuda.synchronize(device)
+        return statistics.median(cuda_event_ms(call, repeats)) * 1000
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def step_times(llm: generate.LLM, ks: Sequence[int], position: int) -> tuple[float, dict[int, float]]:
+    """(decode µs, {k: verify µs}) at `position`, through the engine's own compiled steps."""
+    device = llm.device
+    spec = speculative.Speculator(llm, speculative.ReplayDraft([]), max(ks))
+    with torch.inference_mode():
+        positions = torch.arange(llm.model.max_seq_length, device=device)  # (S,)
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+        def decode() -> None:
+            llm._mark_step()
+            llm._decode_fn(llm._step_model, token, positions[position:position + 1], llm._vocab_bias)
+
+        decode_us = median_us(decode, device)
+        verify_us = {}
+        for k in ks:
+            spec.k = k
+            spec._prepare(1, position, 16, generate.SamplingParams())  # compiles and captures this k
+            ids = torch.zeros(1, k + 1, dtype=torch.long, device=device)
+            count = torch.tensor([k], device=device)
+            verify_us[k] = median_us(lambda: spec._verify(ids, positions[position:position + k + 1], None, count, ()),
+                                     device)
+    return decode_us, verify_us
+
+
+def ceiling(llm: generate.LLM, prompt: list[int], new_tokens: int, ks: Sequence[int],
+            runs: int) -> tuple[float, dict[int, tuple[float, float]]]:
+    """(plain decode tok/s, {k: (decode tok/s with an always-right replay draft, mean accepted)})."""
+    plain = [llm.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True) for _ in range(runs + 1)]
+    replay = speculative.ReplayDraft(plain[0].token_ids)
+    out = {}
+    for k in ks:
+        results = [llm.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True, draft=replay, speculate_k=k)
+                   for _ in range(runs + 1)][1:]  # the first one compiles
+        out[k] = (statistics.median(r.stats.decode_tok_s for r in results), results[0].stats.mean_accepted)
+    return statistics.median(r.stats.decode_tok_s for r in plain[1:]), out
+
+
+def bench_speculative(cfg: BenchConfig, name: str, quant: str, log: Any) -> dict[str, list[dict[str, Any]]]:
+    """Verify cost for every k of --speculate-k, and the ceiling at the k of CEILING_KS among them."""
+    device = torch.device(cfg.device)
+    args = ModelArgs.from_name(name)
+    log(f"{name} {quant}: building random weights")
+    model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed)
+    llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
+                       fuse=cfg.fuse, name=f"{name} (random weights)")
+    prompt = random_prompts(args.vocab_size, 1, cfg.decode_prompt_length, cfg.seed)[0].tolist()
+    llm.generate(prompt, max_new_tokens=cfg.new_tokens, ignore_eos=True)  # sizes the cache, compiles decode
+    log(f"{name} {quant}: verify steps for k = {', '.join(map(str, cfg.speculate_ks))}")
+    decode_us, verify_us = step_times(llm, cfg.speculate_ks, len(prompt))
+    verify = [VerifyRecord(name, quant, k, decode_us, us, us / decode_us) for k, us in verify_us.items()]
+    ks = [k for k in cfg.speculate_ks if k in CEILING_KS] or [max(cfg.speculate_ks)]
+    log(f"{name} {quant}: ceiling with a replay draft at k = {', '.join(map(str, ks))}")
+    plain, fast = ceiling(llm, prompt, cfg.new_tokens, ks, cfg.runs)
+    ceilings = [CeilingRecord(name, quant, k, plain, rate, rate / plain if plain else 0.0, accepted)
+                for k, (rate, accepted) in fast.items()]
+    return {"verify": [vars(r) for r in verify], "ceiling": [vars(r) for r in ceilings]}
+
+
+def format_speculative(results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = ["Speculative decoding: verify step (k+1 rows) vs one decode step (median)",
+             f"{'model':<20} {'quant':<6} {'k':>3} {'decode µs':>10} {'verify µs':>10} {'ratio':>6}"]
+    for r in results.get("verify", []):
+        lines.append(f"{r['model']:<20} {r['quant']:<6} {r['k']:>3} {r['decode_us']:>10.1f} {r['verify_us']:>10.1f} "
+                     f"{r['ratio']:>6.3f}")
+    lines += ["", "Ceiling: a replay draft that is always right (decode tok/s)",
+              f"{'model':<20} {'quant':<6} {'k':>3} {'plain':>9} {'speculative':>12} {'speedup':>8} {'accepted':>9}"]
+    for r in results.get("ceiling", []):
+        lines.append(f"{r['model']:<20} {r['quant']:<6} {r['k']:>3} {r['plain_tok_s']:>9.1f} "
+                     f"{r['speculative_tok_s']:>12.1f} {r['speedup']:>7.2f}x {r['mean_accepted']:>9.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,520 @@
+"""Speculative decoding: a draft proposes up to k tokens, the target model checks them all in one forward pass.
+
+    llm.generate(prompt, draft="prompt_lookup", speculate_k=5)    # copy from the context
+    llm.generate(prompt, draft=LLM.load(small_path), speculate_k=5)  # a smaller model sharing the tokenizer
+    llm.generate(prompt, draft=ReplayDraft(known_ids))             # any speculative.Draft
+
+A verify step feeds [last, d1..dk] at positions p..p+k and reads the target's k+1 predictions at once: the
+weights are read once for k+1 rows. Rejected positions cost nothing later: the static cache is written in place at
+input_pos, so the next step simply overwrites them. Greedy decoding accepts the drafted tokens that equal the
+target's argmax, so the output is the plain greedy output. Sampling uses rejection sampling: d_i is accepted with
+probability min(1, p(d_i) / q(d_i)), a rejection resamples from the normalized max(p - q, 0), and a bonus token
+is drawn from p when all k pass; p and q both carry temperature, top-k and top-p, and a deterministic draft has
+q = one-hot. Each position's token then has the distribution plain sampling gives it.
+
+Every random number is counter-based (sampling.exponential_noise): position j's acceptance test, resample and
+draft sample each use their own stream keyed by (seed, j), and a position's numbers decide at most one kept token.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from options import GenerationOptions
+from sampling import SamplingParams, as_int64, exponential_noise, mix64, nucleus_keep_mask
+
+# Added to the seed (then hashed) to key the acceptance tests' and the draft model's own noise: streams apart
+# from the target's sampling noise, so no random number is used for two decisions.
+ACCEPT_SALT = as_int64(0xA5A5_0F0F_1234_5678)
+DRAFT_SALT = as_int64(0x5A5A_F0F0_8765_4321)
+# The longest n-gram prompt lookup matches first; longer ones are rarely found, shorter ones often mislead.
+DEFAULT_MAX_NGRAM = 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure step functions (compiled once per k; no host syncs).
+
+
+def filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """logits (R, V) -> (R, V) fp32: the distribution sampling.sample draws from (temperature, top-k, top-p)."""
+    scaled = logits.float() / temperature.clamp_min(1e-5)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (R, V)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    probs = probs * nucleus_keep_mask(probs, top_k, top_p)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def salted(seed: Tensor, salt: int) -> Tensor:
+    """A seed for a noise stream apart from the one `seed` keys."""
+    return mix64(seed + salt)
+
+
+def accepted_run(drafts: Tensor, accept: Tensor, choice: Tensor) -> Tensor:
+    """drafts (k,), accept (k,) bool, choice (k+1,) -> (k+2,): [n, d1..dn, choice[n], unused...], n the leading
+    accepted count; the one host read of a step."""
+    k = drafts.shape[0]
+    n = accept.long().cumprod(0).sum()  # ()
+    index = torch.arange(k + 1, device=drafts.device)  # (k+1,)
+    tokens = torch.where(index < n, torch.cat([drafts, drafts[:1]]), choice)  # (k+1,)
+    return torch.cat([n.view(1), tokens])
+
+
+def verify_greedy(model: torch.nn.Module, ids: Tensor, input_pos: Tensor, count: Tensor,
+                  vocab_bias: Tensor | None) -> Tensor:
+    """ids (1, k+1) = [last, d1..dk] at input_pos (k+1,); count (1,) real drafts (the rest is padding).
+    A draft is accepted while it equals the target's argmax; the token after them is the argmax there."""
+    logits = model(ids, input_pos)[0]  # (k+1, V)
+    if vocab_bias is not None:
+        logits = logits + vocab_bias
+    best = logits.argmax(dim=-1)  # (k+1,)
+    drafts = ids[0, 1:]  # (k,)
+    valid = torch.arange(drafts.shape[0], device=ids.device) < count  # (k,)
+    return accepted_run(drafts, valid & (best[:-1] == drafts), best)
+
+
+def verify_sampled(model: torch.nn.Module, ids: Tensor, input_pos: Tensor, count: Tensor,
+                   vocab_bias: Tensor | None, q: Tensor | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                   seed: Tensor) -> Tensor:
+    """Rejection sampling of ids (1, k+1) = [last, d1..dk] against the target's filtered p. q (k, V) is the draft's
+    distribution of each d_i; None means a deterministic draft (q one-hot)."""
+    logits = model(ids, input_pos)[0]  # (k+1, V)
+    if vocab_bias is not None:
+        logits = logits + vocab_bias
+    vocab = logits.shape[-1]
+    p = filtered_probs(logits, temperature, top_k, top_p)  # (k+1, V)
+    drafts = ids[0, 1:]  # (k,)
+    valid = torch.arange(drafts.shape[0], device=ids.device) < count  # (k,)
+    if q is None:
+        q = F.one_hot(drafts, vocab).float()  # (k, V)
+    q = torch.cat([q * valid[:, None], q.new_zeros(1, vocab)])  # (k+1, V): padding and the bonus row have no draft
+    decided = input_pos + 1  # (k+1,) the position whose token each row decides
+    uniform = torch.exp(-exponential_noise(salted(seed, ACCEPT_SALT), decided, 1, 1)).view(-1)[:-1]  # (k,)
+    p_d = p[:-1].gather(1, drafts[:, None]).squeeze(1)  # (k,)
+    q_d = q[:-1].gather(1, drafts[:, None]).squeeze(1)
+    accept = valid & (uniform * q_d < p_d)  # u < p/q without a division
+    residual = (p - q).clamp_min(0)  # (k+1, V)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    choice = torch.argmax(residual / exponential_noise(seed, decided, 1, vocab), dim=-1)  # (k+1,)
+    return accepted_run(drafts, accept, choice)
+
+
+def draft_sample_step(model: torch.nn.Module, token: Tensor, input_pos: Tensor, vocab_bias: Tensor | None,
+                      temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+    """token (1, 1) at input_pos (1,) -> (next token (1, 1), the filtered distribution q it was drawn from (1, V))."""
+    logits = model(token, input_pos)[:, -1]  # (1, V)
+    if vocab_bias is not None:
+        logits = logits + vocab_bias
+    q = filtered_probs(logits, temperature, top_k, top_p)  # (1, V)
+    noise = exponential_noise(seed, input_pos + 1, 1, q.shape[-1])  # (1, V)
+    return torch.argmax(q / noise, dim=-1, keepdim=True), q
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Drafts.
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Drafted tokens on the target's device, padded to k: tokens (1, k), the real count, and q (k, V) or None."""
+    tokens: Tensor
+    count: int
+    q: Tensor | None = None
+
+
+class Draft:
+    """Proposes up to k tokens to follow a context. Subclass it and implement `propose`; the engine calls
+    `start` once per generation and `accepted(n)` after each verify step (n of the proposed tokens were kept)."""
+
+    def prepare(self, prompt_len: int, max_new_tokens: int, k: int, sampled: bool) -> float:
+        """Before a generation's timings start: compile what it needs; returns the seconds that took."""
+        return 0.0
+
+    def start(self, prompt_ids: list[int], sampling: tuple[Tensor, ...]) -> None:
+        """A generation begins (sampling: the target's (temperature, top_k, top_p, seed) tensors, () if greedy)."""
+
+    def propose(self, context: list[int], k: int) -> Sequence[int]:
+        """Up to k token ids to follow `context` (prompt and generated ids); may be empty."""
+        raise NotImplementedError
+
+    def accepted(self, n: int) -> None:
+        """n of the last proposal's tokens were accepted."""
+
+    def room(self) -> int | None:
+        """The positions this draft can hold (a model's cache), or None for no limit."""
+        return None
+
+    def proposal(self, context: list[int], k: int, vocab: int, device: torch.device) -> Proposal:
+        ids = [int(t) for t in self.propose(context, k)]
+        if len(ids) > k or any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{type(self).__name__}.propose returned {ids[:k + 1]}; it must return at most {k} "
+                             f"token ids in 0..{vocab - 1}")
+        tokens = torch.tensor([ids + [0] * (k - len(ids))], dtype=torch.long, device=device)  # (1, k)
+        return Proposal(tokens, len(ids))
+
+
+class PromptLookupDraft(Draft):
+    """Matches the context's last n-gram (n = max_ngram down to 1) to its most recent earlier occurrence and
+    proposes the tokens that followed it. An index of every n-gram's latest start is kept up to date as the
+    context grows, so a proposal costs O(max_ngram), not a scan of the context."""
+
+    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM) -> None:
+        if not isinstance(max_ngram, int) or max_ngram < 1:
+            raise ValueError(f"max_ngram must be an integer >= 1, got {max_ngram!r}")
+        self.max_ngram = max_ngram
+        self._starts: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start that has a token after it
+        self._indexed = 0  # context tokens indexed so far
+
+    def start(self, prompt_ids: list[int], sampling: tuple[Tensor, ...]) -> None:
+        self._starts, self._indexed = {}, 0
+
+    def _index(self, context: list[int]) -> None:
+        for end in range(max(self._indexed, 1), len(context)):  # context[end] follows the n-grams ending before it
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self._starts[tuple(context[end - n:end])] = end - n
+        self._indexed = len(context)
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        if len(context) < self._indexed:  # a different (shorter) context: index it afresh
+            self._starts, self._indexed = {}, 0
+        self._index(context)
+        for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
+            begin = self._starts.get(tuple(context[-n:]))
+            if begin is not None:
+                return context[begin + n:begin + n + k]
+        return []
+
+
+class ReplayDraft(Draft):
+    """Proposes a known continuation of the prompt (for tests and the benchmark's ceiling): the next tokens of
+    `continuation` while the generated text still follows it, nothing once it has left it."""
+
+    def __init__(self, continuation: Sequence[int]) -> None:
+        self.continuation = [int(t) for t in continuation]
+        self._prompt_len = 0
+
+    def start(self, prompt_ids: list[int], sampling: tuple[Tensor, ...]) -> None:
+        self._prompt_len = len(prompt_ids)
+
+    def propose(self, context: list[int], k: int) -> list[int]:
+        done = len(context) - self._prompt_len
+        if context[self._prompt_len:] != self.continuation[:done]:
+            return []
+        return self.continuation[done:done + k]
+
+
+class ModelDraft(Draft):
+    """Another Redline LLM (same tokenizer) drafts greedily, or samples from its own filtered q. Its static cache
+    is kept in step with the target: a verify step that keeps n of k drafts leaves positions up to p + n valid,
+    and the next proposal first feeds whatever the cache lacks (the last draft, when all k were kept)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self._sampling: tuple[Tensor, ...] = ()
+        self._valid = 0  # context positions whose cache entries hold the right tokens
+        self._written = (0, 0)  # (first position, count) of the last proposal's cache writes
+
+    def room(self) -> int:
+        return self.llm.model.max_seq_length
+
+    def _step_fn(self) -> Any:
+        llm = self.llm
+        if not self._sampling:
+            return llm._decode_fn
+        if "draft" not in llm._speculative_fns:
+            llm._speculative_fns["draft"] = compiled(draft_sample_step, llm) if llm.compile else draft_sample_step
+        return llm._speculative_fns["draft"]
+
+    def _step(self, token: Tensor, position: int) -> tuple[Tensor, Tensor | None]:
+        """One draft decode step (its own compiled graph): token (1, 1) -> (next (1, 1), q (1, V) or None)."""
+        llm = self.llm
+        llm._mark_step()
+        out = self._step_fn()(llm._step_model, token, self._positions[position:position + 1], llm._vocab_bias,
+                              *self._sampling)
+        if self._sampling:
+            return out[0].clone(), out[1].clone()  # out of the CUDA graph's pool before the next replay
+        return out.clone(), None
+
+    def prepare(self, prompt_len: int, max_new_tokens: int, k: int, sampled: bool) -> float:
+        """The draft's cache (k positions beyond the target's last) and graphs: greedy decode and prefill, and the
+        sampled step when sampling."""
+        import generate
+
+        llm = self.llm
+        seconds = llm._prepare(1, prompt_len, max_new_tokens + k, SamplingParams())
+        key = ("draft", cache_key(llm))
+        if not (sampled and llm.compile) or key in llm._warm:
+            return seconds
+        begin = time.perf_counter()
+        sampling = SamplingParams(1.0, seed=0).tensors(llm.model.args.vocab_size, llm.device)  # as the target's
+        with torch.inference_mode():
+            self._positions = torch.arange(llm.model.max_seq_length, device=llm.device)  # (S,)
+            self._sampling = (*sampling[:3], salted(sampling[3], DRAFT_SALT))
+            token = torch.zeros(1, 1, dtype=torch.long, device=llm.device)
+            for _ in range(3):  # compile, record, replay
+                self._step(token, 0)
+        generate.sync(llm.device)
+        llm._warm.add(key)
+        return seconds + time.perf_counter() - begin
+
+    def start(self, prompt_ids: list[int], sampling: tuple[Tensor, ...]) -> None:
+        """Prefills the prompt into the draft's cache."""
+        from generate import prefill_bucket
+
+        llm, prompt_len = self.llm, len(prompt_ids)
+        self._sampling = (*sampling[:3], salted(sampling[3], DRAFT_SALT)) if sampling else ()
+        with torch.inference_mode():
+            self._positions = torch.arange(llm.model.max_seq_length, device=llm.device)  # (S,)
+            bucket = prefill_bucket(prompt_len, llm.model.max_seq_length) if llm.compile_prefill else prompt_len
+            padded = torch.zeros(1, bucket, dtype=torch.long, device=llm.device)  # (1, bucket)
+            padded[0, :prompt_len] = torch.tensor(prompt_ids, device=llm.device)
+            last = torch.tensor([prompt_len - 1], device=llm.device)  # (1,)
+            llm._mark_step()
+            llm._prefill_fn(llm.model, padded, self._positions[:bucket], last, llm._vocab_bias)
+        self._valid = prompt_len
+
+    def proposal(self, context: list[int], k: int, vocab: int, device: torch.device) -> Proposal:
+        start = len(context) - 1  # the last token's position
+        for position in range(self._valid, start):  # catch up: normally none, or the last draft when all passed
+            self._step(torch.tensor([[context[position]]], device=device), position)
+        token = torch.tensor([[context[-1]]], device=device)  # (1, 1)
+        tokens, qs = [], []
+        for i in range(k):
+            token, q = self._step(token, start + i)
+            tokens.append(token)
+            qs.append(q)
+        self._written = (start, k)
+        q = torch.cat(qs) if self._sampling else None  # (k, V)
+        return Proposal(torch.cat(tokens, dim=1), k, q)
+
+    def accepted(self, n: int) -> None:
+        start, k = self._written
+        self._valid = start + min(n + 1, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks and resolution of the `draft` option.
+
+_TOKENIZER_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> its fingerprint
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> tuple:
+    """What makes two tokenizers interchangeable: kind, special ids and the text of every id."""
+    if tokenizer not in _TOKENIZER_FINGERPRINTS:
+        pieces = hash(tuple(tokenizer.decode([i]) for i in range(tokenizer.vocab_size)))
+        _TOKENIZER_FINGERPRINTS[tokenizer] = (type(tokenizer).__name__, tokenizer.vocab_size, tokenizer.bos_id,
+                                              tuple(tokenizer.eos_ids), pieces)
+    return _TOKENIZER_FINGERPRINTS[tokenizer]
+
+
+def check_draft_llm(target: Any, draft: Any) -> None:
+    """A draft LLM must be another engine on the same device with the same vocabulary and tokenizer."""
+    if draft is target:
+        raise ValueError("the draft must be another LLM than the target (load the checkpoint a second time)")
+    if draft.device != target.device:
+        raise ValueError(f"the draft model is on {draft.device} but the target is on {target.device}; load both on "
+                         "the same device")
+    if draft.model.args.vocab_size != target.model.args.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.model.args.vocab_size}) differs from the target's "
+                         f"({target.model.args.vocab_size}); use a draft that shares the target's tokenizer")
+    if (draft.tokenizer is None) != (target.tokenizer is None) or (
+            draft.tokenizer is not None and tokenizer_fingerprint(draft.tokenizer) !=
+            tokenizer_fingerprint(target.tokenizer)):
+        raise ValueError("the draft model's tokenizer differs from the target's; use a draft that shares it")
+
+
+def make_draft(target: Any, draft: Any) -> Draft:
+    """The Draft for GenerationOptions.draft: "prompt_lookup", an LLM, or a Draft."""
+    if isinstance(draft, str) and draft == "prompt_lookup":
+        return PromptLookupDraft()
+    if isinstance(draft, type(target)):
+        check_draft_llm(target, draft)
+        return ModelDraft(draft)
+    if isinstance(draft, Draft):
+        return draft
+    raise ValueError(f"draft must be 'prompt_lookup', an LLM or a speculative.Draft, got {type(draft).__name__}")
+
+
+def check_cli_draft(prompt_lookup: bool, draft_path: Any, draft_quantize: str | None) -> None:
+    """The CLI's speculation flags: one draft source; --draft_quantize only with a draft model."""
+    from quantize import QUANT_MODES
+
+    if prompt_lookup and draft_path is not None:
+        raise ValueError("--prompt_lookup and --draft_checkpoint_path are two draft sources; pick one")
+    if draft_quantize is not None and draft_path is None:
+        raise ValueError("--draft_quantize quantizes the draft model; add --draft_checkpoint_path")
+    if draft_quantize is not None and draft_quantize not in QUANT_MODES:
+        raise ValueError(f"unknown --draft_quantize {draft_quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
+
+
+def compiled(fn: Any, llm: Any) -> Any:
+    from generate import CompiledStep
+
+    return CompiledStep(fn, llm.device)
+
+
+def cache_key(llm: Any) -> tuple:
+    """Identifies the engine's current cache: a re-allocated one needs its graphs captured again."""
+    model = llm.model
+    return model.max_seq_length, model.max_batch_size, model.layers[0].attention.kv_cache.k.data_ptr()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The speculative token loop.
+
+
+class Speculator:
+    """One speculative generation on `llm` (batch 1) with `draft` proposing up to k tokens per verify step. Has
+    the LLM's _prepare / generate_token_batches contract, but yields a run of accepted tokens per step."""
+
+    def __init__(self, llm: Any, draft: Draft, k: int) -> None:
+        self.llm, self.draft, self.k = llm, draft, k
+        self.steps = self.accepted = self.proposed = 0  # verify steps, drafts kept, real drafts verified
+
+    @classmethod
+    def for_options(cls, llm: Any, options: GenerationOptions) -> Speculator | None:
+        if options.draft is None:
+            return None
+        return cls(llm, make_draft(llm, options.draft), options.speculate_k)
+
+    def stats(self) -> dict[str, float | None]:
+        return {"mean_accepted": self.accepted / self.steps if self.steps else 0.0,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0}
+
+    def _verify_fn(self, greedy: bool) -> Any:
+        llm = self.llm
+        name = "verify_greedy" if greedy else "verify_sampled"
+        if name not in llm._speculative_fns:
+            fn = verify_greedy if greedy else verify_sampled
+            llm._speculative_fns[name] = compiled(fn, llm) if llm.compile else fn
+        return llm._speculative_fns[name]
+
+    def _verify(self, ids: Tensor, positions: Tensor, proposal_q: Tensor | None, count: Tensor,
+                sampling: tuple[Tensor, ...]) -> Tensor:
+        llm = self.llm
+        llm._mark_step()
+        if not sampling:
+            return self._verify_fn(True)(llm.model, ids, positions, count, llm._vocab_bias)
+        return self._verify_fn(False)(llm.model, ids, positions, count, llm._vocab_bias, proposal_q, *sampling)
+
+    def _prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
+        """The LLM's graphs, the verify graph for k, with k positions of slack in the cache; seconds spent."""
+        if batch != 1:
+            raise ValueError("speculative decoding runs one sequence at a time (batch 1)")
+        llm, k = self.llm, self.k
+        total = prompt_len + llm._plan_lengths(prompt_len, max_new_tokens)
+        llm._ensure_cache(1, min(total + k, llm.model.args.block_size))
+        seconds = llm._prepare(1, prompt_len, max_new_tokens, sampling)
+        args = llm._step_args(dataclasses.replace(sampling, seed=0))  # warm-ups leave the global RNG alone
+        q_kind = bool(args) and isinstance(self.draft, ModelDraft)
+        seconds += self.draft.prepare(prompt_len, max_new_tokens, k, bool(args))
+        key = ("verify", k, bool(args), q_kind, cache_key(llm))
+        if not llm.compile or key in llm._warm:
+            return seconds
+        begin = time.perf_counter()
+        with torch.inference_mode():
+            ids = torch.zeros(1, k + 1, dtype=torch.long, device=llm.device)
+            positions = torch.arange(k + 1, device=llm.device)
+            q = torch.zeros(k, llm.model.args.vocab_size, device=llm.device) if q_kind else None
+            count = torch.tensor([k], device=llm.device)
+            for _ in range(3):  # compile, record, replay
+                self._verify(ids, positions, q, count, args)
+        from generate import sync
+
+        sync(llm.device)
+        llm._warm.add(key)
+        return seconds + time.perf_counter() - begin
+
+    def generate_token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
+                               recorder: Any = None) -> Iterator[tuple[list[int], float]]:
+        """Yields (the tokens of this step: the prefill's one, then each verify step's accepted run plus the
+        target's own next token, host time when they arrived less the profiler's own time)."""
+        llm, k = self.llm, self.k
+        self.steps = self.accepted = self.proposed = 0  # this run's (a profiled run's warm-up runs first)
+        prompt = [int(t) for t in prompts[0].tolist()]
+        new_tokens = llm._plan_lengths(len(prompt), max_new_tokens)
+        self._prepare(1, len(prompt), max_new_tokens, sampling)
+        args = llm._step_args(sampling)
+        region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
+        vocab = llm.model.args.vocab_size
+        room = min(llm.model.max_seq_length, self.draft.room() or llm.model.max_seq_length)
+        lock = self.draft.llm if isinstance(self.draft, ModelDraft) else None
+        number = lock._lock.acquire() if lock is not None else 0  # the draft engine is ours for the generation
+        try:
+            with torch.inference_mode():
+                positions = torch.arange(llm.model.max_seq_length, device=llm.device)  # (S,)
+                with region("prefill"):
+                    token = self._prefill(prompt, positions, args)
+                paused = 0.0
+                context = prompt + [token]
+                yield [token], time.perf_counter()
+                self.draft.start(prompt, args)  # after the first token: a draft's prefill counts as decode time
+                while len(context) - len(prompt) < new_tokens:
+                    if recorder is not None:
+                        before = time.perf_counter()
+                        recorder.step()
+                        paused += time.perf_counter() - before
+                    left = new_tokens - (len(context) - len(prompt))
+                    start = len(context) - 1  # the last token's position, not in the cache yet
+                    with region("decode_step"):
+                        run = None
+                        if left > 1 and start + k < room:
+                            with region("draft_step"):
+                                proposal = self.draft.proposal(context, min(k, left - 1), vocab, llm.device)
+                            if proposal.count:
+                                with region("verify_step"):
+                                    run = self._verify_step(context[-1], proposal, positions[start:start + k + 1],
+                                                            args)
+                        if run is None:  # nothing drafted, or too near the end: one plain decode step
+                            run = self._decode_step(context[-1], positions[start:start + 1], args)
+                    context += run
+                    yield run, time.perf_counter() - paused
+        finally:
+            if lock is not None:
+                lock._lock.release(number)
+
+    def _prefill(self, prompt: list[int], positions: Tensor, args: tuple[Tensor, ...]) -> int:
+        from generate import prefill_bucket
+
+        llm = self.llm
+        bucket = prefill_bucket(len(prompt), llm.model.max_seq_length) if llm.compile_prefill else len(prompt)
+        padded = torch.zeros(1, bucket, dtype=torch.long, device=llm.device)  # (1, bucket)
+        padded[0, :len(prompt)] = torch.tensor(prompt, device=llm.device)
+        last = torch.tensor([len(prompt) - 1], device=llm.device)  # (1,)
+        llm._mark_step()
+        return int(llm._prefill_fn(llm.model, padded, positions[:bucket], last, llm._vocab_bias, *args).item())
+
+    def _decode_step(self, last: int, input_pos: Tensor, args: tuple[Tensor, ...]) -> list[int]:
+        llm = self.llm
+        llm._mark_step()
+        token = torch.tensor([[last]], device=llm.device)  # (1, 1)
+        return [int(llm._decode_fn(llm._step_model, token, input_pos, llm._vocab_bias, *args).item())]
+
+    def _verify_step(self, last: int, proposal: Proposal, input_pos: Tensor, args: tuple[Tensor, ...]) -> list[int]:
+        """Pads the proposal to k, verifies it in one pass, reads [n, tokens] once; returns the n kept drafts and
+        the target's own token after them."""
+        llm, k = self.llm, self.k
+        tokens = proposal.tokens
+        if tokens.shape[1] < k:
+            tokens = torch.cat([tokens, tokens.new_zeros(1, k - tokens.shape[1])], dim=1)  # (1, k)
+        q = proposal.q
+        if q is not None and q.shape[0] < k:
+            q = torch.cat([q, q.new_zeros(k - q.shape[0], q.shape[1])])  # (k, V)
+        ids = torch.cat([torch.tensor([[last]], device=llm.device), tokens], dim=1)  # (1, k+1)
+        count = torch.tensor([proposal.count], device=llm.device)  # (1,)
+        packed = self._verify(ids, input_pos, q, count, args).tolist()  # the step's one host read
+        n = packed[0]
+        self.draft.accepted(n)
+        self.steps += 1
+        self.accepted += n
+        self.proposed += proposal.count
+        return packed[1:n + 2]

@@ -1,0 +1,41 @@
+"""scripts/bench_speculative.py via scripts/bench.py --speculate-k on a tiny random model (CPU, eager)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scripts import bench
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops on a shared, busy CPU run far faster on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_speculate_k_times_verify_steps_and_the_ceiling(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    code = bench.main(["--model", "debug-tiny", "--device", "cpu", "--dtype", "float32", "--speculate-k", "1,4",
+                       "--new-tokens", "20", "--runs", "1", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    report = json.loads(out.read_text())["speculative"]
+    assert [r["k"] for r in report["verify"]] == [1, 4]
+    for r in report["verify"]:
+        assert r["decode_us"] > 0 and r["verify_us"] > 0
+        assert r["ratio"] == pytest.approx(r["verify_us"] / r["decode_us"])
+    (ceiling,) = report["ceiling"]
+    assert ceiling["k"] == 4 and ceiling["speculative_tok_s"] > 0
+    # 19 tokens after the prefill's: three steps keep 4 drafts + 1, the last one 3 + 1 (capped by --new-tokens).
+    assert ceiling["mean_accepted"] == pytest.approx((4 + 4 + 4 + 3) / 4)
+    assert "verify step (k+1 rows)" in printed and "Ceiling" in printed
+
+
+def test_speculate_k_beyond_the_kernel_rows_is_refused(capsys):
+    assert bench.main(["--model", "debug-tiny", "--device", "cpu", "--speculate-k", "64"]) == 2
+    assert "1..63" in capsys.readouterr().err
