@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .configs import GemvConfig, gemv_int4_config
+from .device import device_caps
 from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
 
 # Inputs per chunk: four 32-bit words of 8 nibbles, the unit that shares one (scale, offset).
@@ -223,7 +224,7 @@ def gemv_int4(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, out: torch.Ten
     if cfg.block_k % CHUNK:
         raise ValueError(f"gemv_int4 needs block_k a multiple of {CHUNK}, got {cfg.block_k}")
     if pdl is None:
-        pdl = pdl_default()
+        pdl = pdl_default(device_caps(x.device))
     even_k = k % cfg.block_k == 0
     extra = {"launch_pdl": True} if pdl else {}
     rows_per_program = cfg.block_n // 2 if swiglu else cfg.block_n
