@@ -34,7 +34,7 @@ from profiling import ProfileConfig, TraceRecorder
 import speculative
 from quantize import load_model, model_quantization
 from sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
-from streaming import GenerationLock, Stream, TextStream
+from streaming import GenerationLock, Stream, TextStream, first_stop, step_seconds  # noqa: F401
 import tensor_parallel
 from tokenizer import Tokenizer, load_tokenizer
 
@@ -518,17 +518,6 @@ class LLM:
             compiled=self.compile,
         )
         return out
-
-
-def step_seconds(times: list[float], counts: list[int] | None = None) -> list[float]:
-    """Seconds per token of each step after the first (a step of several tokens: its time over their number)."""
-    counts = counts or [1] * len(times)
-    return [(b - a) / max(c, 1) for a, b, c in zip(times, times[1:], counts[1:])]
-
-
-def first_stop(text: str, stops: list[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -120,3 +120,15 @@ class Stream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the first of the stop strings starts in text, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def step_seconds(times: list[float], counts: list[int] | None = None) -> list[float]:
+    """Seconds per token of each step after the first (a step of several tokens: its time over their number)."""
+    counts = counts or [1] * len(times)
+    return [(b - a) / max(c, 1) for a, b, c in zip(times, times[1:], counts[1:])]
