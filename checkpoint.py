@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -217,6 +217,22 @@ def check_checkpoint_output(path: Path, inputs: Iterable[Path] = ()) -> None:
     if path.exists() and not is_redline_file(path):
         raise ValueError(f"--out {path} exists and is not a Redline checkpoint; refusing to replace it, choose another "
                          f"file name")
+
+
+def run_cli(body: Callable[[], int], interrupted: str = "interrupted") -> int:
+    """Run a command-line tool's body: bad input and file-system errors become one `error:` line and exit status 2,
+    Ctrl-C one line and 130, never a traceback."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print(f"error: {interrupted}", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the disk or the file system, not the input: say which file and why
+        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
+        return 2
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

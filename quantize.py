@@ -26,8 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info, resolve_checkpoint_path,
-                        save_checkpoint)
+from checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info,
+                        resolve_checkpoint_path, run_cli, save_checkpoint)
 from model import Transformer
 from tokenizer import copy_tokenizer_files
 
@@ -317,23 +317,16 @@ def parse_args(argv: list[str] | None) -> QuantizeArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    def body() -> int:
         cfg = parse_args(argv)
         before = resolve_checkpoint_path(cfg.checkpoint_path).stat().st_size
         path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out, cfg.group_size)
         copy_tokenizer_files(resolve_checkpoint_path(cfg.checkpoint_path).parent, path.parent)
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the disk or the file system, not the input: say which file and why
-        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
-        return 2
-    after = path.stat().st_size
-    print(f"{path}\nsize: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({after / before:.1%})")
-    return 0
+        after = path.stat().st_size
+        print(f"{path}\nsize: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({after / before:.1%})")
+        return 0
+
+    return run_cli(body, interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, dtype_from_name, expected_shapes,
-                        is_redline_file, progress, save_checkpoint)
+                        is_redline_file, progress, run_cli, save_checkpoint)
 from model import ModelArgs
 from tokenizer import copy_tokenizer_files
 
@@ -229,21 +229,14 @@ def parse_args(argv: list[str] | None) -> ConvertArgs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    def body() -> int:
         cfg = parse_args(argv)
         path = convert_hf_checkpoint(cfg.checkpoint_dir, cfg.out, cfg.dtype)
         copy_tokenizer_files(cfg.checkpoint_dir, path.parent)
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the disk or the file system, not the input: say which file and why
-        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
+        print(path)
+        return 0
+
+    return run_cli(body, interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":

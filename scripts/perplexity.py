@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from checkpoint import OneLineArgumentParser, check_output_path, write_atomically
+from checkpoint import OneLineArgumentParser, check_output_path, run_cli, write_atomically
 from generate import LLM
 
 
@@ -177,17 +177,7 @@ def run(cfg: PerplexityArgs) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return run(parse_args(argv))
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the disk or the file system: say which file and why
-        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
-        return 2
+    return run_cli(lambda: run(parse_args(argv)))
 
 
 if __name__ == "__main__":
