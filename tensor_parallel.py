@@ -403,14 +403,8 @@ class TensorParallelFusedDecode(FusedDecode):
     """FusedDecode for a rank's model (kernels.use_kernels, then apply_tensor_parallel): one-token steps (batch 1)
     take tp_fused_block per block, every other call runs model(...)."""
 
-    def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
-                from_start: bool = False) -> Tensor:
+    def one_token_logits(self, x: Tensor, input_pos: Tensor) -> Tensor:
         model = self.model
-        if idx.numel() != 1:
-            return model(idx, input_pos, logits_at, from_start)
-        if model.max_seq_length == 0:
-            raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
-        x = model.tok_embeddings(idx)  # (1, 1, dim)
         for layer in model.layers:
             x = tp_fused_block(layer, x, model.rope, input_pos)
         return fused_projection(model.output, x, norm=model.norm)  # (1, 1, vocab)

@@ -72,7 +72,11 @@ class FusedDecode(nn.Module):
             return model(idx, input_pos, logits_at, from_start)
         if model.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
-        x = model.tok_embeddings(idx)  # (1, 1, dim)
+        return self.one_token_logits(model.tok_embeddings(idx), input_pos)  # (1, 1, vocab)
+
+    def one_token_logits(self, x: Tensor, input_pos: Tensor) -> Tensor:
+        """x (1, 1, dim), the token's embedding -> logits (1, 1, vocab), each block in five kernels."""
+        model = self.model
         self.norm_sums.zero_()
         # The attention kernel reads the rope row at input_pos from the whole (S, 2, D/2) table itself: a gather here
         # would be one more kernel, which inductor re-emits before several layers' attention. No mask either: the
