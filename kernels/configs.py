@@ -144,12 +144,11 @@ def _gemv_table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
 
 def gemv_int4_config(n: int, k: int, group_size: int, fused_input: bool = False, swiglu: bool = False,
                      residual: bool = False) -> GemvConfig:
-    """The int4 GEMV's config (triton_int4.gemv_int4; n: rows of the packed weight): BLOCK_K a power of two of
-    32..1024 inputs that divides K where one does (a partial last block costs a masked pass), at least 2 rows per
-    program for the fused norm and SwiGLU. A first table, from the kernel's structure (4 rows of 16-byte loads
-    per thread, 2 blocks in flight) rather than from measurements; scripts/bench_int4.py sweeps alternatives."""
-    block_k = 512 if k % 512 == 0 else 256 if k % 256 == 0 else 128 if k % 128 == 0 else 512
-    return GemvConfig(8, block_k, 2, 2)
+    """The int4 GEMV's config (triton_int4.gemv_int4; n: rows of the packed weight). Each thread takes one 32-input
+    chunk of every row of its program, so BLOCK_K is 32 chunks per thread of one warp (1024 inputs); block_n
+    rows share each thread's x values, at least 2 for the SwiGLU pairs. Large matrices take 8 rows, the 4096-row
+    ones 4 (twice the programs, to fill the GPU)."""
+    return GemvConfig(8 if n >= 8192 else 4, 1024, 1, 2)
 
 
 # --- the tensor-core kernel ---
