@@ -145,10 +145,15 @@ def _gemv_table_config(n: int, k: int, w_bytes: int) -> GemvConfig:
 def gemv_int4_config(n: int, k: int, group_size: int, fused_input: bool = False, swiglu: bool = False,
                      residual: bool = False) -> GemvConfig:
     """The int4 GEMV's config (triton_int4.gemv_int4; n: rows of the packed weight). Each thread takes one 32-input
-    chunk of every row of its program, so BLOCK_K is 32 chunks per thread of one warp (1024 inputs); block_n
-    rows share each thread's x values, at least 2 for the SwiGLU pairs. Large matrices take 8 rows, the 4096-row
-    ones 4 (twice the programs, to fill the GPU)."""
-    return GemvConfig(8 if n >= 8192 else 4, 1024, 1, 2)
+    chunk of every row of its program, so BLOCK_K is 1024 inputs per warp (32 chunks); block_n rows share each
+    thread's x values (at least 2 for the SwiGLU pairs). The fastest of 13 configs per Llama-2-7B shape on an H200
+    (scripts/bench_int4.py's sweep, g32 and g128 alike): the large matrices take 4-8 rows, one warp and one block in
+    flight (the fewest registers, so the most warps per SM), the 4096-row ones 8 rows over two warps."""
+    if n >= 16384:  # w13, the output head
+        return GemvConfig(4, 1024, 1, 1)
+    if n >= 8192:  # wqkv
+        return GemvConfig(8, 1024, 1, 1)
+    return GemvConfig(8, 2048, 2, 2)  # wo, w2
 
 
 # --- the tensor-core kernel ---
