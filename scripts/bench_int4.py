@@ -26,7 +26,6 @@ ROTATE_BYTES = 5 * 60 * 2**20
 CALLS, REPEATS = 20, 10
 # tinygemm's K tiling (what torchao and gpt-fast pass).
 INNER_K_TILES = 8
-# (BLOCK_N, BLOCK_K, num_warps, depth) of the int4 GEMV tried on each 7B shape.
 # (block_n, block_k, num_warps, depth): the kernel wants block_k >= 1024 inputs per warp (one 32-input chunk per
 # thread); rows per program and warps trade x reuse against programs in flight.
 INT4_SWEEP = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (16, 1024, 1, 2), (4, 1024, 1, 1),
