@@ -17,7 +17,8 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
                        KernelInt4Linear
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
     fused_decode.py    FusedDecode
-    triton_linear.py, triton_int4.py, triton_attention.py, triton_common.py: the Triton sources and launchers
+    triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_attention.py, triton_common.py: the Triton
+                       sources and launchers
 """
 from __future__ import annotations
 

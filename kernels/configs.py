@@ -6,6 +6,7 @@ reasoning behind each row is next to it. Plain Python: importing this module nee
 
     gemv_config(n, k, w_bytes, ...)        one row of x: the matrix-vector kernel (triton_linear.gemv)
     dot_config(n, k, w_bytes, m)           2 or more rows: the tensor-core kernel (triton_linear.small_m_dot)
+    int4_dot_config(n, k, group_size, m)   2 or more rows, int4 weights: triton_int4_dot.int4_dot
     attention_config(batch, ..., sms)      one decode token: the split flash-decoding kernel (triton_attention)
 """
 from __future__ import annotations
@@ -19,6 +20,9 @@ from .device import DeviceCaps
 # Rows of x per tile of the tensor-core kernel by default (padded to a power of two >= 16); up to this many rows,
 # one tile serves them all, so each weight byte is read once.
 DOT_MAX_BLOCK_M = 64
+# The most weight groups per K step of the int4 tensor-core kernel: each is a dot of its own in the unrolled loop body
+# (on sm90, 8 groups of 32 inputs in a 256-input step spilled registers; 4 did not).
+INT4_DOT_GROUPS_PER_STEP = 4
 
 # The attention split count aims for this many programs per SM over the whole grid: on an H200
 # (scripts/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes) 1 per SM was 10-35% slower on full
@@ -66,6 +70,13 @@ class DotConfig:
             raise ValueError(f"DotConfig.block_m must be 0 (from M) or a power of two >= 16, got {self.block_m}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class Int4DotConfig(DotConfig):
+    """Launch parameters of the int4 tensor-core kernel (triton_int4_dot.int4_dot)."""
+
+    swap: bool = False  # compute (W @ x.T).T: the weight tile is the MMA's left operand (wgmma from registers on Hopper)
 
 
 @dataclass(frozen=True)
@@ -202,6 +213,29 @@ def _row_tiles_config(n: int, w_bytes: int, m: int) -> DotConfig:
     return DotConfig(128, 64, 8, 3, 64) if n < 16384 else DotConfig(128, 64, 8, 4, 128)
 
 
+def int4_dot_config(n: int, k: int, group_size: int, m: int) -> Int4DotConfig:
+    """The int4 tensor-core kernel's config table (m: rows of x, 2 or more). A first table, from the kernel's
+    compiled code (instructions per weight, registers, shared memory on sm90) rather than from GPU measurements;
+    scripts/bench_int4.py --rows sweeps alternatives.
+
+    The weight tile is wgmma's left operand (swap) in tiles of 64 or 128 rows, except for 32-input groups, whose
+    16-byte sub-blocks Triton sends through shared memory that way. The N=4096 projections (wo, w2) take 32-row
+    tiles for up to 16 rows of x, so that 128 programs share the GPU. A K step holds at most 4 groups: each group
+    is a dot of its own, unrolled in the loop body, and 8 of them spilled registers. The launcher shortens block_k
+    to divide K."""
+    del k  # the launcher fits block_k to it
+    swap = group_size >= 64
+    if m > DOT_MAX_BLOCK_M:  # several tiles of rows
+        cfg = Int4DotConfig(128, 128, 8, 3, 64, swap) if n >= 8192 else Int4DotConfig(64, 128, 4, 3, 64, swap)
+    elif m > 16:
+        cfg = Int4DotConfig(128, 128, 8, 4, 0, swap) if n >= 8192 else Int4DotConfig(64, 128, 4, 3, 0, swap)
+    elif n < 8192:
+        cfg = Int4DotConfig(32, 256, 4, 4)
+    else:
+        cfg = Int4DotConfig(64, 256, 4, 4, 0, swap)
+    return replace(cfg, block_k=min(cfg.block_k, INT4_DOT_GROUPS_PER_STEP * group_size))
+
+
 # --- the decode-attention kernel ---
 
 
@@ -232,6 +266,9 @@ ATTENTION_SMEM_MARGIN = 1024
 # The smallest tiles the fitting goes down to (tl.dot needs 16; K blocks below 32 cost more than they save).
 MIN_DOT_BLOCK_K = 32
 MIN_DOT_BLOCK = 16
+# Shared memory per row of an int4 tensor-core tile (of x and of the weight) for the kernel's layout conversions of
+# its per-row vectors (scales, offsets, sums of x): Triton 3.6 took up to 39 on sm80/sm90.
+INT4_DOT_SCRATCH_BYTES = 48
 
 
 def dot_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, x_bytes: int, w_bytes: int,
@@ -289,6 +326,52 @@ def _smaller_dot_configs(cfg: DotConfig, block_m: int) -> Iterator[DotConfig]:
             rows //= 2
         else:
             return
+
+
+def int4_dot_smem_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, x_bytes: int, group_size: int,
+                        swap: bool, caps: DeviceCaps) -> int:
+    """Shared memory the int4 tensor-core kernel needs: num_stages - 1 buffered x and packed weight tiles (x as it
+    is stored, the weights at half a byte each); for fp32 x, whose full-precision dot runs on FMAs, both operands
+    staged once more in fp32; on Hopper, wgmma's shared-memory operand of one sub-block of min(block_k, group_size)
+    inputs in 16 bits (x's halves with swap and a weight tile of at least 64 rows, the dequantized weights for
+    64-row x tiles without swap); the scratch of the small layout conversions; and the fp32 accumulator, which may
+    pass through shared memory for the store. Checked against Triton 3.6's compiled kernels (sm80, sm90) by
+    tests/test_kernels_int4_dot.py."""
+    sub = min(block_k, group_size)
+    total = block_k * (block_m * x_bytes + block_n // 2) * max(num_stages - 1, 1)
+    if x_bytes == 4:
+        total += (block_m + block_n) * block_k * 4
+    elif caps.vendor == "nvidia" and caps.arch >= "sm90":
+        if swap and block_n >= 64:
+            total += block_m * sub * 2
+        elif not swap and block_m >= 64:
+            total += block_n * sub * 2
+    total += (block_m + block_n) * INT4_DOT_SCRATCH_BYTES
+    return max(total, block_m * block_n * 4)
+
+
+def fitted_int4_dot_config(n: int, k: int, group_size: int, x_bytes: int, m: int,
+                           caps: DeviceCaps) -> Int4DotConfig | None:
+    """int4_dot_config's choice made smaller until it fits caps' shared memory (as fitted_dot_config does), or None:
+    the caller dequantizes for cuBLAS/hipBLAS."""
+    cfg = int4_dot_config(n, k, group_size, m)
+    if caps.vendor == "amd":
+        cfg = _amd_int4_dot_config(cfg, group_size)
+    block_m = dot_block_m(cfg, m)
+    for c in _smaller_dot_configs(cfg, block_m):
+        if int4_dot_smem_bytes(c.block_m or block_m, c.block_n, c.block_k, c.num_stages, x_bytes, group_size, c.swap,
+                               caps) <= caps.shared_memory_per_block:
+            return c
+    return None
+
+
+def _amd_int4_dot_config(cfg: Int4DotConfig, group_size: int) -> Int4DotConfig:
+    """The table's choice cut for AMD GPUs, where Triton 3.6 compiled it worse (scripts/check_targets.py on gfx90a,
+    gfx942, gfx1100): 4 pipeline stages of a one-group K step failed to compile (3 and 5 compiled); 4 groups per step
+    or 128-row weight tiles spilled registers (up to 2500 VGPRs on gfx90a), 2 groups and 64 rows did not on gfx90a
+    and gfx942 (gfx1100, with 256 VGPRs a lane, still spills in some)."""
+    return replace(cfg, num_stages=min(cfg.num_stages, 3), block_k=min(cfg.block_k, 2 * group_size),
+                   block_n=min(cfg.block_n, 64), num_warps=4 if cfg.block_n > 64 else cfg.num_warps)
 
 
 def attention_smem_bytes(block_g: int, block_s: int, head_dim: int, elt_bytes: int, num_stages: int,

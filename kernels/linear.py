@@ -8,8 +8,9 @@ On a CUDA/HIP device with few rows of x (decode, batches, short prompts; `triton
 run the Triton kernels in triton_linear.py, which dequantize int8 weights in registers: one row (batch-1
 decode) runs the matrix-vector kernel, which reads every weight byte once; more rows run the tensor-core
 kernel. With more rows (long prompts) the work is a matrix product: cuBLAS does it (for int8 on the
-weight dequantized in row blocks). int4: one row runs the int4 GEMV (triton_int4.py); 2 or more rows
-dequantize the weight in row blocks for cuBLAS (no tensor-core int4 kernel yet). On the CPU: plain PyTorch.
+weight dequantized in row blocks). int4: one row runs the int4 GEMV (triton_int4.py), 2..SMALL_M rows the int4
+tensor-core kernel (triton_int4_dot.py, which dequantizes in registers too), more rows (or a GPU whose shared
+memory fits no config) dequantize the weight in row blocks for cuBLAS. On the CPU: plain PyTorch.
 
 The ops are opaque to torch.compile (custom_op + register_fake), so `fullgraph=True` traces
 through them and `mode="reduce-overhead"` captures their kernels in the model's CUDA graph.
@@ -27,7 +28,7 @@ from torch import Tensor
 from model import rms_norm
 from quantize import Int4Linear, Int8Linear, dequantize_int4
 
-from .configs import DotConfig, fitted_dot_config
+from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
 from .device import device_caps, triton_importable
 
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel, in one
@@ -59,6 +60,14 @@ def triton_linear():
 def triton_int4():
     """kernels.triton_int4, imported on first use (it imports triton)."""
     from . import triton_int4 as module
+
+    return module
+
+
+@functools.cache
+def triton_int4_dot():
+    """kernels.triton_int4_dot, imported on first use (it imports triton)."""
+    from . import triton_int4_dot as module
 
     return module
 
@@ -213,6 +222,22 @@ def _int8_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return out.view(*x.shape[:-1], n)
 
 
+def _int4_dot_config(x: Tensor, weight: Tensor, scales: Tensor) -> Int4DotConfig | None:
+    """The int4 tensor-core kernel's config for x's rows on x's GPU, or None where no config fits its shared memory."""
+    k = x.shape[-1]
+    return fitted_int4_dot_config(weight.shape[0], k, k // scales.shape[1], x.element_size(), x.numel() // k,
+                                  device_caps(x.device))
+
+
+def _int4_small_m(x: Tensor, weight: Tensor, scales: Tensor, config: Int4DotConfig) -> Tensor:
+    """2..SMALL_M rows of x (viewed as (M, K)) on the int4 tensor-core kernel; returns (..., N), contiguous."""
+    n = weight.shape[0]
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty((x2.shape[0], n), device=x.device, dtype=x.dtype)
+    triton_int4_dot().int4_dot(x2, weight, scales, out, config=config)
+    return out.view(*x.shape[:-1], n)
+
+
 def _int4_matmul(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """Two or more rows: cuBLAS on the weight dequantized (fp32, rounded to x.dtype) in row blocks."""
     n = weight.shape[0]
@@ -319,12 +344,17 @@ def fused_linear_reference(x: Tensor, weight: Tensor, scales: Tensor | None, nor
 @torch.library.custom_op("redline::int4_linear", mutates_args=())
 def int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """x @ W.T in x.dtype, W = scale * q + offset per group (quantize.py's int4 layout): weight uint8 (N, K/2),
-    scales fp16 (N, K/G, 2). One row on a GPU: the int4 GEMV (fp32 accumulation); more: cuBLAS on blocks."""
+    scales fp16 (N, K/G, 2). On a GPU: one row runs the int4 GEMV, 2..SMALL_M rows the int4 tensor-core kernel (both
+    dequantize in registers, fp32 accumulation); more rows, or no config that fits the GPU, cuBLAS on row blocks."""
     _check_int4_linear(x, weight, scales)
-    if gemv_supported(x, quantized=True) and x.numel() == x.shape[-1]:
-        out = torch.empty((1, weight.shape[0]), device=x.device, dtype=x.dtype)
-        triton_int4().gemv_int4(x.reshape(1, -1).contiguous(), weight.contiguous(), scales.contiguous(), out)
-        return out.view(*x.shape[:-1], weight.shape[0])
+    if gemv_supported(x, quantized=True):
+        if x.numel() == x.shape[-1]:
+            out = torch.empty((1, weight.shape[0]), device=x.device, dtype=x.dtype)
+            triton_int4().gemv_int4(x.reshape(1, -1).contiguous(), weight.contiguous(), scales.contiguous(), out)
+            return out.view(*x.shape[:-1], weight.shape[0])
+        config = _int4_dot_config(x, weight, scales)
+        if config is not None:
+            return _int4_small_m(x, weight, scales, config)
     if x.is_cuda:
         return _int4_matmul(x, weight, scales)
     return int4_linear_reference(x, weight, scales)
@@ -401,7 +431,8 @@ class KernelInt8Linear(Int8Linear):
 
 
 class KernelInt4Linear(Int4Linear):
-    """quantize.Int4Linear whose forward runs torch.ops.redline.int4_linear: the int4 GEMV for one row."""
+    """quantize.Int4Linear whose forward runs torch.ops.redline.int4_linear: the int4 weight is dequantized in the
+    Triton kernels' registers for up to SMALL_M rows, in row blocks for cuBLAS for more."""
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.redline.int4_linear(x, self.weight, self.scales)

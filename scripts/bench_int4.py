@@ -2,6 +2,11 @@
 int4 kernel (tinygemm, `aten._weight_int4pack_mm`), a config sweep, then the decode benchmark of scripts/bench.py.
 
     PYTHONPATH=$PWD python scripts/bench_int4.py [--skip-decode] [--json FILE]
+    PYTHONPATH=$PWD python scripts/bench_int4.py --rows 4,16,64 [--groupsize 128,32] [--no-sweep] [--json FILE]
+
+--rows times the int4 tensor-core kernel (2-256 rows of x) on the 7B shapes instead, with its table's config and a
+sweep of alternatives, against dequantizing for cuBLAS (the int4 op's path for long prompts) and against bf16's
+tensor-core kernel on bf16 weights of the same shapes; GB/s counts the weight bytes each one reads.
 
 Every GEMV time is a CUDA graph of back-to-back calls whose weights rotate over enough copies that the bytes read
 between two uses of one copy exceed the L2 cache. The "tinygemm ceiling" is 1 / (the sum of tinygemm's GEMV times
@@ -26,8 +31,13 @@ ROTATE_BYTES = 5 * 60 * 2**20
 CALLS, REPEATS = 20, 10
 # tinygemm's K tiling (what torchao and gpt-fast pass).
 INNER_K_TILES = 8
-# (block_n, block_k, num_warps, depth): the kernel wants block_k >= 1024 inputs per warp (one 32-input chunk per
-# thread); rows per program and warps trade x reuse against programs in flight.
+# (block_n, block_k, num_warps, num_stages, block_m, swap) of the int4 tensor-core kernel tried on each 7B shape.
+INT4_DOT_SWEEP = [(64, 256, 4, 4, 0, True), (64, 128, 4, 4, 0, True), (128, 256, 4, 3, 0, True),
+                  (128, 128, 4, 4, 0, True), (128, 128, 8, 4, 0, True), (64, 512, 4, 3, 0, True),
+                  (32, 256, 4, 4, 0, False), (64, 256, 4, 4, 0, False), (32, 512, 4, 4, 0, False),
+                  (64, 128, 4, 3, 64, True)]
+# (block_n, block_k, num_warps, depth) of the int4 GEMV: the kernel wants block_k >= 1024 inputs per warp (one
+# 32-input chunk per thread); rows per program and warps trade x reuse against programs in flight.
 INT4_SWEEP = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (16, 1024, 1, 2), (4, 1024, 1, 1),
               (8, 1024, 1, 1), (4, 2048, 2, 2), (8, 2048, 2, 2), (4, 4096, 4, 1), (8, 4096, 4, 1),
               (4, 2048, 1, 2), (8, 2048, 1, 1), (16, 2048, 2, 1)]
@@ -156,16 +166,111 @@ def time_shapes(device: torch.device, sweep: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def rotated_us(make, nbytes: int) -> float:
+    """µs per call of make(i) (a call on weight copy i) in a CUDA graph over enough copies to rotate past L2."""
+    copies = copies_for(nbytes)
+    calls = [make(i) for i in range(copies)]
+    return cuda_graph_us_per_call([calls[i % copies] for i in range(CALLS)], REPEATS)
+
+
+def time_rows_shape(n: int, k: int, g: int, m: int, device: torch.device, sweep: bool) -> dict[str, Any]:
+    """One 7B shape at m rows: the int4 tensor-core kernel (table config, and the sweep), dequantize + cuBLAS, and
+    bf16's tensor-core kernel, in µs and GB/s of weights read."""
+    from kernels.configs import Int4DotConfig, fitted_int4_dot_config
+    from kernels.device import device_caps
+    from kernels.linear import _int4_matmul, int4_linear_reference
+    from kernels.triton_int4_dot import int4_dot
+    from kernels.triton_linear import small_m_dot
+
+    nbytes = int4_bytes(n, k, g)
+    mats = [random_int4(n, k, g, device) for _ in range(copies_for(nbytes))]
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    ref = int4_linear_reference(x, *mats[0]).float()
+    err = ((int4_dot(x, *mats[0]).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+
+    def int4_us(config: Any) -> float:
+        return rotated_us(lambda i: lambda: int4_dot(x, *mats[i % len(mats)], out, config=config), nbytes)
+
+    table = fitted_int4_dot_config(n, k, g, 2, m, device_caps(device))
+    row = {"group_size": g, "n": n, "k": k, "rows": m, "config": table, "max_rel_error": err,
+           "int4_dot_us": int4_us(table),
+           "dequant_cublas_us": rotated_us(lambda i: lambda: _int4_matmul(x, *mats[i % len(mats)]), nbytes)}
+    bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+    row["bf16_dot_us"] = rotated_us(lambda i: lambda: small_m_dot(x, bf16[i % len(bf16)], None, out), n * k * 2)
+    del bf16
+    if sweep:
+        best = None
+        for c in INT4_DOT_SWEEP:
+            try:
+                t = int4_us(Int4DotConfig(*c))
+            except Exception as exc:  # a config that does not compile or fit is skipped, not fatal
+                print(f"  config {c} failed: {type(exc).__name__}", flush=True)
+                continue
+            if best is None or t < best[1]:
+                best = (c, t)
+        row["best_config"], row["best_us"] = best if best else (None, None)
+    for key in ("int4_dot", "dequant_cublas"):
+        row[f"{key}_gb_s"] = nbytes / row[f"{key}_us"] / 1e3
+    row["bf16_dot_gb_s"] = n * k * 2 / row["bf16_dot_us"] / 1e3
+    return row
+
+
+def time_rows(device: torch.device, rows: list[int], group_sizes: list[int], sweep: bool) -> list[dict[str, Any]]:
+    """time_rows_shape on the 7B shapes (one token's projections and the head) for every group size and row count."""
+    out = []
+    for g in group_sizes:
+        for part, (n, k) in model_gemv_shapes(ModelArgs.from_name("Llama-2-7B")).items():
+            for m in rows:
+                r = time_rows_shape(n, k, g, m, device, sweep)
+                out.append({"part": part, **r})
+                best = f", best {r['best_config']} {r['best_us']:.1f} us" if r.get("best_us") else ""
+                print(f"7B {part} g{g} rows={m}: int4 dot {r['int4_dot_us']:.1f} us ({r['int4_dot_gb_s']:.0f} GB/s; "
+                      f"{r['config']}){best}; dequantize + cuBLAS {r['dequant_cublas_us']:.1f} us "
+                      f"({r['dequant_cublas_gb_s']:.0f} GB/s); bf16 dot {r['bf16_dot_us']:.1f} us "
+                      f"({r['bf16_dot_gb_s']:.0f} GB/s); int4 / bf16 time {r['int4_dot_us'] / r['bf16_dot_us']:.2f}; "
+                      f"max error / max |y| {r['max_rel_error']:.1e}", flush=True)
+    return out
+
+
+def parse_ints(text: str) -> list[int]:
+    """Comma-separated integers ("4,16,64"), or [] when the text is not that."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        return []
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--skip-decode", action="store_true", help="only the kernel checks and timings")
     p.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     p.add_argument("--json", default=None, help="write the kernel numbers here")
+    p.add_argument("--rows", default=None,
+                   help="comma-separated rows of x (2-256, e.g. 4,16,64): time the int4 tensor-core kernel instead")
+    p.add_argument("--groupsize", default="128,32", help="with --rows: comma-separated group sizes (default 128,32)")
     ns = p.parse_args(argv)
+    rows = parse_ints(ns.rows) if ns.rows is not None else None
+    group_sizes = parse_ints(ns.groupsize)
+    if rows is not None and (not rows or not all(2 <= m <= 256 for m in rows)):
+        print(f"error: --rows takes the int4 tensor-core kernel's rows, 2-256, comma-separated (e.g. 4,16,64); "
+              f"got {ns.rows!r}", file=sys.stderr)
+        return 2
+    if not group_sizes or any(g < 32 or g & (g - 1) for g in group_sizes):
+        print(f"error: --groupsize takes powers of two >= 32 (32, 64, 128, 256), got {ns.groupsize}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: bench_int4 needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
+    if rows is not None:
+        results = time_rows(device, rows, group_sizes, not ns.no_sweep)
+        worst = max(r["max_rel_error"] for r in results)
+        print(f"int4 tensor-core kernel worst relative error: {worst:.2e} ({'OK' if worst < 4e-3 else 'FAIL'})")
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump({"rows": [{**r, "config": str(r["config"])} for r in results]}, f, indent=1)
+        return 0 if worst < 4e-3 else 1
     worst = check_correctness(device)
     print(f"int4 GEMV worst relative error: {worst:.2e} ({'OK' if worst < 2e-2 else 'FAIL'})", flush=True)
     rows = time_shapes(device, not ns.no_sweep)

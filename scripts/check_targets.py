@@ -5,7 +5,7 @@
 For each target (kernels.device.TARGETS: sm80, sm86, sm89, sm90, gfx90a, gfx942, gfx1100 by default) the
 project's own launchers run on meta tensors under that target's capability description
 (kernels.device.simulated(target_caps(name))) and a Triton driver that reports the target's GPU: every op, dtype
-(bf16, fp16, fp32; int8 weights), row count 1-256, decode batch, cache length and prompt length up to 2048, for the
+(bf16, fp16, fp32; int8 and int4 weights, int4 in group sizes 32-256), row count 1-256, decode batch, cache length and prompt length up to 2048, for the
 shapes of the demo model (SmolLM2-135M), Llama-2-7B, Llama-3-8B and Llama-3-70B. A Triton JIT hook records each
 launch instead of compiling it (nothing runs); identical configurations are kept once. Each one is then compiled
 for the target (Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU backend for AMD) and its shared memory
@@ -83,6 +83,7 @@ MAX_PROMPT = 2048
 FUSED_GEMVS = (("wqkv", 1, False, False), ("wqkv", 2, False, False), ("wo", 0, False, True),
                ("w13", 2, True, False), ("w2", 0, False, True), ("output", 2, False, False))
 NORM_SUM_LANES = 32
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the int4 group sizes quantize.py offers
 
 
 @dataclass
@@ -226,6 +227,30 @@ def _linear_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape,
                     tried.add((cfg, configs.dot_block_m(cfg, m)))
                     triton_linear.small_m_dot(_meta(m, k, dtype=x_dtype), w, scales)
             _fused_gemv_calls(record, model, proj, x_dtype, w_dtype)
+    return fallbacks + _int4_dot_calls(record, caps, models)
+
+
+def _int4_dot_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
+    """The int4 tensor-core kernel for 2-256 rows, every dtype and group size; returns the calls that fall back to
+    dequantizing for BLAS."""
+    from kernels import triton_int4_dot
+
+    fallbacks = []
+    for model, x_dtype, group_size in itertools.product(models, FLOAT_DTYPES, INT4_GROUP_SIZES):
+        for proj, (n, k) in model.projections().items():
+            if k % group_size:
+                continue
+            w = _meta(n, k // 2, dtype=torch.uint8)
+            scales = _meta(n, k // group_size, 2, dtype=torch.float16)
+            tried = set()
+            for m in range(2, MAX_ROWS + 1):
+                record.call = f"{model.name} {proj} {str(x_dtype)[6:]}xint4-g{group_size} rows={m}"
+                cfg = configs.fitted_int4_dot_config(n, k, group_size, x_dtype.itemsize, m, caps)
+                if cfg is None:
+                    fallbacks.append(record.call)
+                elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
+                    tried.add((cfg, configs.dot_block_m(cfg, m)))
+                    triton_int4_dot.int4_dot(_meta(m, k, dtype=x_dtype), w, scales)
     return fallbacks
 
 
@@ -330,6 +355,9 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
         w_bytes = _pointer_bytes(signature["w_ptr"])
         return configs.dot_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["BLOCK_K"], options["num_stages"],
                                       x_bytes, w_bytes, caps)
+    if kernel == "_int4_dot_kernel":
+        return configs.int4_dot_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["BLOCK_K"], options["num_stages"],
+                                           _pointer_bytes(signature["x_ptr"]), named["G"], named["SWAP"], caps)
     if kernel == "_split_kernel":
         return configs.attention_smem_bytes(named["BLOCK_G"], named["BLOCK_S"], named["HEAD_DIM"],
                                             _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)

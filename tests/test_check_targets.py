@@ -44,8 +44,11 @@ def test_each_target_gets_the_paths_it_supports(launches):
     for amd in (gfx90a, gfx942):
         assert not _find(amd, "", "USE_PDL=True") and not _find(amd, "", "INT8_MODE=2")
     kinds = {x.kernel.rsplit(".", 1)[1] for x in gfx90a}
-    assert kinds == {"_gemv_kernel", "_small_m_dot_kernel", "_split_kernel", "_combine_kernel",
+    assert kinds == {"_gemv_kernel", "_small_m_dot_kernel", "_int4_dot_kernel", "_split_kernel", "_combine_kernel",
                      "_prefill_rope_cache_kernel"}
+    # the int4 tensor-core kernel converts nibbles with inline PTX on NVIDIA only
+    assert _find(sm90, "_int4_dot_kernel", "PTX=True") and not _find(sm90, "_int4_dot_kernel", "PTX=False")
+    assert not _find(gfx90a, "_int4_dot_kernel", "PTX=True")
 
 
 @pytest.mark.parametrize("target", ["sm90", "gfx90a", "gfx942"])

@@ -5,6 +5,7 @@ kernels run in one child process (this file run as a script, `python tests/test_
 variable set): it runs every case and prints one JSON line of the largest errors, and each test checks its case.
 The interpreter's tl.dot multiplies bf16 operands as raw bits, so the tensor-core kernels are checked in fp16 and
 fp32 here; the GEMV and the rope kernel (no tl.dot) also run in bf16. Shapes are small to keep the child fast.
+The int4 tensor-core kernel runs its portable nibble conversion here (the interpreter runs no inline PTX).
 """
 from __future__ import annotations
 
@@ -21,12 +22,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # Error bounds against the fp32 references: the kernels accumulate in fp32 and round once to the output dtype.
 TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 2e-2}
 
+# Rows of x in the int4 tensor-core cases: 2 and 3 (tiles of 16 rows, mostly padding), 17, 64 (one tile of 32 / 64
+# rows), 130 (three tiles of 64).
+INT4_DOT_ROWS = (2, 3, 17, 64, 130)
+
 # (name, dtype): every case the child runs.
 CASES = [
     *[(f"gemv_{v}", d) for v in ("plain", "odd_k", "norm", "swiglu", "residual") for d in ("float32", "bfloat16")],
     ("gemv_int8", "float16"), ("gemv_int8_odd_k", "float32"),
     *[(f"dot_{m}", d) for m in (2, 17, 70) for d in ("float32", "float16")],
     ("dot_int8", "float16"),
+    *[(f"int4dot_{m}", d) for m in INT4_DOT_ROWS for d in ("float32", "float16")],
     *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv") for d in ("float32", "float16")],
     ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"),
 ]
@@ -82,6 +88,28 @@ def _dot_case(variant: str, dtype: torch.dtype) -> float:
     return _rel_err(tk.small_m_dot(x, w, config=config), linear.linear_reference(x, w))
 
 
+def _int4_dot_case(m: int, dtype: torch.dtype) -> float:
+    """The int4 tensor-core kernel against int4_linear_reference: odd N, group sizes 32-256, swapped and not, K steps
+    shorter than a group, several groups per step, a K that the config's step does not divide, x at an odd offset
+    (copied for the kernel's 32-bit reads) and a weight with a row stride past K/2."""
+    from kernels import configs, linear
+    from kernels.triton_int4_dot import int4_dot
+    from quantize import quantize_int4
+
+    n, k, group_size, config = {
+        2: (33, 256, 64, configs.Int4DotConfig(16, 128, 4, 2)),
+        3: (40, 192, 32, configs.Int4DotConfig(32, 128, 4, 2, swap=True)),  # K=192: 64-input steps
+        17: (24, 256, 128, configs.Int4DotConfig(16, 64, 4, 2)),  # two steps per group
+        64: (17, 128, 32, configs.Int4DotConfig(32, 128, 4, 1, swap=True)),  # four groups per step
+        130: (20, 256, 256, configs.Int4DotConfig(16, 256, 4, 2, block_m=64)),
+    }[m]
+    w, scales = quantize_int4(torch.randn(n, k), group_size)
+    if m == 17:
+        w = torch.cat([w, torch.zeros(n, 16, dtype=torch.uint8)], dim=1)[:, :k // 2]
+    x = torch.randn(m, k + 1, dtype=dtype)[:, 1:] if m == 3 else torch.randn(m, k, dtype=dtype)
+    return _rel_err(int4_dot(x, w, scales, config=config), linear.int4_linear_reference(x, w, scales))
+
+
 def _attention_case(variant: str, dtype: torch.dtype) -> float:
     from kernels import attention as da
     from kernels import configs
@@ -130,6 +158,8 @@ def run_case(name: str, dtype_name: str) -> float:
         return _gemv_case(variant, dtype)
     if kind == "dot":
         return _dot_case(variant, dtype)
+    if kind == "int4dot":
+        return _int4_dot_case(int(variant), dtype)
     if kind == "attention":
         return _attention_case(variant, dtype)
     return _rope_case(dtype)
