@@ -190,11 +190,11 @@ class LLM:
         else:  # this rank's slices only; quantize= then quantizes each rank's slices (per-channel scales per slice)
             model = tensor_parallel.load_sharded_model(info, world, dtype)
         if config.quantize is not None:
-            from quantize import quantize_
+            from quantize import parse_quant_spec, quantize_
 
             if info.scheme != "none":
                 raise ValueError(f"{info.path} is already quantized ({info.scheme}); drop quantize=")
-            quantize_(model, config.quantize)
+            quantize_(model, *parse_quant_spec(config.quantize))
         if world is not None:
             tensor_parallel.apply_tensor_parallel(model, world)
         compile = config.compile if config.compile is not None else device.type == "cuda" or config.compile_prefill
@@ -603,7 +603,7 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile decoding to a CUDA graph (default: on for GPU, off for CPU)")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (prompt lengths are bucketed)")
-    p.add_argument("--quantize", default=None, help="quantize on load (int8)")
+    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG (G: group size)")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="Redline's Triton kernels (default: on where they run)")
     p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
@@ -616,7 +616,7 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--profile_steps", type=int, default=16, help="decode steps recorded in the trace")
     p.add_argument("--prompt_lookup", action="store_true", help="speculate: draft by copying from the context")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="speculate with this draft model")
-    p.add_argument("--draft_quantize", default=None, help="quantize the draft model on load (int8)")
+    p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
     p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step (default 5)")
     ns = p.parse_args(argv)
     return GenerateArgs(**{**vars(ns), "stop": tuple(ns.stop)})

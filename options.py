@@ -16,7 +16,7 @@ from torch import Tensor
 from checkpoint import dtype_from_name
 from kernels.linear import PROMPT_SMALL_M
 from profiling import ProfileConfig
-from quantize import QUANT_MODES
+from quantize import parse_quant_spec
 from sampling import SamplingParams, is_int
 
 DEFAULT_MAX_NEW_TOKENS = 200
@@ -73,7 +73,7 @@ class EngineConfig:
     dtype: str | None = None  # bfloat16 | float16 | float32; None: the checkpoint's
     compile: bool | None = None  # compile decoding (a CUDA graph on a GPU); None: on for a GPU
     compile_prefill: bool = False  # also compile prefill, one graph per power-of-two prompt bucket
-    quantize: str | None = None  # quantize the weights on load (int8)
+    quantize: str | None = None  # quantize the weights on load: int8, int4 or int4-gG (quantize.parse_quant_spec)
     kernels: bool | None = None  # Redline's Triton kernels; None: on where they run (a CUDA/HIP GPU with Triton)
     fuse: bool | None = None  # the fused batch-1 decode step (needs kernels); None: follows kernels
     name: str | None = None  # for stats and traces; None: the checkpoint's folder name
@@ -90,8 +90,8 @@ class EngineConfig:
                 raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype is not None:
             dtype_from_name(self.dtype)
-        if self.quantize is not None and self.quantize not in QUANT_MODES:
-            raise ValueError(f"unknown quantization {self.quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
+        if self.quantize is not None:
+            parse_quant_spec(self.quantize)
         for flag in ("compile", "compile_prefill", "kernels", "fuse"):
             if getattr(self, flag) is not None and not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True, False or None, got {getattr(self, flag)!r}")
@@ -188,6 +188,8 @@ class GenerationStats:
     batch_size: int = 1
     mean_accepted: float | None = None  # speculative decoding: drafts accepted per verify step (0..k); else None
     acceptance_rate: float | None = None  # accepted / drafted tokens over the verify steps; None without a draft
+    verify_steps: int | None = None  # speculative decoding: steps that verified drafts (each reads the weights once)
+    plain_steps: int | None = None  # speculative decoding: one-token decode steps (nothing drafted, or at the end)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

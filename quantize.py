@@ -2,6 +2,9 @@
 
 python quantize.py --checkpoint_path IN --mode int8|int4 [--groupsize 32|64|128|256] [--out FILE]
 
+Quantizing on load (`LLM.load(path, quantize=...)`, generate.py's --quantize and --draft_quantize) takes "int8",
+"int4" or "int4-gG" (G the group size); plain "int4" picks the group size by auto_group_size.
+
 Scheme "int8": every linear layer's weight becomes int8 with one fp32 scale per output channel
 (symmetric, scale = max|w| / 127).
 Scheme "int4": asymmetric 4-bit in groups of `group_size` consecutive inputs: w = scale * q + offset, q in 0..15,
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,13 +32,14 @@ from torch import Tensor
 
 from checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info,
                         resolve_checkpoint_path, run_cli, save_checkpoint)
-from model import Transformer
+from model import ModelArgs, Transformer
 from tokenizer import copy_tokenizer_files
 
 QUANT_MODES = ("int8", "int4")
 INT8_MAX = 127
 INT4_MAX = 15
-# The int4 group size when none is given: the common choice of gpt-fast, torchao and GPTQ checkpoints.
+# The int4 group size when none is given and it divides every layer's inputs: the common choice of gpt-fast, torchao
+# and GPTQ checkpoints (auto_group_size goes down from it).
 DEFAULT_GROUP_SIZE = 128
 # The smallest int4 group: the GPU kernel takes 32 inputs (four 32-bit words) of a row under one (scale, offset).
 MIN_GROUP_SIZE = 32
@@ -95,6 +100,37 @@ def check_group_size(group_size: int, in_features: int) -> None:
     if in_features % group_size:
         raise ValueError(f"int4 group size {group_size} does not divide a layer's {in_features} inputs; "
                          f"choose a smaller group size")
+
+
+def auto_group_size(in_features: Iterable[int]) -> int:
+    """The largest power of two from DEFAULT_GROUP_SIZE down to MIN_GROUP_SIZE that divides every layer's inputs
+    (128 for Llama-2/3; 64 for SmolLM2-135M, whose 576 features 128 does not divide)."""
+    sizes = sorted(set(in_features))
+    group_size = DEFAULT_GROUP_SIZE
+    while group_size >= MIN_GROUP_SIZE:
+        if all(k % group_size == 0 for k in sizes):
+            return group_size
+        group_size //= 2
+    raise ValueError(f"no int4 group size of at least {MIN_GROUP_SIZE} divides every layer's inputs {sizes}; "
+                     f"use int8 for this model")
+
+
+def model_input_features(args: ModelArgs) -> list[int]:
+    """The input features of the quantized linears: dim (wqkv, w13, an untied head), q_size (wo), intermediate (w2)."""
+    return [args.dim, args.q_size, args.intermediate_size]
+
+
+def parse_quant_spec(spec: str) -> tuple[str, int | None]:
+    """A quantize-on-load spec: "int8" -> ("int8", None), "int4" -> ("int4", None) (group size chosen per model),
+    "int4-g64" -> ("int4", 64). Anything else is a one-line error."""
+    mode, _, group = spec.partition("-g") if isinstance(spec, str) else ("", "", "")
+    if mode not in QUANT_MODES or (group and (mode != "int4" or not group.isdigit())) or spec.endswith("-g"):
+        raise ValueError(f"unknown quantization {spec!r}; choose int8, int4 or int4-gG with G a group size "
+                         f"(int4-g32, int4-g64, int4-g128, int4-g256)")
+    if not group:
+        return mode, None
+    check_group_size(int(group), int(group))
+    return mode, int(group)
 
 
 def pack_int4(q: Tensor) -> Tensor:
@@ -221,15 +257,18 @@ def model_quantization(model: nn.Module) -> str:
 
 @torch.no_grad()
 def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.Module:
-    """Quantize a loaded model in place (used by `LLM.load(path, quantize="int8" | "int4")`); group_size: int4
-    only, DEFAULT_GROUP_SIZE when None. Every layer is checked before any is changed."""
+    """Quantize a loaded model in place (used by `LLM.load(path, quantize="int8" | "int4" | "int4-gG")`);
+    group_size: int4 only, auto_group_size of the model's layers when None. Every layer is checked before any is
+    changed."""
     quantization_metadata(mode, model.args.tie_word_embeddings, group_size)  # validates the mode and group size
     if model_quantization(model) != "none":
         raise ValueError("the model is already quantized; load the unquantized checkpoint to quantize it")
-    group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
+    names = quantized_linear_names(model.args.n_layer, model.args.tie_word_embeddings)
     if mode == "int4":
-        for name in quantized_linear_names(model.args.n_layer, model.args.tie_word_embeddings):
-            check_group_size(group_size, model.get_submodule(name).in_features)
+        inputs = [model.get_submodule(name).in_features for name in names]
+        group_size = auto_group_size(inputs) if group_size is None else group_size
+        for k in inputs:
+            check_group_size(group_size, k)
 
     def build(lin: nn.Linear) -> nn.Module:
         if mode == "int4":
@@ -293,6 +332,8 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
     info = read_checkpoint_info(checkpoint_path)
     if info.scheme != "none":
         raise ValueError(f"{info.path} is already quantized ({info.scheme}); quantize the unquantized checkpoint")
+    if mode == "int4" and group_size is None:
+        group_size = auto_group_size(model_input_features(info.args))
     quantization = quantization_metadata(mode, info.args.tie_word_embeddings, group_size)
     suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
     out_path = Path(out) if out is not None else info.path.with_name(f"{info.path.name.split('.')[0]}.{suffix}.safetensors")
@@ -310,7 +351,8 @@ def parse_args(argv: list[str] | None) -> QuantizeArgs:
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     parser.add_argument("--mode", required=True, help=f"quantization mode: {', '.join(QUANT_MODES)}")
     parser.add_argument("--groupsize", type=int, default=None,
-                        help=f"int4: inputs per (scale, offset) group, a power of two >= 32 (default {DEFAULT_GROUP_SIZE})")
+                        help=f"int4: inputs per (scale, offset) group, a power of two >= 32 (default: the largest "
+                             f"up to {DEFAULT_GROUP_SIZE} that divides every layer's inputs)")
     parser.add_argument("--out", type=Path, default=None, help="output file (default: beside the input, NAME.MODE.safetensors)")
     ns = parser.parse_args(argv)
     return QuantizeArgs(checkpoint_path=ns.checkpoint_path, mode=ns.mode, out=ns.out, group_size=ns.groupsize)

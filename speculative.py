@@ -345,15 +345,19 @@ def make_draft(target: Any, draft: Any) -> Draft:
 
 
 def check_cli_draft(prompt_lookup: bool, draft_path: Any, draft_quantize: str | None) -> None:
-    """The CLI's speculation flags: one draft source; --draft_quantize only with a draft model."""
-    from quantize import QUANT_MODES
+    """The CLI's speculation flags: one draft source; --draft_quantize (int8, int4, int4-gG) only with a draft
+    model."""
+    from quantize import parse_quant_spec
 
     if prompt_lookup and draft_path is not None:
         raise ValueError("--prompt_lookup and --draft_checkpoint_path are two draft sources; pick one")
     if draft_quantize is not None and draft_path is None:
         raise ValueError("--draft_quantize quantizes the draft model; add --draft_checkpoint_path")
-    if draft_quantize is not None and draft_quantize not in QUANT_MODES:
-        raise ValueError(f"unknown --draft_quantize {draft_quantize!r}; choose one of: {', '.join(QUANT_MODES)}")
+    if draft_quantize is not None:
+        try:
+            parse_quant_spec(draft_quantize)
+        except ValueError as exc:
+            raise ValueError(f"--draft_quantize: {exc}") from None
 
 
 def compiled(fn: Any, llm: Any) -> Any:
@@ -379,6 +383,7 @@ class Speculator:
     def __init__(self, llm: Any, draft: Draft, k: int) -> None:
         self.llm, self.draft, self.k = llm, draft, k
         self.steps = self.accepted = self.proposed = 0  # verify steps, drafts kept, real drafts verified
+        self.plain_steps = 0  # decode steps without a draft (nothing proposed, or too near the end)
 
     @classmethod
     def for_options(cls, llm: Any, options: GenerationOptions) -> Speculator | None:
@@ -388,7 +393,8 @@ class Speculator:
 
     def stats(self) -> dict[str, float | None]:
         return {"mean_accepted": self.accepted / self.steps if self.steps else 0.0,
-                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0}
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "verify_steps": self.steps, "plain_steps": self.plain_steps}
 
     def _verify_fn(self, greedy: bool) -> Any:
         llm = self.llm
@@ -439,7 +445,8 @@ class Speculator:
         """Yields (the tokens of this step: the prefill's one, then each verify step's accepted run plus the
         target's own next token, host time when they arrived less the profiler's own time)."""
         llm, k = self.llm, self.k
-        self.steps = self.accepted = self.proposed = 0  # this run's (a profiled run's warm-up runs first)
+        # This run's counts (a profiled run's warm-up runs first).
+        self.steps = self.accepted = self.proposed = self.plain_steps = 0
         prompt = [int(t) for t in prompts[0].tolist()]
         new_tokens = llm._plan_lengths(len(prompt), max_new_tokens)
         self._prepare(1, len(prompt), max_new_tokens, sampling)
@@ -476,6 +483,7 @@ class Speculator:
                                                             args)
                         if run is None:  # nothing drafted, or too near the end: one plain decode step
                             run = self._decode_step(context[-1], positions[start:start + 1], args)
+                            self.plain_steps += 1
                     context += run
                     yield run, time.perf_counter() - paused
         finally:

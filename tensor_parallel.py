@@ -126,11 +126,7 @@ def start(requested_device: str | None = None) -> TPWorld | None:
     rank, world_size, local_rank = ranks
     mode = all_reduce_mode()
     device = rank_device(requested_device, local_rank)
-    if mode == "oneshot" and device.type != "cuda":
-        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs GPUs; unset it to use the process group's all-reduce")
-    if mode == "oneshot" and os.environ.get("LOCAL_WORLD_SIZE", str(world_size)) != str(world_size):
-        raise ValueError(f"{ALL_REDUCE_ENV}=oneshot needs every rank on one host (symmetric memory is peer memory); "
-                         f"unset it for a run over several hosts")
+    check_all_reduce(mode, device, world_size, f"{ALL_REDUCE_ENV}=oneshot", "unset it")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -140,6 +136,18 @@ def start(requested_device: str | None = None) -> TPWorld | None:
         raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, but torchrun "
                          f"says {rank} of {world_size}; initialize it from torchrun's environment")
     return TPWorld(rank, world_size, device, dist.group.WORLD.group_name, mode)
+
+
+def check_all_reduce(mode: str, device: torch.device, world_size: int, what: str, fix: str) -> None:
+    """One line when the all-reduce `mode` cannot run here: the one-shot needs GPUs, all on one host. `what` names
+    the setting that asked for it and `fix` how to drop it."""
+    if mode not in ALL_REDUCE_MODES:
+        raise ValueError(f"{what}: unknown all-reduce {mode!r}; choose one of: {', '.join(ALL_REDUCE_MODES)}")
+    if mode == "oneshot" and device.type != "cuda":
+        raise ValueError(f"{what} needs GPUs; {fix} to use the process group's all-reduce")
+    if mode == "oneshot" and os.environ.get("LOCAL_WORLD_SIZE", str(world_size)) != str(world_size):
+        raise ValueError(f"{what} needs every rank on one host (symmetric memory is peer memory); {fix} for a run "
+                         f"over several hosts")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

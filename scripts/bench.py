@@ -5,7 +5,7 @@
         --prompt-lengths 8,512,2048 --new-tokens 200 --runs 5 [--compare hf] [--compile-prefill] \\
         [--compile-time | --compile-time-only] [--device cuda|cpu] [--dtype bfloat16] [--json FILE] [--plot FILE.png]
     python scripts/bench.py --merge a.json,b.json [--json all.json] [--plot all.png]   # re-report saved runs
-    torchrun --nproc_per_node 2 scripts/bench.py --tp 2 --model Llama-2-70B   # tensor parallel over 2 GPUs
+    torchrun --nproc_per_node 2 scripts/bench.py --tp 2 --model Llama-2-70B [--all-reduce nccl,oneshot]  # 2 GPUs
     python scripts/bench.py --model Llama-2-7B --quant none,int8 --speculate-k 1,2,3,4,5,6,7,8 [--json FILE]
 
 Models come from the registry (`model.ModelArgs.from_name`) and get random weights of a realistic scale, so nothing
@@ -21,12 +21,15 @@ is downloaded. What each number means:
 - HF decode tok/s = (N - n_short) / (t(N) - t(n_short)) from two `generate` calls, so prefill cancels out.
 - compile time: time to first token after process start, measured around child processes with a fresh
   (cold) and then the same (warm) TORCHINDUCTOR_CACHE_DIR.
-- --tp N (under torchrun with N processes): each rank builds random weights in its slices' shapes; bytes per token,
-  bandwidth and the limit are one GPU's (each reads its slices in parallel); the all-reduce time per token is a CUDA
-  graph of just the 2 x n_layer all-reduces of one decode step, NCCL and one-shot (REDLINE_ALL_REDUCE picks the one
-  the model runs). Rank 0 alone prints and writes the JSON.
-- --speculate-k (instead of the runs above): a verify step's time for each k against one decode step, and the
-  ceiling with a replay draft that is always right (scripts/bench_speculative.py says how).
+- --tp N (under torchrun with N processes): each rank builds random weights in its slices' shapes (int8/int4 drawn
+  directly, no float copy); bytes per token, bandwidth and the limit are one GPU's (each reads its slices in
+  parallel); the all-reduce time per token is a CUDA graph of just the 2 x n_layer all-reduces of one decode step,
+  NCCL and one-shot. The model runs the all-reduce REDLINE_ALL_REDUCE names, or each of --all-reduce nccl,oneshot
+  in turn. A run that also has 1-GPU records of the same models (--merge) gets a table of TP against one GPU.
+  Rank 0 alone prints and writes the JSON.
+- --speculate-k (instead of the runs above): one decode step's time, a verify step's time for each k against it, and
+  the ceiling with a replay draft that is always right (scripts/bench_speculative.py says how);
+  scripts/speculative_projection.py combines these with measured acceptance.
 
 This file is the CLI and the run; each measurement has its own module: bench_redline (Redline), bench_hf
 (transformers), bench_compile_time (the child processes), bench_model (random weights and the counts), bench_env
@@ -35,6 +38,7 @@ This file is the CLI and the run; each measurement has its own module: bench_red
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import sys
@@ -121,6 +125,7 @@ class BenchConfig:
     speculate_ks: tuple[int, ...] = ()  # measure speculative decoding at these k instead of the usual runs
     argv: tuple[str, ...] = ()
     tp: int = 1  # tensor-parallel ranks: the WORLD_SIZE of the torchrun launch
+    all_reduce_modes: tuple[str, ...] = ()  # --tp: measure each model with each of these; () = REDLINE_ALL_REDUCE's
 
     def __post_init__(self) -> None:
         self._check_tp()
@@ -183,10 +188,21 @@ class BenchConfig:
         if self.tp != world:
             raise ValueError(f"--tp {self.tp} but this launch has {world} process(es); run "
                              f"torchrun --nproc_per_node {self.tp} scripts/bench.py --tp {self.tp} ...")
-        if self.tp > 1 and (self.compile_time or self.compare or self.merge):
-            raise ValueError("--tp measures Redline itself; drop --compile-time, --compare and --merge")
+        if self.tp > 1 and (self.compile_time or self.compare or self.merge or self.speculate_ks):
+            raise ValueError("--tp measures Redline's decode itself; drop --compile-time, --compare, --merge and "
+                             "--speculate-k")
         for name in self.models if self.tp > 1 else ():
-            tensor_parallel.shard_args(ModelArgs.from_name(name), self.tp)  # one line when it does not divide
+            local = tensor_parallel.shard_args(ModelArgs.from_name(name), self.tp)  # one line when it does not divide
+            if "int4" in self.quants:  # a rank's slices must hold whole groups
+                from quantize import check_group_size, model_input_features
+
+                for k in model_input_features(local):
+                    check_group_size(self.group_size, k)
+        if self.all_reduce_modes and self.tp == 1:
+            raise ValueError("--all-reduce picks the all-reduce of a --tp run; add --tp N under torchrun, or drop it")
+        for mode in self.all_reduce_modes:
+            tensor_parallel.check_all_reduce(mode, torch.device(self.device), self.tp, f"--all-reduce {mode}",
+                                             f"drop {mode} from --all-reduce")
 
     def _check_plot(self) -> None:
         if self.plot_path is not None and not _importable("matplotlib"):
@@ -247,6 +263,8 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
                    help="folder: also trace one generation per configuration (Perfetto .json.gz)")
     p.add_argument("--profile-steps", type=int, default=16, help="decode steps recorded in each trace")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun --nproc_per_node N)")
+    p.add_argument("--all-reduce", default="", help="--tp: comma-separated all-reduces to run each model with, "
+                   "nccl and/or oneshot (default: REDLINE_ALL_REDUCE's, nccl when unset)")
     p.add_argument("--speculate-k", default="", help="comma-separated k: time verify steps and the replay-draft "
                    "ceiling instead of the usual runs")
     p.add_argument("--ttft-probe", action="store_true", help="internal: child process of --compile-time")
@@ -267,6 +285,7 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
         probe_new_tokens=ns.probe_new_tokens, seed=ns.seed, ttft_probe=ns.ttft_probe, start_time=ns.start_time,
         profile_dir=ns.profile_dir, profile_steps=ns.profile_steps, argv=tuple(argv), tp=ns.tp,
         speculate_ks=_positive_ints(ns.speculate_k, "--speculate-k") if ns.speculate_k else (),
+        all_reduce_modes=tuple(mode.lower() for mode in _split(ns.all_reduce)),
     )
 
 
@@ -322,21 +341,27 @@ def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None,
 
     refresh()
     if cfg.speculate_ks:
-        report["speculative"] = {"verify": [], "ceiling": []}
+        report["speculative"] = {"decode": [], "verify": [], "ceiling": []}
         for name in cfg.models:
-            for quant in cfg.quants:
-                found = attempt(f"{name} {quant} speculative", lambda: bench_speculative(cfg, name, quant, log))
-                for part, rows in (found or {}).items():
-                    report["speculative"][part] += rows
+            for quant in cfg.quants:  # rows land in the report as they are measured, a failure keeps the earlier ones
+                attempt(f"{name} {quant} speculative", lambda: bench_speculative(cfg, name, quant, log,
+                                                                                  report["speculative"]))
         refresh()
         return report
     if not cfg.compile_time_only:
+        worlds = [world]  # --tp: the ranks' world once per all-reduce of --all-reduce
+        if world is not None and cfg.all_reduce_modes:
+            worlds = [dataclasses.replace(world, all_reduce=mode) for mode in cfg.all_reduce_modes]
+        all_reduce_cache: dict[tuple, dict[str, Any]] = {}  # NCCL and one-shot, timed once per model shape
         for name in cfg.models:
             for quant in cfg.quants:
                 for batch in cfg.batch_sizes:
-                    record = attempt(f"{name} {quant} batch {batch}",
-                                     lambda: bench_redline(cfg, name, quant, batch, bandwidth, log, world))
-                    records += [record] if record is not None else []
+                    for rank_world in worlds:
+                        mode = f" {rank_world.all_reduce}" if rank_world is not None else ""
+                        record = attempt(f"{name} {quant} batch {batch}{mode}",
+                                         lambda: bench_redline(cfg, name, quant, batch, bandwidth, log, rank_world,
+                                                               all_reduce_cache))
+                        records += [record] if record is not None else []
             if "int4" in cfg.quants and device.type == "cuda":
                 anchor = attempt(f"{name} tinygemm", lambda: tinygemm_anchor(name, cfg.group_size, device, log))
                 report.setdefault("tinygemm", []).extend([anchor] if anchor else [])

@@ -56,29 +56,42 @@ def fill_random_int4_(model: torch.nn.Module, seed: int) -> None:
             module.scales[..., 1] = -0.005 * INT4_MAX / 2
 
 
+@torch.no_grad()
+def fill_random_int8_(model: torch.nn.Module, seed: int) -> None:
+    """Random int8 weights drawn directly, every code in -127..127 equally likely, with per-channel scales
+    WEIGHT_STD * sqrt(3) / 127, so each row is uniform with the std of an N(0, 0.02) matrix; no float copy is made."""
+    from quantize import INT8_MAX, Int8Linear
+
+    gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 2)
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.weight.copy_(torch.randint(-INT8_MAX, INT8_MAX + 1, module.weight.shape, generator=gen,
+                                              device=module.weight.device, dtype=torch.int8))
+            module.scales.fill_(WEIGHT_STD * 3 ** 0.5 / INT8_MAX)
+
+
 def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: str,
                        seed: int = 0, group_size: int = 128) -> Transformer:
-    """The registry model on `device` in `dtype` with random weights, quantized in place when asked (int4:
-    packed weights drawn directly, so a 70B model never needs a bf16 copy)."""
+    """The registry model on `device` in `dtype` with random weights, built in its quantized structure when asked
+    (int8 and int4 weights drawn directly: a 70B model never needs a bf16 copy, on one GPU or per rank)."""
+    from quantize import prepare_quantized_structure, quantization_metadata
+
+    if quant not in QUANT_CHOICES:
+        raise ValueError(f"unknown quantization {quant!r}; choose from {', '.join(QUANT_CHOICES)}")
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to(dtype=dtype)
-    if quant == "int4":
-        from quantize import prepare_quantized_structure, quantization_metadata
-
-        prepare_quantized_structure(model, quantization_metadata("int4", args.tie_word_embeddings, group_size))
+    if quant != "none":
+        prepare_quantized_structure(model, quantization_metadata(
+            quant, args.tie_word_embeddings, group_size if quant == "int4" else None))
     model.to_empty(device=device)
     if args.tie_word_embeddings:  # to_empty gives each module its own tensor; tie them again
         model.output.weight = model.tok_embeddings.weight
-    fill_random_(model, seed)
+    fill_random_(model, seed)  # the float parameters left: embedding, norms, a float head
     if quant == "int4":
         fill_random_int4_(model, seed)
-    elif quant != "none":
-        from quantize import quantize_
-
-        quantize_(model, quant)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the bf16 matrices are gone; give their blocks back
+    elif quant == "int8":
+        fill_random_int8_(model, seed)
     return model.eval()
 
 

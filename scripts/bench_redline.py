@@ -152,15 +152,17 @@ def measure_prefill(llm: generate.LLM, args: ModelArgs, prompts: Tensor, lengths
 
 
 def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth: float | None,
-                  log: Any, world: TPWorld | None = None) -> RedlineRecord:
+                  log: Any, world: TPWorld | None = None,
+                  all_reduce_cache: dict[tuple, dict[str, Any]] | None = None) -> RedlineRecord:
     """One model x quant x batch: decode, prefill per prompt length, memory and, with --profile, a trace. With a
-    world, this rank's slices of the model, and the all-reduce time per token."""
+    world, this rank's slices of the model, and the all-reduce time per token (taken from all_reduce_cache when
+    a record of the same shapes timed it already: it depends on the hidden size, layers, dtype and batch only)."""
     device = torch.device(cfg.device)
     args = ModelArgs.from_name(name)
-    log(f"{name} {quant} batch {batch}: building random weights" + (f" (rank 0 of {world.world_size})" if world
-                                                                      else ""))
+    ranks = f" (rank 0 of {world.world_size}, {world.all_reduce} all-reduce)" if world else ""
+    log(f"{name} {quant} batch {batch}: building random weights{ranks}")
     model = (build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed, cfg.group_size) if world is None
-             else build_random_tp_model(args, world, cfg.torch_dtype, quant, cfg.seed))
+             else build_random_tp_model(args, world, cfg.torch_dtype, quant, cfg.seed, cfg.group_size))
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
                        fuse=cfg.fuse, name=f"{name} (random weights)")
     weights = weights_bytes(model)
@@ -195,13 +197,19 @@ def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth
                                    f"{name} {quant} batch {batch}: ")
         del llm_cp
 
-    trace_path, trace_rate = profile_generation(cfg, llm, decode_prompts, f"{name}-{quant}-b{batch}", log) \
+    label = f"{name}-{quant}-b{batch}" + (f"-tp{world.world_size}-{world.all_reduce}-rank{world.rank}" if world
+                                           else "")
+    trace_path, trace_rate = profile_generation(cfg, llm, decode_prompts, label, log) \
         if cfg.profile_dir is not None else (None, None)
 
     all_reduce = None
     if world is not None:
-        log(f"{name} {quant} batch {batch}: timing the all-reduces of one token")
-        all_reduce = all_reduce_timings(world, args, cfg.torch_dtype, batch)
+        key = (args.dim, args.n_layer, cfg.dtype, batch)
+        cache = {} if all_reduce_cache is None else all_reduce_cache
+        if key not in cache:  # every rank takes the same branch: the all-reduces are collective
+            log(f"{name} {quant} batch {batch}: timing the all-reduces of one token")
+            cache[key] = all_reduce_timings(world, args, cfg.torch_dtype, batch)
+        all_reduce = {**cache[key], "trace": trace_all_reduce(trace_path) if trace_path is not None else None}
     bytes_step = llm.bytes_per_token
     limit = batch * bandwidth * 1e9 / bytes_step if bandwidth else None
     return RedlineRecord(
@@ -219,6 +227,16 @@ def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth
         profile_decode_tok_s=trace_rate, tp=cfg.tp, all_reduce_mode=world.all_reduce if world else None,
         all_reduce=all_reduce,
     )
+
+
+def trace_all_reduce(path: str) -> dict[str, float | None]:
+    """The all-reduce kernels of a decode step in a rank's trace (scripts/trace_summary.py): per decode step, which
+    is one token at batch 1, their summed duration and the time they add to the GPU timeline."""
+    from scripts.trace_summary import summarize_trace
+
+    summary = summarize_trace(path)
+    return {"calls_per_token": summary.all_reduce_calls_per_step, "us_per_token": summary.all_reduce_us_per_step,
+            "exclusive_us_per_token": summary.all_reduce_exclusive_us_per_step}
 
 
 def profile_generation(cfg: BenchConfig, llm: generate.LLM, prompts: Tensor, label: str,

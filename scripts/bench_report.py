@@ -73,6 +73,7 @@ def format_report(report: dict[str, Any]) -> str:
     if report["records"]:
         lines += redline_tables(report["records"])
         lines += all_reduce_table(report["records"])
+        lines += tp_speedup_table(report["records"])
     if report["hf"]:
         lines += hf_table(report["hf"], env.get("transformers_version"))
     if report["compile_times"]:
@@ -85,8 +86,32 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _model_label(record: dict[str, Any]) -> str:
+    """The model, and for tensor parallel its ranks and an all-reduce other than NCCL ("Llama-2-70B TP2 oneshot")."""
     tp = record.get("tp", 1)
-    return record["model"] if tp == 1 else f"{record['model']} TP{tp}"
+    if tp == 1:
+        return record["model"]
+    mode = record.get("all_reduce_mode")
+    return f"{record['model']} TP{tp}" + (f" {mode}" if mode not in (None, "nccl") else "")
+
+
+def tp_speedup_table(records: list[dict[str, Any]]) -> list[str]:
+    """Tensor-parallel records against the same model, quantization and batch on one GPU (from --merge of both
+    runs): decode tok/s, the ratio, and the share of the N-GPU limit (N x one GPU's bandwidth over the bytes)."""
+    single = {(r["model"], r["quant"], r["dtype"], r["batch_size"]): r for r in records if r.get("tp", 1) == 1}
+    rows = []
+    for r in records:
+        one = single.get((r["model"], r["quant"], r["dtype"], r["batch_size"]))
+        if r.get("tp", 1) == 1 or one is None:
+            continue
+        ratio = r["decode_tok_s"] / one["decode_tok_s"] if one["decode_tok_s"] else None
+        rows.append([_model_label(r), _quant_label(r), str(r["batch_size"]), fmt(one["decode_tok_s"], ".1f"),
+                     fmt(r["decode_tok_s"], ".1f"), fmt(ratio, ".2f"), fmt(r.get("limit_tok_s"), ".0f"),
+                     fmt(r.get("pct_of_limit"), ".1f")])
+    if not rows:
+        return []
+    return ["", "Tensor parallel against one GPU (decode tok/s; the limit is N GPUs' bandwidth over the bytes)", ""] + \
+        _table(["model", "quant", "batch", "1 GPU tok/s", "TP tok/s", "TP / 1 GPU (x)", "TP limit tok/s",
+                "TP % of limit"], rows)
 
 
 def all_reduce_table(records: list[dict[str, Any]]) -> list[str]:
@@ -99,14 +124,18 @@ def all_reduce_table(records: list[dict[str, Any]]) -> list[str]:
         a = r["all_reduce"]
         us = a["us_per_token"]
         step_us = 1e6 / r["decode_tok_s"] if r["decode_tok_s"] else None
+        trace = a.get("trace") or {}
+        in_trace = "–" if trace.get("us_per_token") is None else \
+            f"{trace['us_per_token']:.0f} ({trace['exclusive_us_per_token']:.0f})"
         rows.append([_model_label(r), _quant_label(r), str(r["batch_size"]), r.get("all_reduce_mode") or "–",
                      str(a["all_reduces_per_token"]), str(a["bytes_each"]), fmt(us.get("nccl"), ".0f"),
-                     fmt(us.get("oneshot"), ".0f"), fmt(step_us, ".0f"),
+                     fmt(us.get("oneshot"), ".0f"), in_trace, fmt(step_us, ".0f"),
                      "; ".join(f"{k}: {v}" for k, v in a["errors"].items())])
     lines = ["", "Tensor parallel: all-reduce time per decode token (a CUDA graph of just that token's all-reduces, "
-             "mean of its replays)", ""]
+             "mean of its replays; with --profile also the all-reduce kernels in rank 0's trace of the model's own "
+             "decode, summed duration (time added to the GPU timeline))", ""]
     return lines + _table(["model", "quant", "batch", "model ran", "all-reduces", "bytes each", "NCCL µs/token",
-                           "one-shot µs/token", "decode µs/token", "errors"], rows)
+                           "one-shot µs/token", "in the trace µs/token", "decode µs/token", "errors"], rows)
 
 
 def _quant_label(record: dict[str, Any]) -> str:

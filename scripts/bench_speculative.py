@@ -1,6 +1,9 @@
 """Speculative decoding on one random-weight model (scripts/bench.py --speculate-k 1,2,4,8): what a verify step of
 k+1 tokens costs against one decode step, and the ceiling a draft that is always right reaches.
 
+- decode: the median time of one compiled decode step, recorded first (for an int8 or int4 model it is also the
+  cost of one step of that model used as a draft; scripts/speculative_projection.py reads it).
+
 - verify / decode: the median time of the compiled verify step (k+1 rows, positions p..p+k) over the median time
   of one compiled decode step, both called back to back at the same position; on a GPU each call is one CUDA graph
   replay, timed with CUDA events (on the CPU: the host clock, eager unless --compile).
@@ -29,6 +32,13 @@ if TYPE_CHECKING:
 STEP_REPEATS = 50
 # The ceiling is reported at these k (when asked for with --speculate-k); the requirement's targets are at 4 and 8.
 CEILING_KS = (4, 8)
+
+
+@dataclass(frozen=True)
+class DecodeRecord:
+    model: str
+    quant: str
+    decode_us: float  # median of one compiled decode step: also what one step of this model costs as a draft
 
 
 @dataclass(frozen=True)
@@ -69,27 +79,29 @@ def median_us(call: Callable[[], Any], device: torch.device, repeats: int = STEP
     return statistics.median(times) * 1e6
 
 
-def step_times(llm: generate.LLM, ks: Sequence[int], position: int) -> tuple[float, dict[int, float]]:
-    """(decode µs, {k: verify µs}) at `position`, through the engine's own compiled steps."""
+def step_timers(llm: generate.LLM, position: int) -> tuple[Callable[[], float], Callable[[int], float]]:
+    """(decode µs, k -> verify µs) at `position`, through the engine's own compiled steps."""
     device = llm.device
-    spec = speculative.Speculator(llm, speculative.ReplayDraft([]), max(ks))
-    with torch.inference_mode():
+    with torch.inference_mode():  # inference tensors, as generation passes: the compiled steps' guards hold
         positions = torch.arange(llm.model.max_seq_length, device=device)  # (S,)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
 
+    def decode_us() -> float:
         def decode() -> None:
             llm._mark_step()
             llm._decode_fn(llm._step_model, token, positions[position:position + 1], llm._vocab_bias)
 
-        decode_us = median_us(decode, device)
-        verify_us = {}
-        for k in ks:
-            spec.k = k
+        with torch.inference_mode():
+            return median_us(decode, device)
+
+    def verify_us(k: int) -> float:
+        spec = speculative.Speculator(llm, speculative.ReplayDraft([]), k)
+        with torch.inference_mode():
             spec._prepare(1, position, 16, generate.SamplingParams())  # compiles and captures this k
             ids = torch.zeros(1, k + 1, dtype=torch.long, device=device)
             count = torch.tensor([k], device=device)
-            verify_us[k] = median_us(lambda: spec._verify(ids, positions[position:position + k + 1], None, count, ()),
-                                     device)
+            return median_us(lambda: spec._verify(ids, positions[position:position + k + 1], None, count, ()), device)
+
     return decode_us, verify_us
 
 
@@ -106,30 +118,43 @@ def ceiling(llm: generate.LLM, prompt: list[int], new_tokens: int, ks: Sequence[
     return statistics.median(r.stats.decode_tok_s for r in plain[1:]), out
 
 
-def bench_speculative(cfg: BenchConfig, name: str, quant: str, log: Any) -> dict[str, list[dict[str, Any]]]:
-    """Verify cost for every k of --speculate-k, and the ceiling at the k of CEILING_KS among them."""
+def bench_speculative(cfg: BenchConfig, name: str, quant: str, log: Any,
+                      out: dict[str, list[dict[str, Any]]]) -> None:
+    """One decode step's cost, the verify cost for every k of --speculate-k, and the ceiling at the k of CEILING_KS
+    among them, appended to out["decode"], out["verify"] and out["ceiling"] as each is measured (so a failure
+    later keeps what came before)."""
     device = torch.device(cfg.device)
     args = ModelArgs.from_name(name)
     log(f"{name} {quant}: building random weights")
-    model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed)
+    model = build_random_model(args, device, cfg.torch_dtype, quant, cfg.seed, cfg.group_size)
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled, kernels=cfg.kernels,
                        fuse=cfg.fuse, name=f"{name} (random weights)")
     prompt = random_prompts(args.vocab_size, 1, cfg.decode_prompt_length, cfg.seed)[0].tolist()
     llm.generate(prompt, max_new_tokens=cfg.new_tokens, ignore_eos=True)  # sizes the cache, compiles decode
-    log(f"{name} {quant}: verify steps for k = {', '.join(map(str, cfg.speculate_ks))}")
-    decode_us, verify_us = step_times(llm, cfg.speculate_ks, len(prompt))
-    verify = [VerifyRecord(name, quant, k, decode_us, us, us / decode_us) for k, us in verify_us.items()]
+    decode_timer, verify_timer = step_timers(llm, len(prompt))
+    decode_us = decode_timer()
+    out["decode"].append(vars(DecodeRecord(name, quant, decode_us)))
+    log(f"{name} {quant}: decode step {decode_us:.0f} µs; verify steps for k = "
+        f"{', '.join(map(str, cfg.speculate_ks))}")
+    for k in cfg.speculate_ks:
+        us = verify_timer(k)
+        out["verify"].append(vars(VerifyRecord(name, quant, k, decode_us, us, us / decode_us)))
+        log(f"{name} {quant}: k = {k} verify {us:.0f} µs ({us / decode_us:.3f} x decode)")
     ks = [k for k in cfg.speculate_ks if k in CEILING_KS] or [max(cfg.speculate_ks)]
     log(f"{name} {quant}: ceiling with a replay draft at k = {', '.join(map(str, ks))}")
     plain, fast = ceiling(llm, prompt, cfg.new_tokens, ks, cfg.runs)
-    ceilings = [CeilingRecord(name, quant, k, plain, rate, rate / plain if plain else 0.0, accepted)
-                for k, (rate, accepted) in fast.items()]
-    return {"verify": [vars(r) for r in verify], "ceiling": [vars(r) for r in ceilings]}
+    for k, (rate, accepted) in fast.items():
+        out["ceiling"].append(vars(CeilingRecord(name, quant, k, plain, rate, rate / plain if plain else 0.0,
+                                                 accepted)))
 
 
 def format_speculative(results: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["Speculative decoding: verify step (k+1 rows) vs one decode step (median)",
-             f"{'model':<20} {'quant':<6} {'k':>3} {'decode µs':>10} {'verify µs':>10} {'ratio':>6}"]
+    lines = ["Decode step (median; a quantized model's is its cost as a draft)",
+             f"{'model':<20} {'quant':<6} {'decode µs':>10}"]
+    for r in results.get("decode", []):
+        lines.append(f"{r['model']:<20} {r['quant']:<6} {r['decode_us']:>10.1f}")
+    lines += ["", "Speculative decoding: verify step (k+1 rows) vs one decode step (median)",
+              f"{'model':<20} {'quant':<6} {'k':>3} {'decode µs':>10} {'verify µs':>10} {'ratio':>6}"]
     for r in results.get("verify", []):
         lines.append(f"{r['model']:<20} {r['quant']:<6} {r['k']:>3} {r['decode_us']:>10.1f} {r['verify_us']:>10.1f} "
                      f"{r['ratio']:>6.3f}")

@@ -18,11 +18,11 @@ WARM_REPLAYS = 5
 
 
 def build_random_tp_model(args: ModelArgs, world: tensor_parallel.TPWorld, dtype: torch.dtype, quant: str,
-                          seed: int) -> Transformer:
-    """This rank's model: random weights (seeded per rank) in the shapes of its slices, quantized per slice when
-    asked, with wo and w2 wrapped for the all-reduce."""
+                          seed: int, group_size: int = 128) -> Transformer:
+    """This rank's model: random weights (seeded per rank) in the shapes of its slices, int8/int4 drawn directly
+    in their quantized form (no float copy), with wo and w2 wrapped for the all-reduce the world names."""
     local = tensor_parallel.shard_args(args, world.world_size)
-    model = build_random_model(local, world.device, dtype, quant, seed + world.rank)
+    model = build_random_model(local, world.device, dtype, quant, seed + world.rank, group_size)
     return tensor_parallel.apply_tensor_parallel(model, world)
 
 

@@ -12,7 +12,9 @@ Works on any torch.profiler / Kineto Chrome trace, gzipped or not, in object for
 - GPU busy % over the window: union of kernel / memcpy / memset intervals clipped to the
   window, and the idle gap time (window - busy), total and per step;
 - top kernels by total time in the decode window;
-- CUDA/HIP graph launches per decode step.
+- CUDA/HIP graph launches per decode step;
+- all-reduce kernels (NCCL/RCCL, the one-shot over symmetric memory) per decode step, by duration and by the
+  time they add to the GPU timeline (tensor parallel).
 
 Errors (missing, empty, corrupt file, no trace events) print one line on stderr, exit 2.
 """
@@ -36,6 +38,8 @@ DEVICE_ACTIVITY_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 GPU_ANNOTATION_CAT = "gpu_user_annotation"
 GRAPH_LAUNCH_PREFIXES = ("cudaGraphLaunch", "hipGraphLaunch", "cuGraphLaunch")
 NAME_WIDTH = 80
+# Lower-cased kernel-name pieces of an all-reduce: NCCL/RCCL's ncclDevKernel_AllReduce_*, torch's one_shot_all_reduce.
+ALL_REDUCE_MARKERS = ("allreduce", "all_reduce")
 
 
 class TraceError(Exception):
@@ -90,6 +94,9 @@ class TraceSummary:
     graph_launches: int = 0
     graph_launches_per_step: float | None = None
     roles: list[RoleStat] = field(default_factory=list)  # with --roles: exclusive time per named call site
+    all_reduce_calls_per_step: float | None = None  # with decode steps and all-reduce kernels in the window
+    all_reduce_us_per_step: float | None = None  # their summed durations (waiting for the other ranks included)
+    all_reduce_exclusive_us_per_step: float | None = None  # the time they add to the GPU timeline
 
     def to_dict(self) -> dict:
         """Plain JSON-ready dict; floats rounded to 6 decimals (trace timestamps are in us)."""
@@ -319,6 +326,11 @@ def summarize_trace(events_or_path: Any, top: int = 10, roles: tuple[str, list[s
         exclusive[name] = exclusive.get(name, 0.0) + max(0.0, b - (a if last_end is None else max(a, last_end)))
         last_end = b if last_end is None else max(last_end, b)
     total_us = sum(sum(v) for v in by_name.values())
+    reduce_names = [name for name in by_name if any(m in name.lower() for m in ALL_REDUCE_MARKERS)]
+    if s.steps and reduce_names and s.kernels_scope == "decode window":
+        s.all_reduce_calls_per_step = sum(len(by_name[n]) for n in reduce_names) / s.steps
+        s.all_reduce_us_per_step = sum(sum(by_name[n]) for n in reduce_names) / s.steps
+        s.all_reduce_exclusive_us_per_step = sum(exclusive[n] for n in reduce_names) / s.steps
     s.kernel_total_ms = total_us / 1000.0
     s.num_kernel_names = len(by_name)
     ranked = sorted(by_name.items(), key=lambda kv: (-sum(kv[1]), kv[0]))
@@ -436,6 +448,9 @@ def format_summary(s: TraceSummary) -> str:
         lines.append("  (excl us: mean time a call adds to the GPU timeline, its end minus the previous kernel's end)")
     elif s.has_gpu_activity:
         lines.append(f"top kernels: none in the {s.kernels_scope}")
+    if s.all_reduce_us_per_step is not None:
+        lines.append(f"all-reduce: {s.all_reduce_calls_per_step:.1f} kernels per step, {s.all_reduce_us_per_step:.1f} "
+                     f"us/step ({s.all_reduce_exclusive_us_per_step:.1f} us/step added to the GPU timeline)")
     if s.roles:
         lines.append("call sites (exclusive time per decode step):")
         lines.append(f"  {'calls/step':>10} {'excl us':>9} {'us/step':>9}  role")

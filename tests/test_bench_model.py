@@ -45,6 +45,31 @@ def test_random_model_int8_and_tied():
     assert bench_model.weights_bytes(tied) == 4 * bench_model.param_counts(tied_args)["total"]
 
 
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_random_weights_are_drawn_directly(quant, monkeypatch):
+    """No float copy of the matrices is made (a 70B model in bf16 would not fit one GPU before quantizing)."""
+    import quantize
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the random model must not be built in float and then quantized")
+
+    monkeypatch.setattr(quantize, "quantize_", refuse)
+    monkeypatch.setattr(quantize, "quantize_int8", refuse)
+    monkeypatch.setattr(quantize, "quantize_int4", refuse)
+    args = ModelArgs.from_name("debug-tiny")
+    model = bench_model.build_random_model(args, torch.device("cpu"), torch.bfloat16, quant, group_size=32)
+    layer = model.layers[0].feed_forward.w13
+    assert quantize.model_quantization(model) == quant
+    if quant == "int8":
+        codes = layer.weight.float()
+        assert codes.abs().max() <= quantize.INT8_MAX and codes.std() > 50  # uniform over -127..127: std 73
+        values = codes * layer.scales[:, None]
+    else:
+        values = quantize.dequantize_int4(layer.weight, layer.scales)
+    assert values.std().item() == pytest.approx(bench_model.WEIGHT_STD, rel=0.25)
+    assert torch.isfinite(model.tok_embeddings.weight.float()).all()
+
+
 def test_kv_cache_bytes_count_both_caches_of_every_layer():
     args = ModelArgs.from_name("debug-tiny")
     model = bench_model.build_random_model(args, torch.device("cpu"), torch.float32, "none")

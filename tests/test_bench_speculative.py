@@ -25,7 +25,10 @@ def test_speculate_k_times_verify_steps_and_the_ceiling(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     report = json.loads(out.read_text())["speculative"]
+    (decode,) = report["decode"]
+    assert decode["model"] == "debug-tiny" and decode["decode_us"] > 0
     assert [r["k"] for r in report["verify"]] == [1, 4]
+    assert all(r["decode_us"] == decode["decode_us"] for r in report["verify"])
     for r in report["verify"]:
         assert r["decode_us"] > 0 and r["verify_us"] > 0
         assert r["ratio"] == pytest.approx(r["verify_us"] / r["decode_us"])
@@ -33,7 +36,23 @@ def test_speculate_k_times_verify_steps_and_the_ceiling(tmp_path, capsys):
     assert ceiling["k"] == 4 and ceiling["speculative_tok_s"] > 0
     # 19 tokens after the prefill's: three steps keep 4 drafts + 1, the last one 3 + 1 (capped by --new-tokens).
     assert ceiling["mean_accepted"] == pytest.approx((4 + 4 + 4 + 3) / 4)
-    assert "verify step (k+1 rows)" in printed and "Ceiling" in printed
+    assert "verify step (k+1 rows)" in printed and "Ceiling" in printed and "Decode step" in printed
+
+
+def test_a_failure_after_the_decode_step_keeps_what_was_measured(tmp_path, monkeypatch, capsys):
+    from scripts import bench_speculative
+
+    def broken_ceiling(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(bench_speculative, "ceiling", broken_ceiling)
+    out = tmp_path / "spec.json"
+    code = bench.main(["--model", "debug-tiny", "--device", "cpu", "--dtype", "float32", "--speculate-k", "2",
+                       "--new-tokens", "8", "--runs", "1", "--json", str(out)])
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert code == 1 and "out of memory" in report["errors"][0]["error"]
+    assert len(report["speculative"]["decode"]) == 1 and len(report["speculative"]["verify"]) == 1
 
 
 def test_speculate_k_beyond_the_kernel_rows_is_refused(capsys):

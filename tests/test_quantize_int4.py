@@ -97,9 +97,46 @@ def test_llm_load_quantizes_int4_in_memory(bf16_checkpoint, tiny_llm_checkpoint)
     from generate import LLM
 
     shutil.copy(tiny_llm_checkpoint[0].parent / "tokenizer.model", bf16_checkpoint.parent / "tokenizer.model")
-    # the tiny model's 64 features are fewer than the default group (128): a clean error naming the fix
+    # plain "int4" takes the largest group size up to 128 that divides every layer (the tiny model: 64 and 160 inputs)
+    llm = LLM.load(bf16_checkpoint, device="cpu", quantize="int4", compile=False)
+    assert {m.group_size for m in llm.model.modules() if isinstance(m, Int4Linear)} == {32}
+    llm = LLM.load(bf16_checkpoint, device="cpu", quantize="int4-g32", compile=False)
+    assert llm.generate("abc", max_new_tokens=3, temperature=0).token_ids
+    # an explicit group size that does not divide: a clean error naming the fix
     with pytest.raises(ValueError, match="does not divide a layer's 64 inputs; choose a smaller group size"):
-        LLM.load(bf16_checkpoint, device="cpu", quantize="int4", compile=False)
+        LLM.load(bf16_checkpoint, device="cpu", quantize="int4-g128", compile=False)
+    with pytest.raises(ValueError, match="unknown quantization 'int4-g'"):
+        LLM.load(bf16_checkpoint, device="cpu", quantize="int4-g", compile=False)
+
+
+def test_auto_group_size_is_the_largest_that_divides_every_layer():
+    from model import ModelArgs
+    from quantize import auto_group_size, model_input_features
+
+    assert auto_group_size(model_input_features(ModelArgs.from_name("Llama-2-7B"))) == 128
+    assert auto_group_size([576, 1536]) == 64  # SmolLM2-135M: dim 576, intermediate 1536
+    assert auto_group_size([64, 160]) == 32
+    with pytest.raises(ValueError, match="no int4 group size of at least 32 divides"):
+        auto_group_size([576, 100])
+
+
+@pytest.mark.parametrize("spec, parsed", [("int8", ("int8", None)), ("int4", ("int4", None)),
+                                          ("int4-g64", ("int4", 64)), ("int4-g256", ("int4", 256))])
+def test_quant_spec_parses(spec, parsed):
+    from quantize import parse_quant_spec
+
+    assert parse_quant_spec(spec) == parsed
+
+
+@pytest.mark.parametrize("spec, message", [("int3", "unknown quantization"), ("int8-g32", "unknown quantization"),
+                                           ("int4-gx", "unknown quantization"), ("int4-g48", "power of two"),
+                                           ("int4-g16", "at least 32"), ("int4-g", "unknown quantization")])
+def test_bad_quant_specs_are_one_line_errors(spec, message):
+    from quantize import parse_quant_spec
+
+    with pytest.raises(ValueError, match=message) as info:
+        parse_quant_spec(spec)
+    assert "\n" not in str(info.value)
 
 
 def test_quantize_in_memory_checks_every_layer_first(bf16_checkpoint):
@@ -118,3 +155,7 @@ def test_cli_int4_and_bad_groupsize(bf16_checkpoint, tmp_path, capsys):
                  "--out", str(tmp_path / "y.safetensors")]) == 2
     assert main(["--checkpoint_path", str(bf16_checkpoint), "--mode", "int4", "--groupsize", "32",
                  "--out", str(tmp_path / "z.safetensors")]) == 0
+    # without --groupsize: the largest that divides every layer (32 for the tiny model)
+    out = tmp_path / "a.safetensors"
+    assert main(["--checkpoint_path", str(bf16_checkpoint), "--mode", "int4", "--out", str(out)]) == 0
+    assert read_checkpoint_info(out).quantization["group_size"] == 32

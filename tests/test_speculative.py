@@ -97,7 +97,21 @@ def test_stats_count_accepted_tokens(llm):
     # 32 tokens after the prefill's: three steps of 8 drafts + 1, then 4 drafts + 1 (capped by max_new_tokens).
     assert spec.stats.acceptance_rate == 1.0 and spec.stats.mean_accepted == pytest.approx((8 + 8 + 8 + 4) / 4)
     assert spec.stats.new_tokens == 33 and spec.stats.decode_tok_s > 0
+    assert spec.stats.verify_steps == 4 and spec.stats.plain_steps == 0
     assert "accepted per step" in spec.stats.summary()
+    assert plain.stats.verify_steps is None and plain.stats.plain_steps is None
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[1:4])
+def test_step_counts_add_up_to_the_tokens(llm, noisy_draft, prompt):
+    """The prefill's token, 1 + accepted per verify step, 1 per plain step: what scripts/speculative_projection.py
+    builds its model on."""
+    for draft in ("prompt_lookup", noisy_draft):
+        stats = greedy(llm, prompt, draft=draft, speculate_k=4).stats
+        accepted = stats.mean_accepted * stats.verify_steps
+        assert accepted == pytest.approx(round(accepted))
+        assert 1 + stats.verify_steps + round(accepted) + stats.plain_steps == stats.new_tokens
+        assert stats.verify_steps > 0
 
 
 def test_compiled_speculation_equals_plain_greedy(tiny_llm_checkpoint, llm):
@@ -348,16 +362,26 @@ def test_cli_speculation_flags(capsys, tiny_llm_checkpoint):
     assert code == 0
     code, out, err = cli(capsys, *base, "--prompt_lookup", "--speculate_k", "4")
     assert code == 0 and out == plain and "accepted per step" in err
-    code, out, err = cli(capsys, *base, "--draft_checkpoint_path", path, "--draft_quantize", "int8")
-    assert code == 0 and "accepted per step" in err
+    for spec in ("int8", "int4", "int4-g32"):  # plain int4: the largest group size that divides the tiny model
+        code, out, err = cli(capsys, *base, "--draft_checkpoint_path", path, "--draft_quantize", spec)
+        assert code == 0 and out == plain and "accepted per step" in err, spec
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--prompt_lookup", "--draft_checkpoint_path", "x"], "pick one"), (["--draft_quantize", "int8"], "add --draft"),
     (["--speculate_k", "3"], "needs a draft"), (["--prompt_lookup", "--speculate_k", "99"], "1..63"),
     (["--draft_checkpoint_path", "x", "--draft_quantize", "int3"], "draft_quantize"),
+    (["--draft_checkpoint_path", "x", "--draft_quantize", "int4-g48"], "power of two"),
+    (["--prompt_lookup", "--speculate_k", "0"], "1..63"), (["--quantize", "int4-g"], "unknown quantization"),
 ])
 def test_cli_bad_speculation_flags(capsys, tiny_llm_checkpoint, flags, message):
     code, _, err = cli(capsys, "--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt", "a", *flags)
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_cli_draft_group_size_that_does_not_divide_is_one_line(capsys, tiny_llm_checkpoint):
+    path = str(tiny_llm_checkpoint[0])
+    code, _, err = cli(capsys, "--checkpoint_path", path, "--prompt", "a", "--device", "cpu",
+                       "--draft_checkpoint_path", path, "--draft_quantize", "int4-g128")
+    assert code == 2 and "does not divide a layer's 64 inputs" in err and err.count("\n") == 1
 

@@ -191,6 +191,28 @@ def test_fused_decode_per_rank_equals_unfused_tensor_parallel(checkpoints, tmp_p
     assert torch.equal(fused, torch.load(tmp_path / "fused-rank1.pt", weights_only=True))  # ranks agree bit for bit
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("all_reduce", ["nccl", "oneshot"])
+def test_two_gpus_give_one_gpus_greedy_tokens(checkpoints, tmp_path, all_reduce):
+    """The converted float32 checkpoint and its int8 copy, compiled with the fused decode: 2 GPUs against 1."""
+    import generate
+    from tests.tp_worker import GPU_NEW_TOKENS
+
+    if all_reduce == "oneshot" and not tp.one_shot_available():
+        pytest.skip("this torch build has no symmetric-memory ops")
+    proc = torchrun([str(WORKER), "--gpu-greedy", str(tmp_path), PROMPT, *map(str, checkpoints)],
+                    extra_env={tp.ALL_REDUCE_ENV: all_reduce})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for i, path in enumerate(checkpoints):
+        one = generate.LLM.load(path, device="cuda").generate(PROMPT, max_new_tokens=GPU_NEW_TOKENS, temperature=0,
+                                                              ignore_eos=True).token_ids
+        for rank in range(2):
+            two = torch.load(tmp_path / f"gpu-{i}-rank{rank}.pt", weights_only=True)
+            first = next((j for j, (a, b) in enumerate(zip(one, two)) if a != b), None)
+            assert first is None, f"{path.name}: 2 GPUs diverge from 1 at token {first} of {GPU_NEW_TOKENS}"
+
+
 def test_bench_tp_needs_a_matching_torchrun_launch(monkeypatch):
     from scripts.bench import parse_args
 
@@ -201,6 +223,18 @@ def test_bench_tp_needs_a_matching_torchrun_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="divisible by 3"):
         parse_args(["--tp", "3", "--model", "debug-tiny", "--device", "cpu"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--all-reduce oneshot needs GPUs; drop oneshot from --all-reduce"):
+        parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cpu", "--all-reduce", "nccl,oneshot"])
+    with pytest.raises(ValueError, match="unknown all-reduce 'ring'"):
+        parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cpu", "--all-reduce", "ring"])
+    assert parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cpu", "--all-reduce", "NCCL"]
+                      ).all_reduce_modes == ("nccl",)
+    with pytest.raises(ValueError, match="int4 group size 32 does not divide a layer's 80 inputs"):
+        parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cpu", "--quant", "int4", "--groupsize", "32"])
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match="--all-reduce picks the all-reduce of a --tp run"):
+        parse_args(["--model", "debug-tiny", "--device", "cpu", "--all-reduce", "nccl"])
 
 
 @pytest.mark.slow
@@ -208,12 +242,32 @@ def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
     import json
 
     out = tmp_path / "tp.json"
-    proc = torchrun([str(ROOT / "scripts" / "bench.py"), "--tp", "2", "--model", "debug-tiny", "--quant", "int8",
-                     "--new-tokens", "4", "--runs", "1", "--device", "cpu", "--json", str(out)])
+    proc = torchrun([str(ROOT / "scripts" / "bench.py"), "--tp", "2", "--model", "debug-tiny", "--quant",
+                     "none,int8", "--all-reduce", "nccl", "--new-tokens", "4", "--runs", "1",
+                     "--device", "cpu", "--json", str(out), "--profile", str(tmp_path / "traces"),
+                     "--profile-steps", "2"])
     assert proc.returncode == 0, proc.stderr[-4000:]
-    record = json.loads(out.read_text())["records"][0]
+    records = json.loads(out.read_text())["records"]
+    assert [(r["quant"], r["all_reduce_mode"]) for r in records] == [("none", "nccl"), ("int8", "nccl")]
+    record = records[1]
     tiny = ModelArgs.from_name("debug-tiny")
     assert record["tp"] == 2 and record["all_reduce"]["all_reduces_per_token"] == 2 * tiny.n_layer
     assert record["all_reduce"]["bytes_each"] == tiny.dim * 2  # one bf16 hidden state
+    assert record["all_reduce"]["trace"] == {"calls_per_token": None, "us_per_token": None,
+                                             "exclusive_us_per_token": None}  # a CPU trace has no kernels
+    traces = sorted(p.name for p in (tmp_path / "traces").iterdir())
+    assert traces == [f"debug-tiny-{q}-b1-tp2-nccl-rank{r}.json.gz" for q in ("int8", "none") for r in (0, 1)]
     assert proc.stdout.count("debug-tiny TP2 | int8") >= 2  # the tables, printed by rank 0 alone
     assert proc.stdout.count("# Redline benchmark") == 1
+    # One GPU's run of the same model merged with the TP run gives the table of TP against one GPU.
+    single = tmp_path / "one.json"
+    from scripts import bench
+
+    assert bench.main(["--model", "debug-tiny", "--quant", "int8", "--new-tokens", "4", "--runs", "1",
+                       "--device", "cpu", "--json", str(single)]) == 0
+    merged = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--merge", f"{single},{out}"],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                            timeout=LAUNCH_TIMEOUT_S)
+    assert merged.returncode == 0, merged.stderr[-4000:]
+    assert "Tensor parallel against one GPU" in merged.stdout
+    assert "| debug-tiny TP2 | int8 | 1 |" in merged.stdout

@@ -308,3 +308,21 @@ def test_roles_label_call_sites_within_each_step(capsys):
         ts.parse_roles("gemv")
     with pytest.raises(ts.TraceError, match="GPU-side"):
         ts.summarize_trace({"traceEvents": [X("gemv", "kernel", 0, 1)]}, roles=("gemv", ["a"]))
+
+
+def test_all_reduce_kernels_per_decode_step():
+    """NCCL's and the one-shot's kernels in the decode window: per-step duration and time added to the timeline."""
+    ev = []
+    for i in range(2):
+        o = 100 * i
+        ev += [
+            X("redline.decode_step", "gpu_user_annotation", o, 90),
+            X("gemv", "kernel", o, 10),
+            X("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", o + 10, 8),
+            X("void c10d::symmetric_memory::one_shot_all_reduce_kernel<c10::BFloat16, 2>", "kernel", o + 15, 6),
+        ]
+    s = ts.summarize_trace({"traceEvents": ev})
+    assert s.all_reduce_calls_per_step == 2.0
+    assert s.all_reduce_us_per_step == 14.0 and s.all_reduce_exclusive_us_per_step == 11.0  # 8 + (21 - 18)
+    assert "all-reduce: 2.0 kernels per step, 14.0 us/step (11.0 us/step added" in ts.format_summary(s)
+    assert ts.summarize_trace(synthetic_trace()).all_reduce_us_per_step is None  # one process: no all-reduce

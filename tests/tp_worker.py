@@ -7,6 +7,7 @@ tokens of LLM.generate, and the tokens of an unseeded sampled generation (which 
 generate.py's CLI on the first checkpoint: only rank 0 may print its text.
 
     torchrun --nproc_per_node 2 tests/tp_worker.py --fused OUT_DIR CHECKPOINT   # GPUs: fused against unfused decode
+    torchrun --nproc_per_node 2 tests/tp_worker.py --gpu-greedy OUT_DIR PROMPT CHECKPOINT...  # GPUs: greedy tokens
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ LOGIT_IDS = [1, 17, 42, 99, 7, 250, 3, 64, 128, 11]
 PROMPT_TOKENS = 5
 # Tokens each generation makes.
 NEW_TOKENS = 12
+# Tokens of the GPU greedy comparison: long enough to pass several CUDA-graph replays of the decode step.
+GPU_NEW_TOKENS = 48
 
 
 def logits(model: torch.nn.Module) -> torch.Tensor:
@@ -82,7 +85,22 @@ def fused_check(out_dir: Path, path: str) -> int:
     return 0
 
 
+def gpu_greedy(out_dir: Path, prompt: str, checkpoints: list[str]) -> int:
+    """On GPUs, the engine as users run it (compiled, CUDA graphs, fused decode, the all-reduce REDLINE_ALL_REDUCE
+    names): OUT_DIR/gpu-<i>-rank<r>.pt holds the greedy tokens of each checkpoint."""
+    import generate
+
+    rank = int(os.environ.get("RANK", "0"))
+    for i, path in enumerate(checkpoints):
+        llm = generate.LLM.load(path, device="cuda")
+        tokens = llm.generate(prompt, max_new_tokens=GPU_NEW_TOKENS, temperature=0, ignore_eos=True).token_ids
+        torch.save(tokens, out_dir / f"gpu-{i}-rank{rank}.pt")
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--fused":
         sys.exit(fused_check(Path(sys.argv[2]), sys.argv[3]))
+    if sys.argv[1] == "--gpu-greedy":
+        sys.exit(gpu_greedy(Path(sys.argv[2]), sys.argv[3], sys.argv[4:]))
     sys.exit(run(Path(sys.argv[1]), sys.argv[2], sys.argv[3:]))
