@@ -51,6 +51,25 @@ from .device import device_caps
 MIN_GROUP = 32
 
 
+def _nibble_asm(magic: int, pack: int) -> str:
+    """The PTX of _nibbles_ptx for `pack` bytes per register (2 or 4) and the exponent bits `magic` (bf16x2 or fp16x2)."""
+    src = "$4" if pack == 4 else "$2"
+    selectors = ("0x4140", "0x4342")[: pack // 2]  # bytes (0, 1) and (2, 3) of the register
+    n = len(selectors)
+    lines = ["{", ".reg .b32 t;", f"shr.b32 t, {src}, 4;"]
+    lines += [f"prmt.b32 ${i}, {src}, 0, {sel};" for i, sel in enumerate(selectors)]
+    lines += [f"prmt.b32 ${n + i}, t, 0, {sel};" for i, sel in enumerate(selectors)]
+    lines += [f"lop3.b32 ${i}, ${i}, 0x000F000F, {magic:#010x}, 0xea;" for i in range(2 * n)]
+    return "\n".join(lines + ["}"])
+
+
+# 128 + q in bf16 (0x4300 | q) and 1024 + q in fp16 (0x6400 | q), two per 32-bit register.
+_ASM_BF16_4 = tl.constexpr(_nibble_asm(0x43004300, 4))
+_ASM_BF16_2 = tl.constexpr(_nibble_asm(0x43004300, 2))
+_ASM_FP16_4 = tl.constexpr(_nibble_asm(0x64006400, 4))
+_ASM_FP16_2 = tl.constexpr(_nibble_asm(0x64006400, 2))
+
+
 @triton.jit
 def _nibbles_ptx(b, DT: tl.constexpr, PACK: tl.constexpr):
     """(BIAS + low nibble, BIAS + high nibble) of each byte of the uint8 tile b, in DT (bf16/fp16), by PTX.
@@ -60,66 +79,18 @@ def _nibbles_ptx(b, DT: tl.constexpr, PACK: tl.constexpr):
     same after one shift right by 4 of the whole register."""
     if DT == tl.bfloat16:
         if PACK == 4:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t;
-                shr.b32 t, $4, 4;
-                prmt.b32 $0, $4, 0, 0x4140;
-                prmt.b32 $1, $4, 0, 0x4342;
-                prmt.b32 $2, t, 0, 0x4140;
-                prmt.b32 $3, t, 0, 0x4342;
-                lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xea;
-                lop3.b32 $1, $1, 0x000F000F, 0x43004300, 0xea;
-                lop3.b32 $2, $2, 0x000F000F, 0x43004300, 0xea;
-                lop3.b32 $3, $3, 0x000F000F, 0x43004300, 0xea;
-                }
-                """,
-                constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+            lo, hi = tl.inline_asm_elementwise(asm=_ASM_BF16_4, constraints="=r,=r,=r,=r,r", args=[b],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         else:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t;
-                shr.b32 t, $2, 4;
-                prmt.b32 $0, $2, 0, 0x4140;
-                prmt.b32 $1, t, 0, 0x4140;
-                lop3.b32 $0, $0, 0x000F000F, 0x43004300, 0xea;
-                lop3.b32 $1, $1, 0x000F000F, 0x43004300, 0xea;
-                }
-                """,
-                constraints="=r,=r,r", args=[b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+            lo, hi = tl.inline_asm_elementwise(asm=_ASM_BF16_2, constraints="=r,=r,r", args=[b],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     else:
         if PACK == 4:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t;
-                shr.b32 t, $4, 4;
-                prmt.b32 $0, $4, 0, 0x4140;
-                prmt.b32 $1, $4, 0, 0x4342;
-                prmt.b32 $2, t, 0, 0x4140;
-                prmt.b32 $3, t, 0, 0x4342;
-                lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xea;
-                lop3.b32 $1, $1, 0x000F000F, 0x64006400, 0xea;
-                lop3.b32 $2, $2, 0x000F000F, 0x64006400, 0xea;
-                lop3.b32 $3, $3, 0x000F000F, 0x64006400, 0xea;
-                }
-                """,
-                constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            lo, hi = tl.inline_asm_elementwise(asm=_ASM_FP16_4, constraints="=r,=r,=r,=r,r", args=[b],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
         else:
-            lo, hi = tl.inline_asm_elementwise(
-                asm="""
-                {
-                .reg .b32 t;
-                shr.b32 t, $2, 4;
-                prmt.b32 $0, $2, 0, 0x4140;
-                prmt.b32 $1, t, 0, 0x4140;
-                lop3.b32 $0, $0, 0x000F000F, 0x64006400, 0xea;
-                lop3.b32 $1, $1, 0x000F000F, 0x64006400, 0xea;
-                }
-                """,
-                constraints="=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
+            lo, hi = tl.inline_asm_elementwise(asm=_ASM_FP16_2, constraints="=r,=r,r", args=[b],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     return lo, hi
 
 

@@ -43,6 +43,21 @@ INT4_SWEEP = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (16, 1024, 1, 2
               (4, 2048, 1, 2), (8, 2048, 1, 1), (16, 2048, 2, 1)]
 
 
+def fastest(candidates: list[tuple], us_of: Any) -> tuple[tuple | None, float | None]:
+    """(config, µs) of the fastest of `candidates` by us_of(config); a config that does not compile or fit is
+    skipped with a line, not fatal; (None, None) when none runs."""
+    best = (None, None)
+    for c in candidates:
+        try:
+            t = us_of(c)
+        except Exception as exc:
+            print(f"  config {c} failed: {type(exc).__name__}", flush=True)
+            continue
+        if best[1] is None or t < best[1]:
+            best = (c, t)
+    return best
+
+
 def model_gemv_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     """(N, K) of one token's projections: per block wqkv, wo, w13, w2, and the output head."""
     return {"wqkv": (args.q_size + 2 * args.kv_size, args.dim), "wo": (args.dim, args.q_size),
@@ -149,16 +164,8 @@ def time_shapes(device: torch.device, sweep: bool) -> list[dict[str, Any]]:
             row = {"group_size": g, "part": part, "n": n, "k": k, "redline_us": ours, "tinygemm_us": tiny,
                    "redline_gb_s": nbytes / ours / 1e3, "tinygemm_gb_s": nbytes / tiny / 1e3}
             if sweep:
-                best = None
-                for c in INT4_SWEEP:
-                    try:
-                        t = redline_us(n, k, g, device, GemvConfig(*c))
-                    except Exception as exc:  # a config that does not compile or fit is skipped, not fatal
-                        print(f"  config {c} failed: {type(exc).__name__}", flush=True)
-                        continue
-                    if best is None or t < best[1]:
-                        best = (c, t)
-                row["best_config"], row["best_us"] = best if best else (None, None)
+                row["best_config"], row["best_us"] = fastest(
+                    INT4_SWEEP, lambda c: redline_us(n, k, g, device, GemvConfig(*c)))
             rows.append(row)
             print(f"7B {part} g{g}: redline {ours:.1f} us ({row['redline_gb_s']:.0f} GB/s), tinygemm {tiny:.1f} us "
                   f"({row['tinygemm_gb_s']:.0f} GB/s)" + (f", best {row['best_config']} {row['best_us']:.1f} us"
@@ -200,16 +207,7 @@ def time_rows_shape(n: int, k: int, g: int, m: int, device: torch.device, sweep:
     row["bf16_dot_us"] = rotated_us(lambda i: lambda: small_m_dot(x, bf16[i % len(bf16)], None, out), n * k * 2)
     del bf16
     if sweep:
-        best = None
-        for c in INT4_DOT_SWEEP:
-            try:
-                t = int4_us(Int4DotConfig(*c))
-            except Exception as exc:  # a config that does not compile or fit is skipped, not fatal
-                print(f"  config {c} failed: {type(exc).__name__}", flush=True)
-                continue
-            if best is None or t < best[1]:
-                best = (c, t)
-        row["best_config"], row["best_us"] = best if best else (None, None)
+        row["best_config"], row["best_us"] = fastest(INT4_DOT_SWEEP, lambda c: int4_us(Int4DotConfig(*c)))
     for key in ("int4_dot", "dequant_cublas"):
         row[f"{key}_gb_s"] = nbytes / row[f"{key}_us"] / 1e3
     row["bf16_dot_gb_s"] = n * k * 2 / row["bf16_dot_us"] / 1e3
