@@ -5,15 +5,27 @@
 For each target (kernels.device.TARGETS: sm80, sm86, sm89, sm90, gfx90a, gfx942, gfx1100 by default) the
 project's own launchers run on meta tensors under that target's capability description
 (kernels.device.simulated(target_caps(name))) and a Triton driver that reports the target's GPU: every op, dtype
-(bf16, fp16, fp32; int8 and int4 weights, int4 in group sizes 32-256), row count 1-256, decode batch, cache length and prompt length up to 2048, for the
-shapes of the demo model (SmolLM2-135M), Llama-2-7B, Llama-3-8B and Llama-3-70B. A Triton JIT hook records each
-launch instead of compiling it (nothing runs); identical configurations are kept once. Each one is then compiled
-for the target (Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU backend for AMD) and its shared memory
-(LDS on AMD) and registers are checked against the target's limits, and its shared memory against the dispatcher's
-estimate (which is what keeps configurations within the limit at run time).
+(bf16, fp16, fp32; int8 weights, and int4 weights in every group size the quantizer offers), row count 1-256,
+decode batch, cache length and prompt length up to 2048, for the shapes of the demo model (SmolLM2-135M),
+Llama-2-7B, Llama-3-8B and Llama-3-70B. A Triton JIT hook records each launch instead of compiling it (nothing
+runs). Each configuration is then compiled for the target (Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU
+backend for AMD) and its shared memory (LDS on AMD) and registers are checked against the target's limits, and its
+shared memory against the dispatcher's estimate (which is what keeps configurations within the limit at run time).
 
-Prints one line per kernel configuration and target, and exits 1 if any fails (2 on bad arguments).
-Compiled kernels land in Triton's cache (TRITON_CACHE_DIR), so a second run is fast.
+A configuration is what Triton compiles: the kernel, its argument dtypes and specialization (integers and pointers
+divisible by 16 or not; on AMD, tensors within 32-bit offsets or not), its constexprs, num_warps, num_stages and
+PDL. Launches that differ only in SCALAR_CONSTEXPRS or ONE_DIVISIBILITY_ARGS (below: index arithmetic, a row mask
+and a split count, no tile) are compiled once.
+
+Triton 3.6 lowers these kernels alike for sm80, sm86 and sm89 (their TTGIR, LLVM IR and PTX were equal for every
+configuration of a full run, compiled in full for each): a configuration that several of them choose is compiled in
+full for the first; for the others Triton runs up to its TTGIR, which must equal the first target's (else the
+configuration is compiled in full), and ptxas assembles the first target's PTX for their own arch, so their
+registers are their own. Compile tasks run on every CPU, the longest first.
+
+Prints one line per kernel configuration and target, and exits 1 if any fails (2 on bad arguments). The default
+targets take about 20 minutes on 2 cores, close to half of it the int4 GEMV's configurations; compiled kernels land
+in Triton's cache (TRITON_CACHE_DIR), so a second run is faster.
 """
 from __future__ import annotations
 
@@ -74,6 +86,10 @@ MODELS = (
     ModelShape("llama-3-70b", 8192, 64, 8, 28672, 128256),
 )
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The weight kinds of the linear ops: float (x's dtype), int8 per row, int4 in the group sizes quantize.py offers
+# (--groupsize 32|64|128|256; a group size that does not divide a layer's K is refused there, so skipped here).
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+WEIGHT_KINDS = ("float", "int8") + tuple(f"int4-g{g}" for g in INT4_GROUP_SIZES)
 MAX_ROWS = 256  # the most rows of x the linear ops hand to Triton (kernels.linear.SMALL_M)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CACHE_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -83,7 +99,18 @@ MAX_PROMPT = 2048
 FUSED_GEMVS = (("wqkv", 1, False, False), ("wqkv", 2, False, False), ("wo", 0, False, True),
                ("w13", 2, True, False), ("w2", 0, False, True), ("output", 2, False, False))
 NORM_SUM_LANES = 32
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # the int4 group sizes quantize.py offers
+
+# Constexprs that only enter scalar index arithmetic and masks (head counts), never a tile shape: configurations
+# that differ in nothing else have the same tiles, layouts and shared memory, so one of them is compiled.
+SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS"}
+# Integer arguments whose divisibility by 16 is compiled once (one variant stands for both), by kernel: the split
+# count of the attention kernels, whose two variants compiled to identical binaries on every default target, and
+# the tensor-core kernel's row count M, which only bounds the row mask of x (its loads vectorize along K): its
+# variants have the same TTGIR (tiles, layouts, pipelining) and shared memory and differ in a few predicates.
+# tests/test_check_targets.py checks both on an NVIDIA and an AMD target; compiling every variant would add about
+# 5 minutes on 2 cores.
+ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_split_kernel": {"num_splits"},
+                         "_combine_kernel": {"num_splits"}}
 
 
 @dataclass
@@ -91,8 +118,8 @@ class Launch:
     """One kernel configuration the dispatcher chose, with the calls that chose it."""
 
     kernel: str  # module path of the JIT function, "kernels.triton_linear._gemv_kernel"
-    spec: str  # Triton's specialization data (JSON): signature, constexprs, options
-    summary: str  # the constexprs and launch options that tell configurations apart
+    spec: str  # Triton's specialization data (JSON): signature, constexprs, argument attributes, options
+    summary: str  # what tells configurations apart: dtypes, constexprs, launch options, unspecialized arguments
     first_call: str  # the first call that chose it
     calls: int = 1
 
@@ -108,6 +135,16 @@ class Result:
     shared: int = -1
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Binary:
+    """What the checks read from a compiled configuration."""
+
+    shared: int  # bytes of shared memory (LDS) per block
+    num_warps: int
+    asm: dict  # Triton's stage outputs: "ttgir", "ptx", "cubin" (NVIDIA) or "amdgcn" (AMD), ...
+    note: str = ""  # how it was made, where not by Triton's whole pipeline
 
 
 # --- a Triton driver that reports the target GPU and launches nothing ---
@@ -164,11 +201,6 @@ def active_driver(driver) -> Iterator[None]:
         config._active = previous
 
 
-# Constexprs that only index (head counts, the combine kernel's split vector): configurations that differ in
-# nothing else compile to the same tiles, shared memory and registers, so one of them is compiled.
-SHAPE_ONLY_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS", "SPLITS_P2"}
-
-
 class _Recorder:
     """A jit_cache_hook that records each launch's configuration and tells Triton not to compile or run it."""
 
@@ -189,12 +221,35 @@ class _Recorder:
 
 
 def _summary(jit, compile: dict) -> str:
-    """The kernel, its pointer dtypes, the constexprs that shape its code, and its launch options."""
+    """The kernel, its pointer dtypes, the constexprs that shape its code, its launch options, and the arguments
+    Triton could not specialize (`M%16!=0`: an integer or address not divisible by 16; `w_ptr 64-bit`: on AMD, a
+    tensor past 32-bit offsets), which compile to different code."""
+    kernel = jit.fn.__name__
+    spec = json.loads(compile["specialization_data"])
     constants = {jit.arg_names[path[0]]: value for path, value in compile["constants"].items() if len(path) == 1}
     dtypes = ",".join(str(t)[1:] for t in compile["signature"].values() if str(t).startswith("*"))
-    shown = " ".join(f"{k}={v}" for k, v in constants.items() if k.isupper() and k not in SHAPE_ONLY_CONSTEXPRS)
-    pdl = " pdl" if json.loads(compile["specialization_data"])["options"].get("launch_pdl") else ""
-    return f"{jit.fn.__name__}({dtypes}) {shown} warps={compile['num_warps']} stages={compile['num_stages']}{pdl}"
+    shown = " ".join(f"{k}={v}" for k, v in constants.items() if k.isupper() and k not in SCALAR_CONSTEXPRS)
+    pdl = " pdl" if spec["options"].get("launch_pdl") else ""
+    return (f"{kernel}({dtypes}) {shown} warps={compile['num_warps']} stages={compile['num_stages']}{pdl}"
+            f"{_unspecialized(kernel, spec)}")
+
+
+def _unspecialized(kernel: str, spec: dict) -> str:
+    """' [M%16!=0, w_ptr 64-bit]': the arguments Triton specialized less than the others (empty when none)."""
+    names = list(spec["signature"])
+    attrs = {names[path[0]]: {k: v for k, v in values}
+             for path, values in zip(spec["attrs_keys"], spec["attrs_vals"]) if len(path) == 1}
+    ranged = any("tt.pointer_range" in a for a in attrs.values())  # AMD: buffer ops on tensors within 2 GiB
+    notes = []
+    for name, ty in spec["signature"].items():
+        if ty == "constexpr" or name in ONE_DIVISIBILITY_ARGS.get(kernel, ()):
+            continue
+        given = attrs.get(name, {})
+        if (ty.startswith("*") or ty[0] in "iu") and "tt.divisibility" not in given:
+            notes.append(f"{name}%16!=0")
+        if ty.startswith("*") and ranged and "tt.pointer_range" not in given:
+            notes.append(f"{name} 64-bit")
+    return f" [{', '.join(notes)}]" if notes else ""
 
 
 # --- what the dispatcher chooses ---
@@ -204,71 +259,99 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, device="meta", dtype=dtype)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype)[6:]
+
+
+def _weight(kind: str, n: int, k: int, x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A meta weight (N, K) of this kind and its scales: float (x's dtype, no scales), int8 (N,) scales in x's
+    dtype, int4-gG packed uint8 (N, K/2) with fp16 (N, K/G, 2) scales and offsets (quantize.py's layout)."""
+    if kind == "float":
+        return _meta(n, k, dtype=x_dtype), None
+    if kind == "int8":
+        return _meta(n, k, dtype=torch.int8), _meta(n, dtype=x_dtype)
+    group = int(kind.rsplit("g", 1)[1])
+    return _meta(n, k // 2, dtype=torch.uint8), _meta(n, k // group, 2, dtype=torch.float16)
+
+
+def _int4_group(kind: str) -> int:
+    return int(kind.rsplit("g", 1)[1]) if kind.startswith("int4") else 0
+
+
 def _linear_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
-    """Every linear op row count and dtype on every model shape; returns the calls that fell back to BLAS."""
-    from kernels import triton_linear
-
+    """Every linear op row count, dtype and weight kind on every model shape; returns the calls that fell back to
+    BLAS (more than MAX_ROWS rows always do)."""
     fallbacks = []
-    weights = [(dt, dt) for dt in FLOAT_DTYPES] + [(dt, torch.int8) for dt in FLOAT_DTYPES]
-    for model, (x_dtype, w_dtype) in itertools.product(models, weights):
+    for model, kind, x_dtype in itertools.product(models, WEIGHT_KINDS, FLOAT_DTYPES):
         for proj, (n, k) in model.projections().items():
-            w = _meta(n, k, dtype=w_dtype)
-            scales = _meta(n, dtype=x_dtype) if w_dtype == torch.int8 else None
-            record.call = f"{model.name} {proj} {str(x_dtype)[6:]}x{str(w_dtype)[6:]} rows=1"
-            triton_linear.gemv(_meta(1, k, dtype=x_dtype), w, scales)
-            tried = set()
-            for m in range(2, MAX_ROWS + 1):
-                record.call = f"{model.name} {proj} {str(x_dtype)[6:]}x{str(w_dtype)[6:]} rows={m}"
-                cfg = configs.fitted_dot_config(n, k, w.element_size(), x_dtype.itemsize, m, caps)
-                if cfg is None:
-                    fallbacks.append(record.call)
-                elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
-                    # (row counts with the same config and tile height launch the same kernel)
-                    tried.add((cfg, configs.dot_block_m(cfg, m)))
-                    triton_linear.small_m_dot(_meta(m, k, dtype=x_dtype), w, scales)
-            _fused_gemv_calls(record, model, proj, x_dtype, w_dtype)
-    return fallbacks + _int4_dot_calls(record, caps, models)
-
-
-def _int4_dot_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
-    """The int4 tensor-core kernel for 2-256 rows, every dtype and group size; returns the calls that fall back to
-    dequantizing for BLAS."""
-    from kernels import triton_int4_dot
-
-    fallbacks = []
-    for model, x_dtype, group_size in itertools.product(models, FLOAT_DTYPES, INT4_GROUP_SIZES):
-        for proj, (n, k) in model.projections().items():
-            if k % group_size:
-                continue
-            w = _meta(n, k // 2, dtype=torch.uint8)
-            scales = _meta(n, k // group_size, 2, dtype=torch.float16)
-            tried = set()
-            for m in range(2, MAX_ROWS + 1):
-                record.call = f"{model.name} {proj} {str(x_dtype)[6:]}xint4-g{group_size} rows={m}"
-                cfg = configs.fitted_int4_dot_config(n, k, group_size, x_dtype.itemsize, m, caps)
-                if cfg is None:
-                    fallbacks.append(record.call)
-                elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
-                    tried.add((cfg, configs.dot_block_m(cfg, m)))
-                    triton_int4_dot.int4_dot(_meta(m, k, dtype=x_dtype), w, scales)
+            if k % max(_int4_group(kind), 1):
+                continue  # quantize.py refuses a group size that does not divide K
+            label = f"{model.name} {proj} {_dtype_name(x_dtype)}x{kind}"
+            _gemv_calls(record, label, n, k, x_dtype, kind, [f for f in FUSED_GEMVS if f[0] == proj])
+            if kind.startswith("int4"):
+                fallbacks += _int4_dot_calls(record, caps, label, n, k, x_dtype, kind)
+            else:
+                fallbacks += _dot_calls(record, caps, label, n, k, x_dtype, kind)
     return fallbacks
 
 
-def _fused_gemv_calls(record: _Recorder, model: ModelShape, proj: str, x_dtype, w_dtype) -> None:
+def _gemv_calls(record: _Recorder, label: str, n: int, k: int, x_dtype: torch.dtype, kind: str,
+                fused: list[tuple[str, int, bool, bool]]) -> None:
+    """One row of x through the launcher kernels.linear calls for this weight kind (triton_linear.gemv, or the int4
+    GEMV's public launcher triton_int4.gemv_int4, which takes its config from configs.gemv_int4_config): plain,
+    and in each fused decode form of this projection, with the arguments kernels.linear.fused_linear passes."""
+    from kernels import triton_int4, triton_linear
+
+    gemv = triton_int4.gemv_int4 if kind.startswith("int4") else triton_linear.gemv
+    w, scales = _weight(kind, n, k, x_dtype)
+    record.call = f"{label} rows=1"
+    gemv(_meta(1, k, dtype=x_dtype), w, scales, _meta(1, n, dtype=x_dtype))
+    lanes = _meta(NORM_SUM_LANES, dtype=torch.float32)
+    for _, norm, swiglu, residual in fused:
+        record.call = f"{label} fused norm={norm}"
+        out_n = n // 2 if swiglu else n
+        gemv(_meta(1, k, dtype=x_dtype), w, scales, _meta(1, out_n, dtype=x_dtype),
+             norm_weight=_meta(k, dtype=x_dtype) if norm else None, eps=1e-5,
+             residual=_meta(out_n, dtype=x_dtype) if residual else None, swiglu=swiglu,
+             sq_in=lanes if norm == 2 else None, sq_out=lanes if residual else None)
+
+
+def _dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, x_dtype: torch.dtype,
+               kind: str) -> list[str]:
+    """Rows 2..MAX_ROWS through the tensor-core kernel; returns the calls that take cuBLAS/hipBLAS instead."""
     from kernels import triton_linear
 
-    n, k = model.projections()[proj]
-    for name, norm, swiglu, residual in FUSED_GEMVS:
-        if name != proj:
-            continue
-        record.call = f"{model.name} fused {proj} norm={norm} {str(x_dtype)[6:]}x{str(w_dtype)[6:]}"
-        lanes = _meta(NORM_SUM_LANES, dtype=torch.float32)
-        triton_linear.gemv(
-            _meta(1, k, dtype=x_dtype), _meta(n, k, dtype=w_dtype),
-            _meta(n, dtype=x_dtype) if w_dtype == torch.int8 else None,
-            norm_weight=_meta(k, dtype=x_dtype) if norm else None, eps=1e-5,
-            residual=_meta(n, dtype=x_dtype) if residual else None, swiglu=swiglu,
-            sq_in=lanes if norm == 2 else None, sq_out=lanes if residual else None)
+    w, scales = _weight(kind, n, k, x_dtype)
+    fallbacks, tried = [], set()
+    for m in range(2, MAX_ROWS + 1):
+        record.call = f"{label} rows={m}"
+        cfg = configs.fitted_dot_config(n, k, w.element_size(), x_dtype.itemsize, m, caps)
+        if cfg is None:
+            fallbacks.append(record.call)
+        elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
+            # (row counts with the same config and tile height launch the same kernel: M is in ONE_DIVISIBILITY_ARGS)
+            tried.add((cfg, configs.dot_block_m(cfg, m)))
+            triton_linear.small_m_dot(_meta(m, k, dtype=x_dtype), w, scales)
+    return fallbacks
+
+
+def _int4_dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, x_dtype: torch.dtype,
+                    kind: str) -> list[str]:
+    """Rows 2..MAX_ROWS through the int4 tensor-core kernel; returns the calls that dequantize for BLAS instead."""
+    from kernels import triton_int4_dot
+
+    w, scales = _weight(kind, n, k, x_dtype)
+    group = _int4_group(kind)
+    fallbacks, tried = [], set()
+    for m in range(2, MAX_ROWS + 1):
+        record.call = f"{label} rows={m}"
+        cfg = configs.fitted_int4_dot_config(n, k, group, x_dtype.itemsize, m, caps)
+        if cfg is None:
+            fallbacks.append(record.call)
+        elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
+            tried.add((cfg, configs.dot_block_m(cfg, m)))
+            triton_int4_dot.int4_dot(_meta(m, k, dtype=x_dtype), w, scales)
+    return fallbacks
 
 
 def _attention_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
@@ -280,7 +363,7 @@ def _attention_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelSha
         h, hkv, d = model.n_heads, model.n_kv_heads, model.head_dim
         rope = _meta(max(CACHE_LENGTHS), 2, d // 2, dtype=torch.float32)
         for batch, seq_len in itertools.product(DECODE_BATCHES, CACHE_LENGTHS):
-            record.call = f"{model.name} attention {str(dtype)[6:]} batch={batch} cache={seq_len}"
+            record.call = f"{model.name} attention {_dtype_name(dtype)} batch={batch} cache={seq_len}"
             cache = _meta(batch, hkv, seq_len, d, dtype=dtype)
             if attention.attention_kernel_config(batch, h, cache) is None:
                 fallbacks.append(record.call)
@@ -290,7 +373,7 @@ def _attention_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelSha
             triton_attention.decode_attention_qkv(_meta(batch, 1, (h + 2 * hkv) * d, dtype=dtype), cache, cache,
                                                   rope, pos)
         for length in sorted({2 ** i for i in range(12)} | {2 ** i + 1 for i in range(11)} | {MAX_PROMPT}):
-            record.call = f"{model.name} prefill rope {str(dtype)[6:]} tokens={length}"
+            record.call = f"{model.name} prefill rope {_dtype_name(dtype)} tokens={length}"
             cache = _meta(1, hkv, MAX_PROMPT, d, dtype=dtype)
             triton_attention.prefill_rope_cache(_meta(1, length, (h + 2 * hkv) * d, dtype=dtype), cache, cache,
                                                 rope[:length])
@@ -315,12 +398,104 @@ def target_launches(name: str, device_index: int = 1000,
     return list(record.launches.values()), fallbacks
 
 
-# --- compiling one configuration and reading its resources ---
+def _capture_job(job: tuple[str, int]) -> tuple[list[Launch], list[str]]:
+    return target_launches(*job)
+
+
+# --- compiling one configuration ---
+
+
+def ir_family(caps: DeviceCaps) -> str | None:
+    """The targets whose Triton IR (TTGIR, LLVM IR, PTX) is the same for these kernels, so that one's PTX serves
+    the others: NVIDIA sm80-sm89 (Triton 3.6 lowers them alike but for fp8, which _same_ttgir refuses)."""
+    if caps.vendor == "nvidia" and 80 <= int(caps.arch[2:]) < 90:
+        return "nvidia-sm8x"
+    return None
+
+
+class _StopAtTTGIR(Exception):
+    """Raised in place of Triton's LLVM stage: carries the kernel's TTGIR text."""
+
+
+def _stop_at_ttgir(backend, stages: dict, options, language, capability) -> None:
+    """An add_stages_inspection_hook that ends Triton's pipeline once the TTGIR is made (nothing is cached)."""
+
+    def stop(src, metadata):
+        raise _StopAtTTGIR(str(src))
+
+    stages["llir"] = stop
+
+
+def _same_ttgir(ttgir: str, reference: str) -> bool:
+    """The TTGIR texts are equal but for the target name, and hold no fp8 (lowered differently on sm89)."""
+    def strip(text: str) -> str:
+        return re.sub(r'"cuda:\d+"', '"cuda"', text)
+
+    return "f8E" not in ttgir and strip(ttgir) == strip(reference)
+
+
+def _jit_function(path: str):
+    module, kernel = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), kernel)
+
+
+def _options(launch: Launch, backend):
+    """The launch's compile options parsed by the target's backend, as JITFunction.preload does."""
+    options = json.loads(launch.spec)["options"]
+    return backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+
+
+def _assembled(launch: Launch, caps: DeviceCaps, ttgir: str, reference: tuple[str, Binary]) -> Binary:
+    """The reference target's PTX assembled by ptxas for caps' arch, as Triton's last stage would (its .target and
+    .version lines are the ones Triton writes for this arch)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptx_version_from_options
+    from triton.compiler.compiler import make_backend
+
+    arch = int(caps.arch[2:])
+    backend = make_backend(GPUTarget("cuda", arch, caps.warp_size))
+    options = _options(launch, backend)
+    version = get_ptx_version_from_options(options, arch)
+    ref_target, ref = reference
+    ptx = re.sub(r"\.target sm_\d+", f".target sm_{arch}", ref.asm["ptx"])
+    ptx = re.sub(r"\.version \d+\.\d+", f".version {version // 10}.{version % 10}", ptx)
+    cubin = backend.make_cubin(ptx, {}, options, arch)
+    return Binary(ref.shared, options.num_warps, {"ttgir": ttgir, "ptx": ptx, "cubin": cubin},
+                  note=f"IR of {ref_target}")
+
+
+def _compile(target: str, launch: Launch, device_index: int, reference: tuple[str, Binary] | None) -> Binary:
+    """Compile the configuration for the target: in full, or with a reference of the same IR family from the
+    reference's PTX once Triton's TTGIR for this target is found equal to the reference's."""
+    from triton import knobs
+
+    caps = target_caps(target)
+    jit = _jit_function(launch.kernel)
+    with active_driver(target_driver(caps, device_index)):
+        if reference is not None and {"ttgir", "ptx"} <= reference[1].asm.keys():
+            previous = knobs.runtime.add_stages_inspection_hook
+            knobs.runtime.add_stages_inspection_hook = _stop_at_ttgir
+            try:
+                compiled = jit.preload(launch.spec)  # returns only on a hit in Triton's cache
+            except _StopAtTTGIR as stop:
+                ttgir = stop.args[0]
+                if _same_ttgir(ttgir, reference[1].asm["ttgir"]):
+                    return _assembled(launch, caps, ttgir, reference)
+                compiled = None
+            finally:
+                knobs.runtime.add_stages_inspection_hook = previous
+            if compiled is not None:
+                return Binary(compiled.metadata.shared, compiled.metadata.num_warps, dict(compiled.asm))
+        compiled = jit.preload(launch.spec)
+    return Binary(compiled.metadata.shared, compiled.metadata.num_warps, dict(compiled.asm))
+
+
+# --- checking a compiled configuration against its target ---
 
 
 def _nvidia_registers(cubin: bytes, arch: int) -> tuple[int, int]:
-    """(registers per thread, local memory bytes per thread: spills and stack) of a cubin, from the cuobjdump
-    that Triton ships beside its ptxas."""
+    """(registers per thread, stack and local memory bytes per thread: spills and local arrays) of a cubin, from
+    the cuobjdump that Triton ships beside its ptxas."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     tool = os.path.join(os.path.dirname(get_ptxas(arch).path), "cuobjdump")
@@ -329,8 +504,8 @@ def _nvidia_registers(cubin: bytes, arch: int) -> tuple[int, int]:
         f.flush()
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", text)
-    local = re.search(r"LOCAL:(\d+)", text)
-    return int(regs.group(1)) if regs else -1, int(local.group(1)) if local else 0
+    stack = sum(int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", text))
+    return int(regs.group(1)) if regs else -1, stack
 
 
 def _amd_registers(amdgcn: str) -> tuple[int, int]:
@@ -346,8 +521,7 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
     constants = dict(zip((tuple(k) for k in spec["constant_keys"]), spec["constant_vals"]))
     options = spec["options"]
     kernel = launch.kernel.rsplit(".", 1)[1]
-    args = importlib.import_module(launch.kernel.rsplit(".", 1)[0])
-    names = getattr(args, kernel).arg_names
+    names = list(spec["signature"])
     named = {names[k[0]]: v for k, v in constants.items() if len(k) == 1}
     signature = spec["signature"]
     if kernel == "_small_m_dot_kernel":
@@ -369,43 +543,87 @@ def _pointer_bytes(pointer_type: str) -> int:
     return bits // 8
 
 
-def check_launch(target: str, launch: Launch, device_index: int) -> Result:
-    """Compile one configuration for its target and check it against the target's limits."""
+def _checked(target: str, launch: Launch, binary: Binary, seconds: float) -> Result:
+    """The binary's shared memory and registers against the target's limits and the dispatcher's estimate."""
     caps = target_caps(target)
-    module, kernel = launch.kernel.rsplit(".", 1)
-    jit = getattr(importlib.import_module(module), kernel)
-    start = time.perf_counter()
-    try:
-        with active_driver(target_driver(caps, device_index)):
-            compiled = jit.preload(launch.spec)
-    except Exception as e:  # a compile error is this configuration's result, reported on its line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return Result(target, launch, False, f"compile error: {type(e).__name__}: {first[:200]}",
-                      seconds=time.perf_counter() - start, problems=["compile"])
-    seconds = time.perf_counter() - start
-    shared = compiled.metadata.shared
+    shared = binary.shared
     problems = []
     if shared > caps.shared_memory_per_block:
         problems.append(f"shared {shared} B > {caps.shared_memory_per_block} B")
     estimate = _estimate(launch, caps)
     if estimate is not None and shared > estimate:
         problems.append(f"shared {shared} B above the dispatcher's estimate {estimate} B")
-    threads = compiled.metadata.num_warps * caps.warp_size
+    threads = binary.num_warps * caps.warp_size
     if caps.vendor == "nvidia":
-        regs, spill = _nvidia_registers(compiled.asm["cubin"], int(caps.arch[2:]))
+        regs, stack = _nvidia_registers(binary.asm["cubin"], int(caps.arch[2:]))
         if regs > NVIDIA_REGISTERS_PER_THREAD or regs * threads > NVIDIA_REGISTERS_PER_BLOCK:
             problems.append(f"{regs} registers x {threads} threads over the register file")
-        detail = f"shared {shared} B, {regs} regs/thread, local {spill} B"
+        detail = f"shared {shared} B, {regs} regs/thread, stack {stack} B"
     else:
-        regs, spill = _amd_registers(compiled.asm["amdgcn"])
+        regs, spill = _amd_registers(binary.asm["amdgcn"])
         if regs > AMD_VGPRS_PER_LANE.get(caps.arch, 256):
             problems.append(f"{regs} VGPRs over {AMD_VGPRS_PER_LANE.get(caps.arch, 256)}")
         detail = f"LDS {shared} B, {regs} VGPRs, {spill} spilled"
+    if binary.note:
+        detail += f" ({binary.note})"
     return Result(target, launch, not problems, detail, shared, seconds, problems)
 
 
-def _check_job(job: tuple[str, Launch, int]) -> Result:
-    return check_launch(*job)
+def _check_one(target: str, launch: Launch, device_index: int,
+               reference: tuple[str, Binary] | None = None) -> tuple[Result, Binary | None]:
+    start = time.perf_counter()
+    try:
+        binary = _compile(target, launch, device_index, reference)
+    except Exception as e:  # a compile error is this configuration's result, reported on its line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return Result(target, launch, False, f"compile error: {type(e).__name__}: {first[:200]}",
+                      seconds=time.perf_counter() - start, problems=["compile"]), None
+    return _checked(target, launch, binary, time.perf_counter() - start), binary
+
+
+def check_launch(target: str, launch: Launch, device_index: int,
+                 reference: tuple[str, Binary] | None = None) -> Result:
+    """Compile one configuration for its target and check it against the target's limits (with a reference
+    (target, Binary) of the same IR family, from the reference's PTX where the TTGIR is the same)."""
+    return _check_one(target, launch, device_index, reference)[0]
+
+
+Job = tuple[int, str, Launch, int]  # (order in the report, target, configuration, the target's device index)
+
+
+def _check_task(task: list[Job]) -> list[tuple[int, Result]]:
+    """Check one configuration on one target, or on several targets of one IR family: the first that compiles
+    is compiled in full and serves the others as their reference."""
+    results, reference = [], None
+    for order, target, launch, device_index in task:
+        result, binary = _check_one(target, launch, device_index, reference)
+        if reference is None and binary is not None and not binary.note:
+            reference = (target, binary)
+        results.append((order, result))
+    return results
+
+
+def _tasks(targets: tuple[str, ...], captured: list[list[Launch]]) -> list[list[Job]]:
+    """The compile tasks, longest first: a configuration that targets of one IR family share is one task."""
+    tasks: dict[tuple[str, str], list[Job]] = {}
+    order = 0
+    for index, (target, launches) in enumerate(zip(targets, captured)):
+        family = ir_family(target_caps(target)) or target
+        for launch in launches:
+            tasks.setdefault((family, launch.summary), []).append((order, target, launch, 1000 + index))
+            order += 1
+    return sorted(tasks.values(), key=_task_seconds, reverse=True)
+
+
+def _task_seconds(task: list[Job]) -> float:
+    """A rough compile time of a task on one core, from the means measured per kernel (the tensor-core and
+    attention kernels take longest, fp32 about twice the others, gfx1100's register spills twice again; a
+    configuration assembled from a reference's PTX about 40% of a full compile)."""
+    _, target, launch, _ = task[0]
+    kind = launch.kernel.rsplit(".", 1)[1]
+    seconds = {"_small_m_dot_kernel": 1.0, "_split_kernel": 1.2}.get(kind, 0.4)
+    seconds *= (2 if "(fp32" in launch.summary else 1) * (2 if target == "gfx1100" else 1)
+    return seconds * (1 + 0.4 * (len(task) - 1))
 
 
 # --- the command line ---
@@ -433,7 +651,7 @@ def parse_args(argv: list[str] | None) -> CheckArgs:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: CPUs)")
     parser.add_argument("--failures-only", action="store_true", help="print only the configurations that fail")
     ns = parser.parse_args(argv)
-    targets = tuple(t.strip() for t in ns.targets.split(",") if t.strip())
+    targets = tuple(dict.fromkeys(t.strip() for t in ns.targets.split(",") if t.strip()))
     if not targets:
         raise ValueError("--targets is empty; name at least one, e.g. --targets sm80,gfx90a")
     return CheckArgs(targets, ns.jobs, ns.failures_only)
@@ -448,22 +666,23 @@ def format_result(r: Result) -> str:
 
 def run(args: CheckArgs) -> int:
     start = time.perf_counter()
-    jobs, fallbacks = [], {}
-    for index, target in enumerate(args.targets):
-        launches, fallbacks[target] = target_launches(target, 1000 + index)
-        jobs += [(target, launch, 1000 + index) for launch in launches]
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        results = list(pool.map(_check_job, jobs))
+        captured = list(pool.map(_capture_job, [(t, 1000 + i) for i, t in enumerate(args.targets)]))
+        tasks = _tasks(args.targets, [launches for launches, _ in captured])
+        print(f"{sum(map(len, tasks))} configurations on {len(args.targets)} targets, {len(tasks)} compile tasks, "
+              f"{args.jobs} processes", flush=True)
+        results = [r for _, r in sorted((x for done in pool.map(_check_task, tasks) for x in done),
+                                        key=lambda x: x[0])]
     failed = [r for r in results if not r.ok]
     for r in results:
         if r.ok and args.failures_only:
             continue
         print(format_result(r))
-    for target in args.targets:
+    for target, (_, fallbacks) in zip(args.targets, captured):
         print(f"{target}: {sum(r.target == target for r in results)} configurations, "
-              f"{sum(r.target == target for r in failed)} failed, {len(fallbacks[target])} calls take the BLAS or "
-              f"reference fallback" + (f" (e.g. {fallbacks[target][0]})" if fallbacks[target] else ""))
+              f"{sum(r.target == target for r in failed)} failed, {len(fallbacks)} calls take the BLAS or "
+              f"reference fallback" + (f" (e.g. {fallbacks[0]})" if fallbacks else ""))
     print(f"{len(results)} configurations on {len(args.targets)} targets, {len(failed)} failed, "
           f"{time.perf_counter() - start:.0f} s")
     return 1 if failed else 0
