@@ -288,10 +288,7 @@ def _linear_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape,
                 continue  # quantize.py refuses a group size that does not divide K
             label = f"{model.name} {proj} {_dtype_name(x_dtype)}x{kind}"
             _gemv_calls(record, label, n, k, x_dtype, kind, [f for f in FUSED_GEMVS if f[0] == proj])
-            if kind.startswith("int4"):
-                fallbacks += _int4_dot_calls(record, caps, label, n, k, x_dtype, kind)
-            else:
-                fallbacks += _dot_calls(record, caps, label, n, k, x_dtype, kind)
+            fallbacks += _dot_calls(record, caps, label, n, k, x_dtype, kind)
     return fallbacks
 
 
@@ -318,39 +315,26 @@ def _gemv_calls(record: _Recorder, label: str, n: int, k: int, x_dtype: torch.dt
 
 def _dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, x_dtype: torch.dtype,
                kind: str) -> list[str]:
-    """Rows 2..MAX_ROWS through the tensor-core kernel; returns the calls that take cuBLAS/hipBLAS instead."""
-    from kernels import triton_linear
-
-    w, scales = _weight(kind, n, k, x_dtype)
-    fallbacks, tried = [], set()
-    for m in range(2, MAX_ROWS + 1):
-        record.call = f"{label} rows={m}"
-        cfg = configs.fitted_dot_config(n, k, w.element_size(), x_dtype.itemsize, m, caps)
-        if cfg is None:
-            fallbacks.append(record.call)
-        elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
-            # (row counts with the same config and tile height launch the same kernel: M is in ONE_DIVISIBILITY_ARGS)
-            tried.add((cfg, configs.dot_block_m(cfg, m)))
-            triton_linear.small_m_dot(_meta(m, k, dtype=x_dtype), w, scales)
-    return fallbacks
-
-
-def _int4_dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, x_dtype: torch.dtype,
-                    kind: str) -> list[str]:
-    """Rows 2..MAX_ROWS through the int4 tensor-core kernel; returns the calls that dequantize for BLAS instead."""
-    from kernels import triton_int4_dot
+    """Rows 2..MAX_ROWS through the tensor-core kernel of this weight kind (triton_linear.small_m_dot, or
+    triton_int4_dot.int4_dot for int4); returns the calls that take cuBLAS/hipBLAS instead."""
+    from kernels import triton_int4_dot, triton_linear
 
     w, scales = _weight(kind, n, k, x_dtype)
     group = _int4_group(kind)
     fallbacks, tried = [], set()
     for m in range(2, MAX_ROWS + 1):
         record.call = f"{label} rows={m}"
-        cfg = configs.fitted_int4_dot_config(n, k, group, x_dtype.itemsize, m, caps)
+        if group:
+            cfg = configs.fitted_int4_dot_config(n, k, group, x_dtype.itemsize, m, caps)
+        else:
+            cfg = configs.fitted_dot_config(n, k, w.element_size(), x_dtype.itemsize, m, caps)
         if cfg is None:
             fallbacks.append(record.call)
         elif (cfg, configs.dot_block_m(cfg, m)) not in tried:
+            # (row counts with the same config and tile height launch the same kernel, up to the divisibility of M)
             tried.add((cfg, configs.dot_block_m(cfg, m)))
-            triton_int4_dot.int4_dot(_meta(m, k, dtype=x_dtype), w, scales)
+            launch = triton_int4_dot.int4_dot if group else triton_linear.small_m_dot
+            launch(_meta(m, k, dtype=x_dtype), w, scales)
     return fallbacks
 
 
