@@ -168,6 +168,7 @@ class LLM:
                 self._prefill_fn = CompiledStep(prefill, device)
         self._warm: set[tuple] = set()  # graphs already compiled and captured
         self._speculative_fns: dict[str, Callable[..., Any]] = {}  # speculative.py's verify/draft steps, made once
+        self._speculative_costs: dict[tuple, float] = {}  # verify/decode step time ratios for speculative.CostGate
         self._lock = GenerationLock()  # held for a whole generation, a stream's included
 
     @classmethod

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,12 @@ ACCEPT_SALT = as_int64(0xA5A5_0F0F_1234_5678)
 DRAFT_SALT = as_int64(0x5A5A_F0F0_8765_4321)
 # The longest n-gram prompt lookup matches first; longer ones are rarely found, shorter ones often mislead.
 DEFAULT_MAX_NGRAM = 3
+# The cost gate's prior: a match length nobody has tried yet counts as this many proposals with half accepted.
+GATE_PRIOR_PROPOSALS = 2
+# A match length the gate turned down is verified again after this many refusals, so its record stays current.
+GATE_RETRY_AFTER = 8
+# Timed calls of each step when the gate measures their costs (median taken); each is one graph replay.
+COST_SAMPLES = 7
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -69,10 +76,15 @@ def accepted_run(drafts: Tensor, accept: Tensor, choice: Tensor) -> Tensor:
     return torch.cat([n.view(1), tokens])
 
 
-def verify_greedy(model: torch.nn.Module, ids: Tensor, input_pos: Tensor, count: Tensor,
-                  vocab_bias: Tensor | None) -> Tensor:
-    """ids (1, k+1) = [last, d1..dk] at input_pos (k+1,); count (1,) real drafts (the rest is padding).
-    A draft is accepted while it equals the target's argmax; the token after them is the argmax there."""
+def unpack_step(step: Tensor) -> tuple[Tensor, Tensor]:
+    """step (k+2,) = [last, d1..dk, count] (one host-to-device copy per verify step) -> ids (1, k+1), count (1,)."""
+    return step[:-1].view(1, -1), step[-1:]
+
+
+def verify_greedy(model: torch.nn.Module, step: Tensor, input_pos: Tensor, vocab_bias: Tensor | None) -> Tensor:
+    """step (k+2,) = [last, d1..dk, count]: ids [last, d1..dk] at input_pos (k+1,), count the real drafts (the rest
+    is padding). A draft is accepted while it equals the target's argmax; the token after them is the argmax there."""
+    ids, count = unpack_step(step)
     logits = model(ids, input_pos)[0]  # (k+1, V)
     if vocab_bias is not None:
         logits = logits + vocab_bias
@@ -82,11 +94,11 @@ def verify_greedy(model: torch.nn.Module, ids: Tensor, input_pos: Tensor, count:
     return accepted_run(drafts, valid & (best[:-1] == drafts), best)
 
 
-def verify_sampled(model: torch.nn.Module, ids: Tensor, input_pos: Tensor, count: Tensor,
-                   vocab_bias: Tensor | None, q: Tensor | None, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                   seed: Tensor) -> Tensor:
-    """Rejection sampling of ids (1, k+1) = [last, d1..dk] against the target's filtered p. q (k, V) is the draft's
-    distribution of each d_i; None means a deterministic draft (q one-hot)."""
+def verify_sampled(model: torch.nn.Module, step: Tensor, input_pos: Tensor, vocab_bias: Tensor | None,
+                   q: Tensor | None, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor) -> Tensor:
+    """Rejection sampling of step (k+2,) = [last, d1..dk, count] against the target's filtered p. q (k, V) is the
+    draft's distribution of each d_i; None means a deterministic draft (q one-hot)."""
+    ids, count = unpack_step(step)
     logits = model(ids, input_pos)[0]  # (k+1, V)
     if vocab_bias is not None:
         logits = logits + vocab_bias
@@ -125,15 +137,20 @@ def draft_sample_step(model: torch.nn.Module, token: Tensor, input_pos: Tensor, 
 
 @dataclass(frozen=True)
 class Proposal:
-    """Drafted tokens on the target's device, padded to k: tokens (1, k), the real count, and q (k, V) or None."""
-    tokens: Tensor
+    """Drafted tokens: `ids` on the host (a draft that proposes on the host) or `tokens` (1, count) on the target's
+    device (a model draft), the count, q (count, V) or None, and `key`: what the draft's hit rate depends on (prompt
+    lookup: the matched n-gram's length), or None when the engine should not gate the proposal on cost."""
     count: int
+    ids: tuple[int, ...] = ()
+    tokens: Tensor | None = None
     q: Tensor | None = None
+    key: int | None = None
 
 
 class Draft:
     """Proposes up to k tokens to follow a context. Subclass it and implement `propose`; the engine calls
-    `start` once per generation and `accepted(n)` after each verify step (n of the proposed tokens were kept)."""
+    `start` once per generation and `accepted(n)` after each verify step (n of the proposed tokens were kept).
+    A draft whose `proposal_key` is not None is cost-gated: see CostGate."""
 
     def prepare(self, prompt_len: int, max_new_tokens: int, k: int, sampled: bool) -> float:
         """Before a generation's timings start: compile what it needs; returns the seconds that took."""
@@ -154,12 +171,15 @@ class Draft:
         return None
 
     def proposal(self, context: list[int], k: int, vocab: int, device: torch.device) -> Proposal:
-        ids = [int(t) for t in self.propose(context, k)]
+        ids = tuple(int(t) for t in self.propose(context, k))
         if len(ids) > k or any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"{type(self).__name__}.propose returned {ids[:k + 1]}; it must return at most {k} "
-                             f"token ids in 0..{vocab - 1}")
-        tokens = torch.tensor([ids + [0] * (k - len(ids))], dtype=torch.long, device=device)  # (1, k)
-        return Proposal(tokens, len(ids))
+            raise ValueError(f"{type(self).__name__}.propose returned {list(ids[:k + 1])}; it must return at most "
+                             f"{k} token ids in 0..{vocab - 1}")
+        return Proposal(len(ids), ids, key=self.proposal_key())
+
+    def proposal_key(self) -> int | None:
+        """What the last proposal's hit rate depends on, for the engine's cost gate; None: never gated."""
+        return None
 
 
 class PromptLookupDraft(Draft):
@@ -167,12 +187,14 @@ class PromptLookupDraft(Draft):
     proposes the tokens that followed it. An index of every n-gram's latest start is kept up to date as the
     context grows, so a proposal costs O(max_ngram), not a scan of the context."""
 
-    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM) -> None:
+    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, gated: bool = True) -> None:
         if not isinstance(max_ngram, int) or max_ngram < 1:
             raise ValueError(f"max_ngram must be an integer >= 1, got {max_ngram!r}")
         self.max_ngram = max_ngram
+        self.gated = gated  # let the engine skip proposals of match lengths that have not paid off
         self._starts: dict[tuple[int, ...], int] = {}  # n-gram -> its latest start that has a token after it
         self._indexed = 0  # context tokens indexed so far
+        self._match = 0  # the last proposal's matched n-gram length
 
     def start(self, prompt_ids: list[int], sampling: tuple[Tensor, ...]) -> None:
         self._starts, self._indexed = {}, 0
@@ -190,8 +212,12 @@ class PromptLookupDraft(Draft):
         for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
             begin = self._starts.get(tuple(context[-n:]))
             if begin is not None:
+                self._match = n
                 return context[begin + n:begin + n + k]
         return []
+
+    def proposal_key(self) -> int | None:
+        return self._match if self.gated else None
 
 
 class ReplayDraft(Draft):
@@ -294,7 +320,7 @@ class ModelDraft(Draft):
             qs.append(q)
         self._written = (start, k)
         q = torch.cat(qs) if self._sampling else None  # (k, V)
-        return Proposal(torch.cat(tokens, dim=1), k, q)
+        return Proposal(k, tokens=torch.cat(tokens, dim=1), q=q)  # tokens (1, k)
 
     def accepted(self, n: int) -> None:
         start, k = self._written
@@ -376,6 +402,32 @@ def cache_key(llm: Any) -> tuple:
 # The speculative token loop.
 
 
+@dataclass
+class CostGate:
+    """Verifies a gated proposal only when it is expected to pay. With r = (verify step time) / (decode step time),
+    both measured on this engine, host round trip included, a proposal of a kind (its key) whose verify steps have
+    kept a drafts on average yields 1 + a tokens for the cost of r plain steps, so below a = r - 1 one plain decode
+    step is faster: a small model's verify step costs several decode steps, a 7B's barely more than one. Each kind
+    starts from a prior of half its drafts kept, and a refused kind is retried now and then."""
+
+    ratio: float
+    record: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # key -> [verified, kept, refusals]
+
+    def worth(self, key: int, count: int) -> bool:
+        verified, kept, refused = self.record.setdefault(key, [0.0, 0.0, 0.0])
+        expected = (kept + GATE_PRIOR_PROPOSALS * count / 2) / (verified + GATE_PRIOR_PROPOSALS)
+        if 1 + expected >= self.ratio or refused >= GATE_RETRY_AFTER:
+            self.record[key][2] = 0
+            return True
+        self.record[key][2] = refused + 1
+        return False
+
+    def kept(self, key: int, n: int) -> None:
+        entry = self.record.setdefault(key, [0.0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += n
+
+
 class Speculator:
     """One speculative generation on `llm` (batch 1) with `draft` proposing up to k tokens per verify step. Has
     the LLM's _prepare / generate_token_batches contract, but yields a run of accepted tokens per step."""
@@ -404,13 +456,51 @@ class Speculator:
             llm._speculative_fns[name] = compiled(fn, llm) if llm.compile else fn
         return llm._speculative_fns[name]
 
-    def _verify(self, ids: Tensor, positions: Tensor, proposal_q: Tensor | None, count: Tensor,
+    def _verify(self, step: Tensor, positions: Tensor, proposal_q: Tensor | None,
                 sampling: tuple[Tensor, ...]) -> Tensor:
+        """step (k+2,) = [last, d1..dk, count] at positions (k+1,) -> [n, tokens...] (k+2,) on the device."""
         llm = self.llm
         llm._mark_step()
         if not sampling:
-            return self._verify_fn(True)(llm.model, ids, positions, count, llm._vocab_bias)
-        return self._verify_fn(False)(llm.model, ids, positions, count, llm._vocab_bias, proposal_q, *sampling)
+            return self._verify_fn(True)(llm.model, step, positions, llm._vocab_bias)
+        return self._verify_fn(False)(llm.model, step, positions, llm._vocab_bias, proposal_q, *sampling)
+
+    def _decode(self, token: Tensor, input_pos: Tensor, args: tuple[Tensor, ...]) -> Tensor:
+        """One plain decode step of the target: token (1, 1) at input_pos (1,) -> next (1, 1) on the device."""
+        llm = self.llm
+        llm._mark_step()
+        return llm._decode_fn(llm._step_model, token, input_pos, llm._vocab_bias, *args)
+
+    def _cost_ratio(self, args: tuple[Tensor, ...]) -> float:
+        """Verify step time over decode step time, each called and read back on the host as the loop does."""
+        llm, k = self.llm, self.k
+        with torch.inference_mode():
+            positions = torch.arange(k + 1, device=llm.device)  # (k+1,) the prefill overwrites these entries
+            step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)  # (k+2,)
+            step[-1] = k
+            token = torch.zeros(1, 1, dtype=torch.long, device=llm.device)  # (1, 1)
+            calls = {"decode": lambda: self._decode(token, positions[:1], args).item(),
+                     "verify": lambda: self._verify(step, positions, None, args).tolist()}
+            seconds = {}
+            for name, call in calls.items():
+                call()
+                samples = []
+                for _ in range(COST_SAMPLES):
+                    begin = time.perf_counter()
+                    call()
+                    samples.append(time.perf_counter() - begin)
+                seconds[name] = statistics.median(samples)
+        return seconds["verify"] / seconds["decode"]
+
+    def _gate(self, args: tuple[Tensor, ...]) -> CostGate | None:
+        """The cost gate for a gated draft (its ratio measured once per k, sampling and cache), else None."""
+        if not getattr(self.draft, "gated", False):
+            return None
+        llm = self.llm
+        key = ("cost", self.k, bool(args), cache_key(llm))
+        if key not in llm._speculative_costs:
+            llm._speculative_costs[key] = self._cost_ratio(args)
+        return CostGate(llm._speculative_costs[key])
 
     def _prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
         """The LLM's graphs, the verify graph for k, with k positions of slack in the cache; seconds spent."""
@@ -428,12 +518,12 @@ class Speculator:
             return seconds
         begin = time.perf_counter()
         with torch.inference_mode():
-            ids = torch.zeros(1, k + 1, dtype=torch.long, device=llm.device)
+            step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)  # (k+2,) [last, drafts, count]
+            step[-1] = k
             positions = torch.arange(k + 1, device=llm.device)
             q = torch.zeros(k, llm.model.args.vocab_size, device=llm.device) if q_kind else None
-            count = torch.tensor([k], device=llm.device)
             for _ in range(3):  # compile, record, replay
-                self._verify(ids, positions, q, count, args)
+                self._verify(step, positions, q, args)
         from generate import sync
 
         sync(llm.device)
@@ -457,7 +547,11 @@ class Speculator:
         lock = self.draft.llm if isinstance(self.draft, ModelDraft) else None
         number = lock._lock.acquire() if lock is not None else 0  # the draft engine is ours for the generation
         try:
+            gate = self._gate(args)
             with torch.inference_mode():
+                # [last, drafts, count] is written on the host and copied once per verify step.
+                self._host_step = torch.zeros(k + 2, dtype=torch.long, pin_memory=llm.device.type == "cuda")
+                self._device_step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)
                 positions = torch.arange(llm.model.max_seq_length, device=llm.device)  # (S,)
                 with region("prefill"):
                     token = self._prefill(prompt, positions, args)
@@ -477,10 +571,13 @@ class Speculator:
                         if left > 1 and start + k < room:
                             with region("draft_step"):
                                 proposal = self.draft.proposal(context, min(k, left - 1), vocab, llm.device)
-                            if proposal.count:
+                            gated = gate is not None and proposal.key is not None
+                            if proposal.count and (not gated or gate.worth(proposal.key, proposal.count)):
                                 with region("verify_step"):
                                     run = self._verify_step(context[-1], proposal, positions[start:start + k + 1],
                                                             args)
+                                if gated:
+                                    gate.kept(proposal.key, len(run) - 1)
                         if run is None:  # nothing drafted, or too near the end: one plain decode step
                             run = self._decode_step(context[-1], positions[start:start + 1], args)
                             self.plain_steps += 1
@@ -502,24 +599,25 @@ class Speculator:
         return int(llm._prefill_fn(llm.model, padded, positions[:bucket], last, llm._vocab_bias, *args).item())
 
     def _decode_step(self, last: int, input_pos: Tensor, args: tuple[Tensor, ...]) -> list[int]:
-        llm = self.llm
-        llm._mark_step()
-        token = torch.tensor([[last]], device=llm.device)  # (1, 1)
-        return [int(llm._decode_fn(llm._step_model, token, input_pos, llm._vocab_bias, *args).item())]
+        token = torch.tensor([[last]], device=self.llm.device)  # (1, 1)
+        return [int(self._decode(token, input_pos, args).item())]
 
     def _verify_step(self, last: int, proposal: Proposal, input_pos: Tensor, args: tuple[Tensor, ...]) -> list[int]:
         """Pads the proposal to k, verifies it in one pass, reads [n, tokens] once; returns the n kept drafts and
         the target's own token after them."""
-        llm, k = self.llm, self.k
-        tokens = proposal.tokens
-        if tokens.shape[1] < k:
-            tokens = torch.cat([tokens, tokens.new_zeros(1, k - tokens.shape[1])], dim=1)  # (1, k)
+        k, count = self.k, proposal.count
+        host = self._host_step.numpy()  # (k+2,); the previous step's host read has finished with it
+        host[:] = 0
+        host[0], host[-1] = last, count
+        host[1:1 + len(proposal.ids)] = proposal.ids
+        step = self._device_step
+        step.copy_(self._host_step, non_blocking=True)
+        if proposal.tokens is not None:
+            step[1:1 + count].copy_(proposal.tokens[0, :count])
         q = proposal.q
         if q is not None and q.shape[0] < k:
             q = torch.cat([q, q.new_zeros(k - q.shape[0], q.shape[1])])  # (k, V)
-        ids = torch.cat([torch.tensor([[last]], device=llm.device), tokens], dim=1)  # (1, k+1)
-        count = torch.tensor([proposal.count], device=llm.device)  # (1,)
-        packed = self._verify(ids, input_pos, q, count, args).tolist()  # the step's one host read
+        packed = self._verify(step, input_pos, q, args).tolist()  # the step's one host read
         n = packed[0]
         self.draft.accepted(n)
         self.steps += 1

@@ -35,7 +35,7 @@ def test_speculate_k_times_verify_steps_and_the_ceiling(tmp_path, capsys):
     (ceiling,) = report["ceiling"]
     assert ceiling["k"] == 4 and ceiling["speculative_tok_s"] > 0
     # 19 tokens after the prefill's: three steps keep 4 drafts + 1, the last one 3 + 1 (capped by --new-tokens).
-    assert ceiling["mean_accepted"] == pytest.approx((4 + 4 + 4 + 3) / 4)
+    assert ceiling["mean_accepted"] == pytest.approx((4 + 4 + 4 + 3) / 4) and ceiling["acceptance_rate"] == 1.0
     assert "verify step (k+1 rows)" in printed and "Ceiling" in printed and "Decode step" in printed
 
 
@@ -58,3 +58,19 @@ def test_a_failure_after_the_decode_step_keeps_what_was_measured(tmp_path, monke
 def test_speculate_k_beyond_the_kernel_rows_is_refused(capsys):
     assert bench.main(["--model", "debug-tiny", "--device", "cpu", "--speculate-k", "64"]) == 2
     assert "1..63" in capsys.readouterr().err
+
+
+def test_the_ceiling_bias_decides_every_step_and_is_removed_afterwards():
+    from generate import LLM
+    from model import ModelArgs
+    from scripts import bench_speculative
+    from scripts.bench_model import build_random_model, random_prompts
+
+    args = ModelArgs.from_name("debug-tiny")
+    llm = LLM(build_random_model(args, torch.device("cpu"), torch.float32, "none", 0, 128), tokenizer=None,
+              device="cpu", compile=False)
+    prompt = random_prompts(args.vocab_size, 1, 8, 0)[0].tolist()
+    plain, fast = bench_speculative.ceiling(llm, prompt, 12, [3], runs=1)
+    assert plain > 0 and fast[3][2] == 1.0 and fast[3][1] > 0
+    assert llm._vocab_bias is None
+    assert set(llm.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids) != {args.vocab_size // 2}

@@ -14,7 +14,8 @@ from checkpoint import read_checkpoint_info
 from generate import LLM, main
 from model import ModelArgs, Transformer
 from quantize import load_model
-from speculative import Draft, PromptLookupDraft, ReplayDraft, filtered_probs
+import speculative
+from speculative import CostGate, Draft, PromptLookupDraft, ReplayDraft, filtered_probs
 
 # Greedy equality is checked on these prompts: repetitive text (prompt lookup finds matches), code, and raw ids.
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The quick brown",
@@ -47,12 +48,12 @@ def same_draft(tiny_llm_checkpoint):
 
 def noisy_llm(path, scale: float, seed: int = 0, **kwargs) -> LLM:
     """The checkpoint with Gaussian noise (scale x each matrix's std) added: a draft that agrees only sometimes."""
-    draft = LLM.load(path, device="cpu", **kwargs)
+    draft = LLM.load(path, **{"device": "cpu", **kwargs})
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in draft.model.parameters():
             if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * p.std() * scale)
+                p.add_(torch.randn(p.shape, generator=gen).to(p.device) * p.std() * scale)
     return draft
 
 
@@ -124,6 +125,56 @@ def test_compiled_speculation_equals_plain_greedy(tiny_llm_checkpoint, llm):
             spec = greedy(target, prompt, draft=draft, speculate_k=4)
             assert spec.token_ids == greedy(llm, prompt).token_ids and spec.stats.compile_s == 0
             assert greedy(target, prompt, draft="prompt_lookup", speculate_k=4).token_ids == spec.token_ids
+
+
+@pytest.mark.gpu
+def test_gpu_speculation_equals_plain_greedy(tiny_llm_checkpoint):
+    """On the GPU, float32 with the kernels: the compiled verify graph (tensor-core kernel for k+1 rows, SDPA) keeps
+    plain greedy output with every draft source; in bf16 the multi-row kernels round differently from the batch-1
+    GEMV, so only float32 promises token equality."""
+    target = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="float32", compile=True)
+    draft = noisy_llm(tiny_llm_checkpoint[0], 0.1, device="cuda", dtype="float32", compile=True)
+    for prompt in PROMPTS[:4]:
+        plain = greedy(target, prompt)
+        for source in ("prompt_lookup", draft, ReplayDraft(plain.token_ids)):
+            spec = greedy(target, prompt, draft=source, speculate_k=4)
+            assert spec.token_ids == plain.token_ids, (prompt, source)
+        assert spec.stats.acceptance_rate == 1.0  # the replay draft: every proposal kept
+
+
+# -- the cost gate -----------------------------------------------------------------------------------------------------
+
+
+def test_cost_gate_refuses_a_match_length_that_does_not_pay_and_retries_it():
+    gate = CostGate(ratio=3.0)
+    assert gate.worth(1, 8)  # prior: half of 8 kept, 1 + 4 >= 3
+    for _ in range(6):
+        gate.kept(1, 0)
+    # (0 + 2 * 4) / (6 + 2) = 1 expected: 1 + 1 < 3
+    refusals = [gate.worth(1, 8) for _ in range(speculative.GATE_RETRY_AFTER + 1)]
+    assert refusals == [False] * speculative.GATE_RETRY_AFTER + [True]
+    assert gate.worth(3, 8)  # another match length has its own record
+    # A kind that keeps one of its four drafts pays where a verify step costs about one decode step, not at 3.
+    cheap, costly = CostGate(ratio=1.05), CostGate(ratio=3.0)
+    for g in (cheap, costly):
+        for _ in range(20):
+            g.kept(1, 1)
+    assert cheap.worth(1, 4) and not costly.worth(1, 4)
+
+
+def test_gated_prompt_lookup_keeps_greedy_output_and_skips_costly_proposals(llm, monkeypatch):
+    prompt = PROMPTS[2]
+    plain = greedy(llm, prompt)
+    free = greedy(llm, prompt, draft=PromptLookupDraft(gated=False), speculate_k=4)
+    monkeypatch.setattr(speculative.Speculator, "_cost_ratio", lambda self, args: 50.0)
+    llm._speculative_costs.clear()
+    gated = greedy(llm, prompt, draft="prompt_lookup", speculate_k=4)
+    llm._speculative_costs.clear()
+    assert gated.token_ids == free.token_ids == plain.token_ids
+    # At 50x a decode step no kind pays: only the first proposal of each match length and the retries are verified.
+    assert gated.stats.verify_steps < free.stats.verify_steps
+    assert gated.stats.plain_steps > free.stats.plain_steps
+    assert PromptLookupDraft(gated=False).proposal([1, 2, 1], 2, 10, torch.device("cpu")).key is None
 
 
 # -- prompt lookup and replay ------------------------------------------------------------------------------------------
