@@ -492,15 +492,20 @@ class Speculator:
                 seconds[name] = statistics.median(samples)
         return seconds["verify"] / seconds["decode"]
 
-    def _gate(self, args: tuple[Tensor, ...]) -> CostGate | None:
-        """The cost gate for a gated draft (its ratio measured once per k, sampling and cache), else None."""
+    def _cost_key(self, args: tuple[Tensor, ...]) -> tuple | None:
+        """Where the gate's cost ratio is kept (per k, sampling and cache), or None for a draft that is not gated."""
         if not getattr(self.draft, "gated", False):
             return None
-        llm = self.llm
-        key = ("cost", self.k, bool(args), cache_key(llm))
-        if key not in llm._speculative_costs:
-            llm._speculative_costs[key] = self._cost_ratio(args)
-        return CostGate(llm._speculative_costs[key])
+        return "cost", self.k, bool(args), cache_key(self.llm)
+
+    def _gate(self, args: tuple[Tensor, ...]) -> CostGate | None:
+        """The cost gate for a gated draft, its ratio measured by _prepare; None for a draft that is not gated."""
+        key = self._cost_key(args)
+        if key is None:
+            return None
+        if key not in self.llm._speculative_costs:
+            self.llm._speculative_costs[key] = self._cost_ratio(args)
+        return CostGate(self.llm._speculative_costs[key])
 
     def _prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
         """The LLM's graphs, the verify graph for k, with k positions of slack in the cache; seconds spent."""
@@ -514,20 +519,24 @@ class Speculator:
         q_kind = bool(args) and isinstance(self.draft, ModelDraft)
         seconds += self.draft.prepare(prompt_len, max_new_tokens, k, bool(args))
         key = ("verify", k, bool(args), q_kind, cache_key(llm))
-        if not llm.compile or key in llm._warm:
-            return seconds
+        cost_key = self._cost_key(args)
+        if (not llm.compile or key in llm._warm) and (cost_key is None or cost_key in llm._speculative_costs):
+            return seconds  # nothing to do: exactly the LLM's and the draft's time
         begin = time.perf_counter()
-        with torch.inference_mode():
-            step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)  # (k+2,) [last, drafts, count]
-            step[-1] = k
-            positions = torch.arange(k + 1, device=llm.device)
-            q = torch.zeros(k, llm.model.args.vocab_size, device=llm.device) if q_kind else None
-            for _ in range(3):  # compile, record, replay
-                self._verify(step, positions, q, args)
-        from generate import sync
+        if llm.compile and key not in llm._warm:
+            with torch.inference_mode():
+                step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)  # (k+2,) [last, drafts, count]
+                step[-1] = k
+                positions = torch.arange(k + 1, device=llm.device)
+                q = torch.zeros(k, llm.model.args.vocab_size, device=llm.device) if q_kind else None
+                for _ in range(3):  # compile, record, replay
+                    self._verify(step, positions, q, args)
+            from generate import sync
 
-        sync(llm.device)
-        llm._warm.add(key)
+            sync(llm.device)
+            llm._warm.add(key)
+        if cost_key is not None and cost_key not in llm._speculative_costs:  # the gate's ratio, outside the timings
+            llm._speculative_costs[cost_key] = self._cost_ratio(args)
         return seconds + time.perf_counter() - begin
 
     def generate_token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
