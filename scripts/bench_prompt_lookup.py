@@ -255,7 +255,13 @@ def run(cfg: LookupBenchConfig, log: Any = None) -> tuple[list[TaskRecord], dict
     records = bench_tasks(llm, drafts, cfg, tasks, errors, log)
     return records, {"checkpoint": str(path), "device": str(llm.device), "dtype": str(llm.model.cache_dtype),
                      "speculate_k": cfg.speculate_k, "max_new_tokens": cfg.max_new_tokens, "runs": cfg.runs,
-                     "drafts": list(drafts), "errors": errors}
+                     "drafts": list(drafts), "errors": errors, "gate_cost_ratio": gate_cost_ratio(llm)}
+
+
+def gate_cost_ratio(llm: Any) -> float | None:
+    """The verify/decode step cost ratio prompt lookup's cost gate measured (the last one), or None."""
+    ratios = list(llm._speculative_costs.values())
+    return ratios[-1] if ratios else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -266,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(format_records(records, cfg.speculate_k, about["errors"]))
+    if about["gate_cost_ratio"] is not None:
+        print(f"prompt lookup's cost gate: a verify step measured {about['gate_cost_ratio']:.2f} decode steps, so a "
+              f"match length is verified while its proposals keep {about['gate_cost_ratio'] - 1:.2f} drafts or more")
     if cfg.json_path is not None:
         from scripts.bench_report import write_json
 

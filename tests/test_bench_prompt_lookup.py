@@ -36,6 +36,7 @@ def test_the_script_measures_every_task_and_source(tiny_llm_checkpoint, chat_tok
     # plain, prompt lookup, int8 and int4 (the largest group size that divides the tiny model's layers: 32)
     assert [r["source"] for r in records[:4]] == ["plain", "prompt_lookup", "int8_draft", "int4-g32_draft"]
     assert len(records) == 4 * 2 and report["speculate_k"] == 4 and report["errors"] == []
+    assert report["gate_cost_ratio"] > 0 and "cost gate" in printed
     for r in records:
         assert r["same_output"], r  # greedy speculation never changes the output
         assert r["decode_tok_s"] > 0
