@@ -150,7 +150,9 @@ class Proposal:
 class Draft:
     """Proposes up to k tokens to follow a context. Subclass it and implement `propose`; the engine calls
     `start` once per generation and `accepted(n)` after each verify step (n of the proposed tokens were kept).
-    A draft whose `proposal_key` is not None is cost-gated: see CostGate."""
+    A draft with `gated` set gives each proposal a `proposal_key`, and the engine cost-gates it: see CostGate."""
+
+    gated = False  # whether the engine may skip this draft's proposals that do not pay (CostGate)
 
     def prepare(self, prompt_len: int, max_new_tokens: int, k: int, sampled: bool) -> float:
         """Before a generation's timings start: compile what it needs; returns the seconds that took."""
@@ -414,13 +416,12 @@ class CostGate:
     record: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # key -> [verified, kept, refusals]
 
     def worth(self, key: int, count: int) -> bool:
-        verified, kept, refused = self.record.setdefault(key, [0.0, 0.0, 0.0])
+        entry = self.record.setdefault(key, [0.0, 0.0, 0.0])
+        verified, kept, refused = entry
         expected = (kept + GATE_PRIOR_PROPOSALS * count / 2) / (verified + GATE_PRIOR_PROPOSALS)
-        if 1 + expected >= self.ratio or refused >= GATE_RETRY_AFTER:
-            self.record[key][2] = 0
-            return True
-        self.record[key][2] = refused + 1
-        return False
+        pays = 1 + expected >= self.ratio or refused >= GATE_RETRY_AFTER
+        entry[2] = 0 if pays else refused + 1
+        return pays
 
     def kept(self, key: int, n: int) -> None:
         entry = self.record.setdefault(key, [0.0, 0.0, 0.0])
@@ -494,18 +495,14 @@ class Speculator:
 
     def _cost_key(self, args: tuple[Tensor, ...]) -> tuple | None:
         """Where the gate's cost ratio is kept (per k, sampling and cache), or None for a draft that is not gated."""
-        if not getattr(self.draft, "gated", False):
+        if not self.draft.gated:
             return None
         return "cost", self.k, bool(args), cache_key(self.llm)
 
     def _gate(self, args: tuple[Tensor, ...]) -> CostGate | None:
-        """The cost gate for a gated draft, its ratio measured by _prepare; None for a draft that is not gated."""
+        """The cost gate for a gated draft, with the ratio _prepare measured; None for a draft that is not gated."""
         key = self._cost_key(args)
-        if key is None:
-            return None
-        if key not in self.llm._speculative_costs:
-            self.llm._speculative_costs[key] = self._cost_ratio(args)
-        return CostGate(self.llm._speculative_costs[key])
+        return None if key is None else CostGate(self.llm._speculative_costs[key])
 
     def _prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
         """The LLM's graphs, the verify graph for k, with k positions of slack in the cache; seconds spent."""

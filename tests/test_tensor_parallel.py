@@ -177,33 +177,38 @@ def test_all_reduce_choice_is_checked_before_any_group(monkeypatch):
     assert not tp.is_main_process()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("all_reduce", ["nccl", "oneshot"])
-def test_fused_decode_per_rank_equals_unfused_tensor_parallel(checkpoints, tmp_path, all_reduce):
+# The 2-GPU tests: each runs the worker under torchrun with each all-reduce.
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+each_all_reduce = pytest.mark.parametrize("all_reduce", ["nccl", "oneshot"])
+
+
+def run_on_two_gpus(worker_args: list[str], all_reduce: str) -> None:
+    """The worker under torchrun on 2 GPUs with `all_reduce`; skips when this torch has no one-shot all-reduce."""
     if all_reduce == "oneshot" and not tp.one_shot_available():
         pytest.skip("this torch build has no symmetric-memory ops")
-    proc = torchrun([str(WORKER), "--fused", str(tmp_path), str(checkpoints[0])],
-                    extra_env={tp.ALL_REDUCE_ENV: all_reduce})
+    proc = torchrun([str(WORKER), *worker_args], extra_env={tp.ALL_REDUCE_ENV: all_reduce})
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@two_gpus
+@each_all_reduce
+def test_fused_decode_per_rank_equals_unfused_tensor_parallel(checkpoints, tmp_path, all_reduce):
+    run_on_two_gpus(["--fused", str(tmp_path), str(checkpoints[0])], all_reduce)
     fused, unfused = (torch.load(tmp_path / f"{kind}-rank0.pt", weights_only=True) for kind in ("fused", "unfused"))
     torch.testing.assert_close(fused, unfused, atol=2e-3, rtol=2e-3)
     assert torch.equal(fused, torch.load(tmp_path / "fused-rank1.pt", weights_only=True))  # ranks agree bit for bit
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("all_reduce", ["nccl", "oneshot"])
+@two_gpus
+@each_all_reduce
 def test_two_gpus_give_one_gpus_greedy_tokens(checkpoints, tmp_path, all_reduce):
     """The converted float32 checkpoint and its int8 copy, compiled with the fused decode: 2 GPUs against 1."""
     import generate
     from tests.tp_worker import GPU_NEW_TOKENS
 
-    if all_reduce == "oneshot" and not tp.one_shot_available():
-        pytest.skip("this torch build has no symmetric-memory ops")
-    proc = torchrun([str(WORKER), "--gpu-greedy", str(tmp_path), PROMPT, *map(str, checkpoints)],
-                    extra_env={tp.ALL_REDUCE_ENV: all_reduce})
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_two_gpus(["--gpu-greedy", str(tmp_path), PROMPT, *map(str, checkpoints)], all_reduce)
     for i, path in enumerate(checkpoints):
         one = generate.LLM.load(path, device="cuda").generate(PROMPT, max_new_tokens=GPU_NEW_TOKENS, temperature=0,
                                                               ignore_eos=True).token_ids
