@@ -157,14 +157,14 @@ def gemv_int4_config(n: int, k: int, group_size: int, fused_input: bool = False,
                      residual: bool = False) -> GemvConfig:
     """The int4 GEMV's config (triton_int4.gemv_int4; n: rows of the packed weight). Each thread takes one 32-input
     chunk of every row of its program, so BLOCK_K is 1024 inputs per warp (32 chunks); block_n rows share each
-    thread's x values (at least 2 for the SwiGLU pairs). The fastest of 13 configs per Llama-2-7B shape on an H200
-    (scripts/bench_int4.py's sweep, g32 and g128 alike): the large matrices take 4-8 rows, one warp and one block in
-    flight (the fewest registers, so the most warps per SM), the 4096-row ones 8 rows over two warps."""
+    thread's x values (at least 2 for the SwiGLU pairs). The fastest of 12 configs per Llama-2-7B shape in its
+    fused decode form on an H200 (fp16x2 products, g128 and g32): 8 rows everywhere; one warp for the wide
+    matrices, two blocks in flight for wqkv; the 4096-row ones (wo, w2) four warps, to have programs enough."""
     if n >= 16384:  # w13, the output head
-        return GemvConfig(4, 1024, 1, 1)
-    if n >= 8192:  # wqkv
         return GemvConfig(8, 1024, 1, 1)
-    return GemvConfig(8, 2048, 2, 2)  # wo, w2
+    if n >= 8192:  # wqkv
+        return GemvConfig(8, 1024, 1, 2)
+    return GemvConfig(8, 4096, 4, 1)  # wo, w2
 
 
 # --- the tensor-core kernel ---

@@ -38,9 +38,9 @@ INT4_DOT_SWEEP = [(64, 256, 4, 4, 0, True), (64, 128, 4, 4, 0, True), (128, 256,
                   (64, 128, 4, 3, 64, True)]
 # (block_n, block_k, num_warps, depth) of the int4 GEMV: the kernel wants block_k >= 1024 inputs per warp (one
 # 32-input chunk per thread); rows per program and warps trade x reuse against programs in flight.
-INT4_SWEEP = [(2, 1024, 1, 2), (4, 1024, 1, 2), (8, 1024, 1, 2), (16, 1024, 1, 2), (4, 1024, 1, 1),
-              (8, 1024, 1, 1), (4, 2048, 2, 2), (8, 2048, 2, 2), (4, 4096, 4, 1), (8, 4096, 4, 1),
-              (4, 2048, 1, 2), (8, 2048, 1, 1), (16, 2048, 2, 1)]
+INT4_SWEEP = [(4, 1024, 1, 1), (8, 1024, 1, 1), (16, 1024, 1, 1), (8, 1024, 1, 2), (16, 1024, 1, 2),
+              (4, 2048, 2, 2), (8, 2048, 2, 2), (8, 2048, 2, 1), (16, 2048, 2, 1), (8, 4096, 4, 1),
+              (16, 4096, 4, 1), (8, 2048, 1, 1)]
 
 
 def fastest(candidates: list[tuple], us_of: Any) -> tuple[tuple | None, float | None]:
@@ -92,14 +92,15 @@ def tinygemm_us(n: int, k: int, group_size: int, device: torch.device) -> float:
     return cuda_graph_us_per_call([calls[i % copies] for i in range(CALLS)], REPEATS)
 
 
-def redline_us(n: int, k: int, group_size: int, device: torch.device, config: Any = None) -> float:
+def redline_us(n: int, k: int, group_size: int, device: torch.device, config: Any = None,
+               half2: bool | None = None) -> float:
     from kernels.triton_int4 import gemv_int4
 
     copies = copies_for(n * k // 2)
     mats = [random_int4(n, k, group_size, device) for _ in range(copies)]
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     out = torch.empty(1, n, device=device, dtype=torch.bfloat16)
-    calls = [lambda w=w, s=s: gemv_int4(x, w, s, out, config=config) for w, s in mats]
+    calls = [lambda w=w, s=s: gemv_int4(x, w, s, out, config=config, half2=half2) for w, s in mats]
     return cuda_graph_us_per_call([calls[i % copies] for i in range(CALLS)], REPEATS)
 
 
@@ -161,13 +162,16 @@ def time_shapes(device: torch.device, sweep: bool) -> list[dict[str, Any]]:
         for part, (n, k) in shapes.items():
             nbytes = int4_bytes(n, k, g)
             ours, tiny = redline_us(n, k, g, device), tinygemm_us(n, k, g, device)
+            fp32 = redline_us(n, k, g, device, half2=False)  # the same table, fp32 products
             row = {"group_size": g, "part": part, "n": n, "k": k, "redline_us": ours, "tinygemm_us": tiny,
-                   "redline_gb_s": nbytes / ours / 1e3, "tinygemm_gb_s": nbytes / tiny / 1e3}
+                   "redline_fp32_products_us": fp32, "redline_gb_s": nbytes / ours / 1e3,
+                   "tinygemm_gb_s": nbytes / tiny / 1e3}
             if sweep:
                 row["best_config"], row["best_us"] = fastest(
                     INT4_SWEEP, lambda c: redline_us(n, k, g, device, GemvConfig(*c)))
             rows.append(row)
-            print(f"7B {part} g{g}: redline {ours:.1f} us ({row['redline_gb_s']:.0f} GB/s), tinygemm {tiny:.1f} us "
+            print(f"7B {part} g{g}: redline {ours:.1f} us ({row['redline_gb_s']:.0f} GB/s; fp32 products {fp32:.1f} "
+                  f"us), tinygemm {tiny:.1f} us "
                   f"({row['tinygemm_gb_s']:.0f} GB/s)" + (f", best {row['best_config']} {row['best_us']:.1f} us"
                                                           if sweep and row.get('best_us') else ""), flush=True)
     return rows
@@ -274,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = time_shapes(device, not ns.no_sweep)
     for g in (128, 32):
         us = {r["part"]: r for r in rows if r["group_size"] == g}
-        for who in ("redline", "tinygemm"):
+        for who in ("redline", "redline_fp32_products", "tinygemm"):
             token = 32 * sum(us[p][f"{who}_us"] for p in ("wqkv", "wo", "w13", "w2")) + us["lm_head"][f"{who}_us"]
             print(f"7B g{g} {who} GEMVs alone: {1e6 / token:.0f} tok/s", flush=True)
         if all(us[p].get("best_us") for p in us):

@@ -107,6 +107,39 @@ def test_gpu_int4_gemv_matches_reference(n, k, g):
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2  # one bf16 rounding of the output
 
 
+def _x_of_kind(kind: str, k: int) -> torch.Tensor:
+    """One row of x (1, K) bf16: normal, with two massive activations, tiny, or half of it zero."""
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    if kind == "massive":
+        x[0, 5], x[0, k // 2] = 3000.0, -2500.0
+    elif kind == "tiny":
+        x = x * 1e-6
+    elif kind == "half-zero":
+        x[0, : k // 2] = 0
+    return x
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("half2", [True, False])
+@pytest.mark.parametrize("kind", ["normal", "massive", "tiny", "half-zero"])
+@pytest.mark.parametrize("n,k,g", [(4096, 11008, 128), (1000, 96, 32), (333, 4160, 64)])
+def test_gpu_int4_gemv_products_match_reference(half2, kind, n, k, g):
+    """Both product forms (fp16x2 with x scaled per chunk, fp32) over the inputs that test the fp16 range: an
+    overflow, an underflow or a bad scale would show as an error far above one bf16 rounding."""
+    from kernels.triton_int4 import gemv_int4
+
+    if half2 and not torch.version.cuda:
+        pytest.skip("the fp16x2 products are inline PTX (NVIDIA)")
+    w, sz = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, g)
+    x = _x_of_kind(kind, k)
+    ref = int4_linear_reference(x, w, sz).float()
+    y = gemv_int4(x, w, sz, half2=half2).float()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    x[0, 7] = float("nan")
+    assert gemv_int4(x, w, sz, half2=half2).isnan().all()  # a NaN input is never hidden
+
+
 @needs_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [True, False])
