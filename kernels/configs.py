@@ -158,12 +158,11 @@ def gemv_int4_config(n: int, k: int, group_size: int, fused_input: bool = False,
     """The int4 GEMV's config (triton_int4.gemv_int4; n: rows of the packed weight). Each thread takes one 32-input
     chunk of every row of its program, so BLOCK_K is 1024 inputs per warp (32 chunks); block_n rows share each
     thread's x values (at least 2 for the SwiGLU pairs). The fastest of 12 configs per Llama-2-7B shape in its
-    fused decode form on an H200 (fp16x2 products, g128 and g32): 8 rows everywhere; one warp for the wide
-    matrices, two blocks in flight for wqkv; the 4096-row ones (wo, w2) four warps, to have programs enough."""
-    if n >= 16384:  # w13, the output head
+    fused decode form on an H200 (fp16x2 products, g128 and g32), checked in the model: 8 rows everywhere; one
+    warp for the wide matrices (two blocks in flight spill registers and lost 7% in the model), four warps for the
+    4096-row ones (wo, w2), to have programs enough."""
+    if n >= 8192:  # wqkv, w13, the output head
         return GemvConfig(8, 1024, 1, 1)
-    if n >= 8192:  # wqkv
-        return GemvConfig(8, 1024, 1, 2)
     return GemvConfig(8, 4096, 4, 1)  # wo, w2
 
 

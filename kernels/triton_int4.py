@@ -95,6 +95,32 @@ def _load_x8(x_ptrs, g_ptrs, k0, K, offs_x, MASK: tl.constexpr, NORM: tl.constex
 
 
 @triton.jit
+def _bf16_pairs_f32(v):
+    """int32 words of two bf16 each (C, 1, 4) -> fp32 (C, 1, 8) in memory order, by bit operations."""
+    lo = (v << 16).to(tl.float32, bitcast=True)
+    hi = (v & -65536).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (v.shape[0], v.shape[1], 8))
+
+
+@triton.jit
+def _load_x8_bf16(xw_ptr, gw_ptr, k0, K, offs_p, MASK: tl.constexpr, NORM: tl.constexpr):
+    """_load_x8 for bf16 x and norm weight read as int32 pairs (offs_p (C, 1, 4): words from k0 / 2): one
+    instruction per value to widen them, where the compiler's bf16 conversion takes one or two."""
+    kw = k0 // 2
+    if MASK:
+        x = _bf16_pairs_f32(tl.load(xw_ptr + kw + offs_p, mask=(k0 + 2 * offs_p) < K, other=0))
+    else:
+        x = _bf16_pairs_f32(tl.load(xw_ptr + kw + offs_p))
+    sq = x * x
+    if NORM > 0:
+        if MASK:
+            x = x * _bf16_pairs_f32(tl.load(gw_ptr + kw + offs_p, mask=(k0 + 2 * offs_p) < K, other=0))
+        else:
+            x = x * _bf16_pairs_f32(tl.load(gw_ptr + kw + offs_p))
+    return x, sq
+
+
+@triton.jit
 def _word_dot(wv, x_ptrs, g_ptrs, k0, K, offs_x, MASK: tl.constexpr, NORM: tl.constexpr):
     """One word of each chunk: (sum of x * (bias + q) (C, R), sum of x * bias (C, 1), sum of x (C, 1), squares)."""
     x, sq = _load_x8(x_ptrs, g_ptrs, k0, K, offs_x, MASK, NORM)  # (C, 1, 8)
@@ -154,14 +180,22 @@ def _x_half2_pairs(x8, up):
 
 
 @triton.jit
-def _int4_step_half2(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, offs_c,
-                     MASK: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr):
-    """_int4_step with fp16x2 products (inline PTX): the same sums, x scaled per chunk by a power of two."""
+def _int4_step_half2(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, offs_c, xw_ptr, gw_ptr,
+                     MASK: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr, X_BF16: tl.constexpr):
+    """_int4_step with fp16x2 products (inline PTX): the same sums, x scaled per chunk by a power of two.
+    X_BF16: x (and the norm weight) are bf16, read as int32 pairs at xw_ptr (gw_ptr)."""
     w0, w1, w2, w3 = _split4(w)  # (C, R) each
-    x0, q0 = _load_x8(x_ptrs, g_ptrs, k0, K, offs_x, MASK, NORM)  # (C, 1, 8)
-    x1, q1 = _load_x8(x_ptrs + 8, g_ptrs + 8, k0, K, offs_x + 8, MASK, NORM)
-    x2, q2 = _load_x8(x_ptrs + 16, g_ptrs + 16, k0, K, offs_x + 16, MASK, NORM)
-    x3, q3 = _load_x8(x_ptrs + 24, g_ptrs + 24, k0, K, offs_x + 24, MASK, NORM)
+    if X_BF16:
+        offs_p = offs_c[:, :, None] * (_CHUNK // 2) + tl.arange(0, 4)[None, None, :]  # (C, 1, 4): first word's pairs
+        x0, q0 = _load_x8_bf16(xw_ptr, gw_ptr, k0, K, offs_p, MASK, NORM)  # (C, 1, 8)
+        x1, q1 = _load_x8_bf16(xw_ptr, gw_ptr, k0, K, offs_p + 4, MASK, NORM)
+        x2, q2 = _load_x8_bf16(xw_ptr, gw_ptr, k0, K, offs_p + 8, MASK, NORM)
+        x3, q3 = _load_x8_bf16(xw_ptr, gw_ptr, k0, K, offs_p + 12, MASK, NORM)
+    else:
+        x0, q0 = _load_x8(x_ptrs, g_ptrs, k0, K, offs_x, MASK, NORM)  # (C, 1, 8)
+        x1, q1 = _load_x8(x_ptrs + 8, g_ptrs + 8, k0, K, offs_x + 8, MASK, NORM)
+        x2, q2 = _load_x8(x_ptrs + 16, g_ptrs + 16, k0, K, offs_x + 16, MASK, NORM)
+        x3, q3 = _load_x8(x_ptrs + 24, g_ptrs + 24, k0, K, offs_x + 24, MASK, NORM)
     if NORM == 1:
         ss += tl.sum((q0 + q1) + (q2 + q3), axis=2)
     sx = tl.sum((x0 + x1) + (x2 + x3), axis=2)  # (C, 1)
@@ -191,12 +225,13 @@ def _int4_step_half2(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, off
 
 
 @triton.jit
-def _int4_step(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, offs_c,
-               MASK: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr, HALF2: tl.constexpr):
+def _int4_step(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, offs_c, xw_ptr, gw_ptr,
+               MASK: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr, HALF2: tl.constexpr, X_BF16: tl.constexpr):
     """acc (C, R) += the block of words w (C, R, 4) at input k0 times x, one (scale, offset) per chunk of 32
     inputs; ss (C, 1) += the squares of x with NORM == 1. HALF2: fp16x2 products (inline PTX), else fp32."""
     if HALF2:
-        return _int4_step_half2(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, offs_c, MASK, NORM, G)
+        return _int4_step_half2(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, offs_c, xw_ptr, gw_ptr,
+                                MASK, NORM, G, X_BF16)
     wl, wh = tl.split(tl.reshape(w, (w.shape[0], w.shape[1], 2, 2)))  # words 0, 2 | 1, 3 of each chunk
     w0, w2 = tl.split(wl)
     w1, w3 = tl.split(wh)
@@ -223,7 +258,7 @@ def _gemv_int4_kernel(
     x_ptr, w_ptr, sz_ptr, y_ptr, g_ptr, r_ptr, sq_in_ptr, sq_out_ptr,
     N, K, KW, KG, eps,
     G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr,
-    EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, USE_PDL: tl.constexpr, HALF2: tl.constexpr,
+    EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, USE_PDL: tl.constexpr, HALF2: tl.constexpr, X_BF16: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SQ_OUT: tl.constexpr,
     SQ_LANES: tl.constexpr,
 ):
@@ -258,6 +293,8 @@ def _gemv_int4_kernel(
     sz_ptrs = sz_ptr + rows.to(tl.int64)[None, :] * KG  # (1, BLOCK_N)
     x_ptrs = x_ptr + offs_x
     g_ptrs = g_ptr + offs_x
+    xw_ptr = x_ptr.to(tl.pointer_type(tl.int32))  # with X_BF16: x and the norm weight as pairs
+    gw_ptr = g_ptr.to(tl.pointer_type(tl.int32))
     offs_c = tl.reshape(offs_c, (C, 1))
     acc = tl.zeros((C, BLOCK_N), dtype=tl.float32)
     ss = tl.zeros((C, 1), dtype=tl.float32)
@@ -279,21 +316,22 @@ def _gemv_int4_kernel(
         for kb in range(2, nb):
             wc = _load_w(w_ptrs, kb * BKW, KW, offs_w, not EVEN_K)
             acc, ss = _int4_step(acc, ss, wa, x_ptrs, g_ptrs, sz_ptrs, (kb - 2) * BLOCK_K, K, KG, offs_x, offs_c,
-                                 False, NORM, G, HALF2)
+                                 xw_ptr, gw_ptr, False, NORM, G, HALF2, X_BF16)
             wa = wb
             wb = wc
         ka = tl.maximum(nb - 2, 0) * BLOCK_K
-        acc, ss = _int4_step(acc, ss, wa, x_ptrs, g_ptrs, sz_ptrs, ka, K, KG, offs_x, offs_c, not NO_MASK, NORM, G, HALF2)
-        acc, ss = _int4_step(acc, ss, wb, x_ptrs, g_ptrs, sz_ptrs, ka + BLOCK_K, K, KG, offs_x, offs_c,
-                             not NO_MASK, NORM, G, HALF2)
+        acc, ss = _int4_step(acc, ss, wa, x_ptrs, g_ptrs, sz_ptrs, ka, K, KG, offs_x, offs_c, xw_ptr, gw_ptr,
+                             not NO_MASK, NORM, G, HALF2, X_BF16)
+        acc, ss = _int4_step(acc, ss, wb, x_ptrs, g_ptrs, sz_ptrs, ka + BLOCK_K, K, KG, offs_x, offs_c, xw_ptr,
+                             gw_ptr, not NO_MASK, NORM, G, HALF2, X_BF16)
     else:
         for kb in range(1, nb):
             wc = _load_w(w_ptrs, kb * BKW, KW, offs_w, not EVEN_K)
             acc, ss = _int4_step(acc, ss, wa, x_ptrs, g_ptrs, sz_ptrs, (kb - 1) * BLOCK_K, K, KG, offs_x, offs_c,
-                                 False, NORM, G, HALF2)
+                                 xw_ptr, gw_ptr, False, NORM, G, HALF2, X_BF16)
             wa = wc
-        acc, ss = _int4_step(acc, ss, wa, x_ptrs, g_ptrs, sz_ptrs, (nb - 1) * BLOCK_K, K, KG, offs_x, offs_c,
-                             not NO_MASK, NORM, G, HALF2)
+        acc, ss = _int4_step(acc, ss, wa, x_ptrs, g_ptrs, sz_ptrs, (nb - 1) * BLOCK_K, K, KG, offs_x, offs_c, xw_ptr,
+                             gw_ptr, not NO_MASK, NORM, G, HALF2, X_BF16)
 
     out = tl.sum(acc, axis=0)  # (BLOCK_N,)
     if NORM == 1:
@@ -364,6 +402,7 @@ def gemv_int4(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, out: torch.Ten
         G=group_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DEPTH=cfg.depth,
         EVEN_K=even_k, NO_MASK=even_k and k >= cfg.depth * cfg.block_k, USE_PDL=pdl,
         HALF2=caps.inline_ptx if half2 is None else half2,
+        X_BF16=x.dtype == torch.bfloat16 and (norm_weight is None or norm_weight.dtype == torch.bfloat16),
         NORM=0 if norm_weight is None else (2 if sq_in is not None else 1), RESIDUAL=residual is not None,
         SWIGLU=swiglu, SQ_OUT=sq_out is not None, SQ_LANES=lanes.numel() if lanes is not None else 1,
         num_warps=cfg.num_warps, num_stages=1, **extra,
