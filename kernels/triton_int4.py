@@ -131,6 +131,19 @@ def _word_dot(wv, x_ptrs, g_ptrs, k0, K, offs_x, MASK: tl.constexpr, NORM: tl.co
     return dot, 256.0 * se + 16.0 * so, se + so, tl.sum(sq, axis=2)
 
 
+@triton.jit
+def _chunk_scales(sz_ptrs, k0, KG, offs_c, MASK: tl.constexpr, G: tl.constexpr):
+    """(scale, offset) (C, R) fp32 of the group of each chunk of the block at input k0."""
+    group = (k0 + _CHUNK * offs_c) // G  # (C, 1): each chunk's group
+    if MASK:
+        sz = tl.load(sz_ptrs + group, mask=group < KG, other=0)
+    else:
+        sz = tl.load(sz_ptrs + group)  # (C, R) int32: fp16 scale | fp16 offset << 16
+    scale = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    offset = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return scale, offset
+
+
 def _half2_chunk_asm() -> str:
     """PTX of one 32-input chunk: $1..$4 the chunk's words, $(5 + 4w + i) the fp16x2 pair (x[8w + i], x[8w + 4 + i])
     (low half first); $0 the fp32 sum of (q - 8) * x over the chunk, accumulated as fp16x2."""
@@ -213,13 +226,7 @@ def _int4_step_half2(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, off
         asm=_HALF2_CHUNK_ASM, constraints="=r" + ",r" * 20,
         args=[w0, w1, w2, w3, p00, p01, p02, p03, p10, p11, p12, p13, p20, p21, p22, p23, p30, p31, p32, p33],
         dtype=tl.float32, is_pure=True, pack=1)  # (C, R): sum of (q - 8) * 2^e x over the chunk
-    group = (k0 + _CHUNK * offs_c) // G  # (C, 1): each chunk's group
-    if MASK:
-        sz = tl.load(sz_ptrs + group, mask=group < KG, other=0)
-    else:
-        sz = tl.load(sz_ptrs + group)  # (C, R) int32: fp16 scale | fp16 offset << 16
-    scale = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    offset = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    scale, offset = _chunk_scales(sz_ptrs, k0, KG, offs_c, MASK, G)  # (C, R) each
     acc += scale * (dot * down) + (offset + 8.0 * scale) * sx
     return acc, ss
 
@@ -241,13 +248,7 @@ def _int4_step(acc, ss, w, x_ptrs, g_ptrs, sz_ptrs, k0, K, KG, offs_x, offs_c, x
     d3, b3, s3, q3 = _word_dot(w3, x_ptrs + 24, g_ptrs + 24, k0, K, offs_x + 24, MASK, NORM)
     if NORM == 1:
         ss += (q0 + q1) + (q2 + q3)
-    group = (k0 + _CHUNK * offs_c) // G  # (C, 1): each chunk's group
-    if MASK:
-        sz = tl.load(sz_ptrs + group, mask=group < KG, other=0)
-    else:
-        sz = tl.load(sz_ptrs + group)  # (C, R) int32: fp16 scale | fp16 offset << 16
-    scale = (sz & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    offset = (sz >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    scale, offset = _chunk_scales(sz_ptrs, k0, KG, offs_c, MASK, G)  # (C, R) each
     dot = (d0 + d1) + (d2 + d3)
     acc += scale * (dot - ((b0 + b1) + (b2 + b3))) + offset * ((s0 + s1) + (s2 + s3))
     return acc, ss
