@@ -81,6 +81,13 @@ def unpack_step(step: Tensor) -> tuple[Tensor, Tensor]:
     return step[:-1].view(1, -1), step[-1:]
 
 
+def full_step(k: int, device: torch.device) -> Tensor:
+    """A step (k+2,) of k drafts, all token 0, counted in full: what compiling and timing a verify step feed it."""
+    step = torch.zeros(k + 2, dtype=torch.long, device=device)
+    step[-1] = k
+    return step
+
+
 def verify_greedy(model: torch.nn.Module, step: Tensor, input_pos: Tensor, vocab_bias: Tensor | None) -> Tensor:
     """step (k+2,) = [last, d1..dk, count]: ids [last, d1..dk] at input_pos (k+1,), count the real drafts (the rest
     is padding). A draft is accepted while it equals the target's argmax; the token after them is the argmax there."""
@@ -477,8 +484,7 @@ class Speculator:
         llm, k = self.llm, self.k
         with torch.inference_mode():
             positions = torch.arange(k + 1, device=llm.device)  # (k+1,) the prefill overwrites these entries
-            step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)  # (k+2,)
-            step[-1] = k
+            step = full_step(k, llm.device)  # (k+2,)
             token = torch.zeros(1, 1, dtype=torch.long, device=llm.device)  # (1, 1)
             calls = {"decode": lambda: self._decode(token, positions[:1], args).item(),
                      "verify": lambda: self._verify(step, positions, None, args).tolist()}
@@ -522,8 +528,7 @@ class Speculator:
         begin = time.perf_counter()
         if llm.compile and key not in llm._warm:
             with torch.inference_mode():
-                step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)  # (k+2,) [last, drafts, count]
-                step[-1] = k
+                step = full_step(k, llm.device)  # (k+2,) [last, drafts, count]
                 positions = torch.arange(k + 1, device=llm.device)
                 q = torch.zeros(k, llm.model.args.vocab_size, device=llm.device) if q_kind else None
                 for _ in range(3):  # compile, record, replay

@@ -102,8 +102,7 @@ def step_timers(llm: generate.LLM, position: int) -> tuple[Callable[[], float], 
         spec = speculative.Speculator(llm, speculative.ReplayDraft([]), k)
         with torch.inference_mode():
             spec._prepare(1, position, 16, generate.SamplingParams())  # compiles and captures this k
-            step = torch.zeros(k + 2, dtype=torch.long, device=device)  # (k+2,) [last, drafts, count]
-            step[-1] = k
+            step = speculative.full_step(k, device)  # (k+2,) [last, drafts, count]
             return median_us(lambda: spec._verify(step, positions[position:position + k + 1], None, ()), device)
 
     return decode_us, verify_us
