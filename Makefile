@@ -5,7 +5,7 @@ PYTHON ?= python3
 DEMO_DIR := checkpoints/smollm2
 DEMO_CHECKPOINT := $(DEMO_DIR)/float32/model.safetensors
 DEMO_PROMPT ?= What is the capital of France?
-export PYTHONPATH := $(CURDIR)
+
 
 .PHONY: setup demo test demo-model
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model import ModelArgs, Transformer
+from redline.model import ModelArgs, Transformer
 
 FORMAT_VERSION = 1
 CHECKPOINT_SUFFIX = ".safetensors"

@@ -1,6 +1,6 @@
 """Redline's engine, CLI and Python API, on one code path.
 
-    from generate import LLM
+    from redline.generate import LLM
     llm = LLM.load("checkpoints/redline/tiny-python")
     print(llm.generate("def fibonacci(n):", max_new_tokens=64).text)
 
@@ -24,19 +24,19 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
-from kernels import use_kernels
-from kernels import available as kernels_available
-from model import Transformer
-from options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
+from redline.checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
+from redline.kernels import use_kernels
+from redline.kernels import available as kernels_available
+from redline.model import Transformer
+from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
-from profiling import ProfileConfig, TraceRecorder
-import speculative
-from quantize import load_model, model_quantization
-from sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
-from streaming import GenerationLock, Stream, TextStream, first_stop, step_seconds  # noqa: F401
-import tensor_parallel
-from tokenizer import Tokenizer, load_tokenizer
+from redline.profiling import ProfileConfig, TraceRecorder
+from redline import speculative
+from redline.quantize import load_model, model_quantization
+from redline.sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
+from redline.streaming import GenerationLock, Stream, TextStream, first_stop, step_seconds  # noqa: F401
+from redline import tensor_parallel
+from redline.tokenizer import Tokenizer, load_tokenizer
 
 SMALLEST_PREFILL_BUCKET = 16
 # Each prefill bucket, batch size and sampling mode is its own graph; well below this, never fall back to eager.
@@ -191,7 +191,7 @@ class LLM:
         else:  # this rank's slices only; quantize= then quantizes each rank's slices (per-channel scales per slice)
             model = tensor_parallel.load_sharded_model(info, world, dtype)
         if config.quantize is not None:
-            from quantize import parse_quant_spec, quantize_
+            from redline.quantize import parse_quant_spec, quantize_
 
             if info.scheme != "none":
                 raise ValueError(f"{info.path} is already quantized ({info.scheme}); drop quantize=")
@@ -695,4 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.generate import main as package_main
+
+    sys.exit(package_main())

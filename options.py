@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from checkpoint import dtype_from_name
-from kernels.linear import PROMPT_SMALL_M
-from profiling import ProfileConfig
-from quantize import parse_quant_spec
-from sampling import SamplingParams, is_int
+from redline.checkpoint import dtype_from_name
+from redline.kernels.linear import PROMPT_SMALL_M
+from redline.profiling import ProfileConfig
+from redline.quantize import parse_quant_spec
+from redline.sampling import SamplingParams, is_int
 
 DEFAULT_MAX_NEW_TOKENS = 200
 # Drafted tokens per verify step when a draft is given without speculate_k: gpt-fast's default, and well inside

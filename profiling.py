@@ -257,7 +257,7 @@ def add_redline_annotations(trace: dict, stats: dict, step_seconds: list[float])
 
 def write_trace_atomic(trace: dict, path: str | os.PathLike) -> Path:
     """Write `trace` as JSON (gzipped when the name ends with .gz) via a temp file + rename."""
-    from checkpoint import write_atomically
+    from redline.checkpoint import write_atomically
 
     path = Path(path)
     data = json.dumps(trace, separators=(",", ":")).encode("utf-8")

@@ -30,10 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info,
+from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info,
                         resolve_checkpoint_path, run_cli, save_checkpoint)
-from model import ModelArgs, Transformer
-from tokenizer import copy_tokenizer_files
+from redline.model import ModelArgs, Transformer
+from redline.tokenizer import copy_tokenizer_files
 
 QUANT_MODES = ("int8", "int4")
 INT8_MAX = 127
@@ -200,7 +200,7 @@ def quantized_linear_names(n_layer: int, tie_word_embeddings: bool) -> list[str]
 
 def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embeddings: bool, mode: str = "int8",
                         group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, Tensor]:
-    from checkpoint import progress
+    from redline.checkpoint import progress
 
     out = dict(tensors)
     names = quantized_linear_names(n_layer, tie_word_embeddings)
@@ -345,7 +345,7 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
 
 
 def parse_args(argv: list[str] | None) -> QuantizeArgs:
-    from checkpoint import OneLineArgumentParser
+    from redline.checkpoint import OneLineArgumentParser
 
     parser = OneLineArgumentParser(description="Write a weight-only quantized copy of a Redline checkpoint.")
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
@@ -372,4 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.quantize import main as package_main
+
+    sys.exit(package_main())

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from options import GenerationOptions
-from sampling import SamplingParams, as_int64, exponential_noise, mix64, nucleus_keep_mask
+from redline.options import GenerationOptions
+from redline.sampling import SamplingParams, as_int64, exponential_noise, mix64, nucleus_keep_mask
 
 # Added to the seed (then hashed) to key the acceptance tests' and the draft model's own noise: streams apart
 # from the target's sampling noise, so no random number is used for two decisions.
@@ -282,7 +282,7 @@ class ModelDraft(Draft):
     def prepare(self, prompt_len: int, max_new_tokens: int, k: int, sampled: bool) -> float:
         """The draft's cache (k positions beyond the target's last) and graphs: greedy decode and prefill, and the
         sampled step when sampling."""
-        import generate
+        from redline import generate
 
         llm = self.llm
         seconds = llm._prepare(1, prompt_len, max_new_tokens + k, SamplingParams())
@@ -303,7 +303,7 @@ class ModelDraft(Draft):
 
     def start(self, prompt_ids: list[int], sampling: tuple[Tensor, ...]) -> None:
         """Prefills the prompt into the draft's cache."""
-        from generate import prefill_bucket
+        from redline.generate import prefill_bucket
 
         llm, prompt_len = self.llm, len(prompt_ids)
         self._sampling = (*sampling[:3], salted(sampling[3], DRAFT_SALT)) if sampling else ()
@@ -382,7 +382,7 @@ def make_draft(target: Any, draft: Any) -> Draft:
 def check_cli_draft(prompt_lookup: bool, draft_path: Any, draft_quantize: str | None) -> None:
     """The CLI's speculation flags: one draft source; --draft_quantize (int8, int4, int4-gG) only with a draft
     model."""
-    from quantize import parse_quant_spec
+    from redline.quantize import parse_quant_spec
 
     if prompt_lookup and draft_path is not None:
         raise ValueError("--prompt_lookup and --draft_checkpoint_path are two draft sources; pick one")
@@ -396,7 +396,7 @@ def check_cli_draft(prompt_lookup: bool, draft_path: Any, draft_quantize: str | 
 
 
 def compiled(fn: Any, llm: Any) -> Any:
-    from generate import CompiledStep
+    from redline.generate import CompiledStep
 
     return CompiledStep(fn, llm.device)
 
@@ -533,7 +533,7 @@ class Speculator:
                 q = torch.zeros(k, llm.model.args.vocab_size, device=llm.device) if q_kind else None
                 for _ in range(3):  # compile, record, replay
                     self._verify(step, positions, q, args)
-            from generate import sync
+            from redline.generate import sync
 
             sync(llm.device)
             llm._warm.add(key)
@@ -599,7 +599,7 @@ class Speculator:
                 lock._lock.release(number)
 
     def _prefill(self, prompt: list[int], positions: Tensor, args: tuple[Tensor, ...]) -> int:
-        from generate import prefill_bucket
+        from redline.generate import prefill_bucket
 
         llm = self.llm
         bucket = prefill_bucket(len(prompt), llm.model.max_seq_length) if llm.compile_prefill else len(prompt)

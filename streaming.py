@@ -6,8 +6,8 @@ import threading
 from collections.abc import Generator
 from typing import Callable
 
-from options import GenerationResult
-from tokenizer import Tokenizer
+from redline.options import GenerationResult
+from redline.tokenizer import Tokenizer
 
 
 class TextStream:

@@ -40,11 +40,11 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from checkpoint import CheckpointInfo, model_state_dict
-from kernels.fused_decode import FusedDecode, fused_projection
-from model import ModelArgs, Transformer, TransformerBlock
-from quantize import prepare_quantized_structure
-from sampling import SEED_LIMIT, SamplingParams
+from redline.checkpoint import CheckpointInfo, model_state_dict
+from redline.kernels.fused_decode import FusedDecode, fused_projection
+from redline.model import ModelArgs, Transformer, TransformerBlock
+from redline.quantize import prepare_quantized_structure
+from redline.sampling import SEED_LIMIT, SamplingParams
 
 # The environment variable that picks the all-reduce, and what it may name.
 ALL_REDUCE_ENV = "REDLINE_ALL_REDUCE"

@@ -1,6 +1,6 @@
 """Redline's GPU fast paths, applied to a plain model.Transformer from outside.
 
-    import kernels
+    from redline import kernels
     if kernels.available():
         kernels.use_kernels(model)        # swaps linears and attention for the kernel modules, in place
         step = kernels.FusedDecode(model)  # batch-1 decode in five kernels per block; else model(...)
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from model import Attention, Transformer
+from redline.model import Attention, Transformer
 
 from .attention import KernelAttention
 from .device import DeviceCaps, device_caps, triton_importable

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import Attention, split_rotated_qkv
+from redline.model import Attention, split_rotated_qkv
 
 from .configs import AttentionConfig, fitted_attention_config
 from .device import device_caps, triton_importable

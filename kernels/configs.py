@@ -25,7 +25,7 @@ DOT_MAX_BLOCK_M = 64
 INT4_DOT_GROUPS_PER_STEP = 4
 
 # The attention split count aims for this many programs per SM over the whole grid: on an H200
-# (scripts/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes) 1 per SM was 10-35% slower on full
+# (benchmarks/bench_attention.py --sweep, B=1, Llama-2-7B and Llama-3-8B shapes) 1 per SM was 10-35% slower on full
 # long caches, 4 per SM within about +-7% of 2, 8 per SM mostly slower.
 TARGET_PROGRAMS_PER_SM = 2
 # Long caches get more splits, up to MAX_PROGRAMS_PER_SM, so that no split walks more than this many keys: in the
@@ -182,7 +182,7 @@ def dot_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
 
 def _medium_m_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
     """17..64 rows of x (x padded to 32 or 64 rows): the best of 8 configs per 7B shape on an H200
-    (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64; BENCHMARKS.md, "Kernels")."""
+    (benchmarks/bench_kernels.py --msweep --dot-sweep --m-rows 32,64; BENCHMARKS.md, "Kernels")."""
     if n < 8192:  # wo, w2: few output tiles, so narrow ones
         if w_bytes == 1:
             if m <= 32:
@@ -198,7 +198,7 @@ def _medium_m_config(n: int, k: int, w_bytes: int, m: int) -> DotConfig:
 
 def _row_tiles_config(n: int, w_bytes: int, m: int) -> DotConfig:
     """More than 64 rows of x (several tiles of rows): the best of 10 configs per 7B shape at 128 and 256 rows
-    on an H200 (scripts/bench_kernels.py --msweep --dot-sweep --m-rows 128,256)."""
+    on an H200 (benchmarks/bench_kernels.py --msweep --dot-sweep --m-rows 128,256)."""
     if n >= 32000:
         return DotConfig(128, 64, 8, 4, 128)
     if n < 8192 and m <= 128:  # wo, w2
@@ -215,7 +215,7 @@ def _row_tiles_config(n: int, w_bytes: int, m: int) -> DotConfig:
 def int4_dot_config(n: int, k: int, group_size: int, m: int) -> Int4DotConfig:
     """The int4 tensor-core kernel's config table (m: rows of x, 2 or more). A first table, from the kernel's
     compiled code (instructions per weight, registers, shared memory on sm90) rather than from GPU measurements;
-    scripts/bench_int4.py --rows sweeps alternatives.
+    benchmarks/bench_int4.py --rows sweeps alternatives.
 
     The weight tile is wgmma's left operand (swap) in tiles of 64 or 128 rows, except for 32-input groups, whose
     16-byte sub-blocks Triton sends through shared memory that way. The N=4096 projections (wo, w2) take 32-row

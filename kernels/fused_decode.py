@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import Attention, RMSNorm, Transformer, TransformerBlock
-from quantize import Int4Linear, Int8Linear
+from redline.model import Attention, RMSNorm, Transformer, TransformerBlock
+from redline.quantize import Int4Linear, Int8Linear
 
 # The fused kernels add each output's sum of squares into this many lanes (program i into lane i % lanes):
 # thousands of atomic adds on one address would queue; the next kernel reads all lanes.

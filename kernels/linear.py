@@ -25,8 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from model import rms_norm
-from quantize import Int4Linear, Int8Linear, dequantize_int4
+from redline.model import rms_norm
+from redline.quantize import Int4Linear, Int8Linear, dequantize_int4
 
 from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
 from .device import device_caps, triton_importable

@@ -1,6 +1,6 @@
 """Cross-compile every Triton kernel configuration the dispatcher can choose, for GPUs this machine does not have.
 
-    PYTHONPATH=$PWD python scripts/check_targets.py [--targets sm80,gfx90a,...] [--jobs N] [--failures-only]
+    python scripts/check_targets.py [--targets sm80,gfx90a,...] [--jobs N] [--failures-only]
 
 For each target (kernels.device.TARGETS: sm80, sm86, sm89, sm90, gfx90a, gfx942, gfx1100 by default) the
 project's own launchers run on meta tensors under that target's capability description
@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import configs
-from kernels.device import DEFAULT_TARGETS, DeviceCaps, simulated, target_caps
+from redline.kernels import configs
+from redline.kernels.device import DEFAULT_TARGETS, DeviceCaps, simulated, target_caps
 
 # Register limits the compilers must stay within: NVIDIA has 64K 32-bit registers per block and at most 255 per
 # thread; an AMD wave's VGPRs (arch + accumulation registers) are limited per lane.
@@ -117,7 +117,7 @@ ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_split_kernel": {"num_sp
 class Launch:
     """One kernel configuration the dispatcher chose, with the calls that chose it."""
 
-    kernel: str  # module path of the JIT function, "kernels.triton_linear._gemv_kernel"
+    kernel: str  # module path of the JIT function, "redline.kernels.triton_linear._gemv_kernel"
     spec: str  # Triton's specialization data (JSON): signature, constexprs, argument attributes, options
     summary: str  # what tells configurations apart: dtypes, constexprs, launch options, unspecialized arguments
     first_call: str  # the first call that chose it
@@ -297,7 +297,7 @@ def _gemv_calls(record: _Recorder, label: str, n: int, k: int, x_dtype: torch.dt
     """One row of x through the launcher kernels.linear calls for this weight kind (triton_linear.gemv, or the int4
     GEMV's public launcher triton_int4.gemv_int4, which takes its config from configs.gemv_int4_config): plain,
     and in each fused decode form of this projection, with the arguments kernels.linear.fused_linear passes."""
-    from kernels import triton_int4, triton_linear
+    from redline.kernels import triton_int4, triton_linear
 
     gemv = triton_int4.gemv_int4 if kind.startswith("int4") else triton_linear.gemv
     w, scales = _weight(kind, n, k, x_dtype)
@@ -317,7 +317,7 @@ def _dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, 
                kind: str) -> list[str]:
     """Rows 2..MAX_ROWS through the tensor-core kernel of this weight kind (triton_linear.small_m_dot, or
     triton_int4_dot.int4_dot for int4); returns the calls that take cuBLAS/hipBLAS instead."""
-    from kernels import triton_int4_dot, triton_linear
+    from redline.kernels import triton_int4_dot, triton_linear
 
     w, scales = _weight(kind, n, k, x_dtype)
     group = _int4_group(kind)
@@ -340,7 +340,7 @@ def _dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, 
 
 def _attention_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
     """Decode attention (rotated q, and the fused qkv form) and the prefill rope kernel on every model shape."""
-    from kernels import attention, triton_attention
+    from redline.kernels import attention, triton_attention
 
     fallbacks = []
     for model, dtype in itertools.product(models, FLOAT_DTYPES):
@@ -688,4 +688,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.scripts.check_targets import main as package_main
+
+    sys.exit(package_main())

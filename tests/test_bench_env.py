@@ -1,15 +1,15 @@
-"""scripts/bench_env.py: the environment record and the read-bandwidth measurement."""
+"""benchmarks/bench_env.py: the environment record and the read-bandwidth measurement."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from scripts import bench_env
+from redline.benchmarks import bench_env
 
 
 def test_environment_records_the_command_and_both_gpu_toolkit_versions():
     env = bench_env.environment(torch.device("cpu"), ["--model", "debug-tiny", "--prompt-lengths", "4,8"])
-    assert env["command"] == "python scripts/bench.py --model debug-tiny --prompt-lengths 4,8"
+    assert env["command"] == "python benchmarks/bench.py --model debug-tiny --prompt-lengths 4,8"
     assert env["argv"] == ["--model", "debug-tiny", "--prompt-lengths", "4,8"]
     assert env["torch_version"] == torch.__version__ and env["device_type"] == "cpu"
     assert env["cuda_version"] == torch.version.cuda and env["hip_version"] == torch.version.hip

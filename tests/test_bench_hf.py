@@ -1,12 +1,12 @@
-"""scripts/bench_hf.py: the transformers model built from a registry config, and Redline/HF ratios."""
+"""benchmarks/bench_hf.py: the transformers model built from a registry config, and Redline/HF ratios."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model import ModelArgs
-from scripts import bench_hf
-from scripts.bench_redline import RedlineRecord
+from redline.model import ModelArgs
+from redline.benchmarks import bench_hf
+from redline.benchmarks.bench_redline import RedlineRecord
 
 
 def test_hf_config_matches_the_registry_model():

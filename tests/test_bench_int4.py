@@ -1,9 +1,9 @@
-"""scripts/bench_int4.py: its arguments (the benchmark itself needs a CUDA GPU)."""
+"""benchmarks/bench_int4.py: its arguments (the benchmark itself needs a CUDA GPU)."""
 from __future__ import annotations
 
 import pytest
 
-from scripts import bench_int4
+from redline.benchmarks import bench_int4
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,11 +1,11 @@
-"""scripts/bench_model.py: random-weight registry models and the parameter, FLOP and byte counts."""
+"""benchmarks/bench_model.py: random-weight registry models and the parameter, FLOP and byte counts."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model import ModelArgs
-from scripts import bench_model
+from redline.model import ModelArgs
+from redline.benchmarks import bench_model
 
 
 def test_prefill_flops_match_the_performance_notes():
@@ -31,7 +31,7 @@ def test_random_model_has_realistic_weights():
 
 
 def test_random_model_int8_and_tied():
-    from quantize import Int8Linear
+    from redline.quantize import Int8Linear
 
     args = ModelArgs.from_name("debug-tiny")
     dense = bench_model.build_random_model(args, torch.device("cpu"), torch.bfloat16, "none")
@@ -48,7 +48,7 @@ def test_random_model_int8_and_tied():
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quantized_random_weights_are_drawn_directly(quant, monkeypatch):
     """No float copy of the matrices is made (a 70B model in bf16 would not fit one GPU before quantizing)."""
-    import quantize
+    from redline import quantize
 
     def refuse(*args, **kwargs):
         raise AssertionError("the random model must not be built in float and then quantized")

@@ -1,4 +1,4 @@
-"""scripts/bench_prompt_lookup.py: the task table on a tiny model with a chat template (CPU, small settings)."""
+"""benchmarks/bench_prompt_lookup.py: the task table on a tiny model with a chat template (CPU, small settings)."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-import generate
-from scripts import bench_prompt_lookup
+from redline import generate
+from redline.benchmarks import bench_prompt_lookup
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -77,7 +77,7 @@ def test_a_gguf_is_converted_once_beside_it(tmp_path, monkeypatch):
         (out.parent / "tokenizer_config.json").write_text("{}")
         return out
 
-    from scripts import convert_gguf
+    from redline.scripts import convert_gguf
 
     monkeypatch.setattr(convert_gguf, "convert_gguf", convert)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())

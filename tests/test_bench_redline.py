@@ -1,12 +1,12 @@
-"""scripts/bench_redline.py: one configuration on a tiny random model (CPU, eager)."""
+"""benchmarks/bench_redline.py: one configuration on a tiny random model (CPU, eager)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import generate
-from model import ModelArgs
-from scripts import bench, bench_model, bench_redline
+from redline import generate
+from redline.model import ModelArgs
+from redline.benchmarks import bench, bench_model, bench_redline
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,4 +1,4 @@
-"""scripts/bench_report.py: the tables, the plot and merged reports, from hand-made reports."""
+"""benchmarks/bench_report.py: the tables, the plot and merged reports, from hand-made reports."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from scripts import bench_report
+from redline.benchmarks import bench_report
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -67,7 +67,7 @@ def test_compile_time_table_has_a_cold_and_a_warm_row():
 
 
 def test_format_report_lists_failures_and_notes():
-    report = {"env": {"device": "cpu", "torch_version": "2.x", "command": "python scripts/bench.py"},
+    report = {"env": {"device": "cpu", "torch_version": "2.x", "command": "python benchmarks/bench.py"},
               "records": [], "hf": [], "compile_times": [], "notes": ["a note"],
               "errors": [{"what": "A int8 batch 1", "error": "RuntimeError: out of memory"}]}
     text = bench_report.format_report(report)

@@ -1,4 +1,4 @@
-"""scripts/bench_speculative.py via scripts/bench.py --speculate-k on a tiny random model (CPU, eager)."""
+"""benchmarks/bench_speculative.py via benchmarks/bench.py --speculate-k on a tiny random model (CPU, eager)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from scripts import bench
+from redline.benchmarks import bench
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -40,7 +40,7 @@ def test_speculate_k_times_verify_steps_and_the_ceiling(tmp_path, capsys):
 
 
 def test_a_failure_after_the_decode_step_keeps_what_was_measured(tmp_path, monkeypatch, capsys):
-    from scripts import bench_speculative
+    from redline.benchmarks import bench_speculative
 
     def broken_ceiling(*args, **kwargs):
         raise RuntimeError("out of memory")
@@ -61,10 +61,10 @@ def test_speculate_k_beyond_the_kernel_rows_is_refused(capsys):
 
 
 def test_the_ceiling_bias_decides_every_step_and_is_removed_afterwards():
-    from generate import LLM
-    from model import ModelArgs
-    from scripts import bench_speculative
-    from scripts.bench_model import build_random_model, random_prompts
+    from redline.generate import LLM
+    from redline.model import ModelArgs
+    from redline.benchmarks import bench_speculative
+    from redline.benchmarks.bench_model import build_random_model, random_prompts
 
     args = ModelArgs.from_name("debug-tiny")
     llm = LLM(build_random_model(args, torch.device("cpu"), torch.float32, "none", 0, 128), tokenizer=None,

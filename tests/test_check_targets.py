@@ -52,10 +52,10 @@ def test_each_target_gets_the_paths_it_supports(launches):
     assert _find(sm90, "_gemv_kernel", "USE_PDL=True") and _find(sm90, "_gemv_kernel", "INT8_MODE=2")
     for amd in (gfx90a, gfx942):
         assert not _find(amd, "", "USE_PDL=True") and not _find(amd, "", "INT8_MODE=2")
-    kinds = {x.kernel.rsplit(".", 1)[1] for x in gfx90a if not x.kernel.startswith("kernels.triton_int4.")}
+    kinds = {x.kernel.rsplit(".", 1)[1] for x in gfx90a if not x.kernel.startswith("redline.kernels.triton_int4.")}
     assert kinds == {"_gemv_kernel", "_small_m_dot_kernel", "_int4_dot_kernel", "_split_kernel", "_combine_kernel",
                      "_prefill_rope_cache_kernel"}
-    assert any(x.kernel.startswith("kernels.triton_int4.") for x in gfx90a)
+    assert any(x.kernel.startswith("redline.kernels.triton_int4.") for x in gfx90a)
     # the int4 tensor-core kernel converts nibbles with inline PTX on NVIDIA only
     assert _find(sm90, "_int4_dot_kernel", "PTX=True") and not _find(sm90, "_int4_dot_kernel", "PTX=False")
     assert not _find(gfx90a, "_int4_dot_kernel", "PTX=True")
@@ -97,7 +97,7 @@ def _capture(target: str, caps, call, device_index: int, record: ct._Recorder | 
     """The configurations `call` launches with target's Triton driver while the kernels see `caps`."""
     from triton import knobs
 
-    from kernels.device import simulated
+    from redline.kernels.device import simulated
 
     record = record if record is not None else ct._Recorder()
     with ct.active_driver(ct.target_driver(ct.target_caps(target), device_index)), simulated(caps):
@@ -110,7 +110,7 @@ def _capture(target: str, caps, call, device_index: int, record: ct._Recorder | 
 
 
 def test_reports_the_failures_it_exists_to_catch():
-    from kernels import configs, triton_attention, triton_linear
+    from redline.kernels import configs, triton_attention, triton_linear
 
     bf16 = ct.torch.bfloat16
     # attention that asks for tf32 dots (as if gfx90a were a gfx942): Triton's AMD backend refuses them
@@ -150,7 +150,7 @@ def test_int4_is_captured_through_its_public_launcher():
     log = _CallLog()
     caps = ct.target_caps("gfx942")
     _capture("gfx942", caps, lambda record: ct._linear_calls(record, caps, DEMO), 3300, log)
-    int4 = {call for call, module, _ in log.log if module == "kernels.triton_int4"}
+    int4 = {call for call, module, _ in log.log if module == "redline.kernels.triton_int4"}
     model = DEMO[0]
     expected = set()
     for dtype, group, (proj, (_, k)) in itertools.product(("bfloat16", "float16", "float32"), ct.INT4_GROUP_SIZES,
@@ -161,14 +161,14 @@ def test_int4_is_captured_through_its_public_launcher():
     assert int4 == expected
     assert {g for g in ct.INT4_GROUP_SIZES if any(f"int4-g{g} " in c for c in int4)} == set(ct.INT4_GROUP_SIZES)
     assert not any("int4" in call for call, module, _ in log.log
-                   if module not in ("kernels.triton_int4", "kernels.triton_int4_dot"))
-    assert any("int4" in call and "rows=2" in call for call, module, _ in log.log if module == "kernels.triton_int4_dot")
+                   if module not in ("redline.kernels.triton_int4", "redline.kernels.triton_int4_dot"))
+    assert any("int4" in call and "rows=2" in call for call, module, _ in log.log if module == "redline.kernels.triton_int4_dot")
 
 
 def test_tensors_past_32_bit_offsets_are_their_own_configuration_on_amd():
     """AMD specializes a pointer on whether its tensor fits 32-bit offsets (buffer loads), so the 70B fp32 output
     head (4.2 GB) compiles apart from a smaller weight of the same config; NVIDIA does not."""
-    from kernels import triton_linear
+    from redline.kernels import triton_linear
 
     fp32 = ct.torch.float32
 
@@ -187,8 +187,8 @@ def test_divisibility_variants_compiled_once_compile_alike(target, device_index)
     """ONE_DIVISIBILITY_ARGS: 24 and 32 rows (one tile config, M divisible by 16 or not) give the tensor-core kernel
     the same TTGIR but for that argument's attribute, and the same shared memory; 13 and 16 splits give the
     attention kernels the same code. The check compiles one variant of each."""
-    from kernels import triton_attention, triton_linear
-    from kernels.configs import AttentionConfig
+    from redline.kernels import triton_attention, triton_linear
+    from redline.kernels.configs import AttentionConfig
 
     fp16 = ct.torch.float16
     cache = ct._meta(1, 2, 1024, 64, dtype=fp16)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from checkpoint import TEMP_FILE, check_output_path, read_checkpoint_info, remove_stale_temp_files, write_atomically
+from redline.checkpoint import TEMP_FILE, check_output_path, read_checkpoint_info, remove_stale_temp_files, write_atomically
 
 
 def temp_files(folder: Path) -> list[Path]:

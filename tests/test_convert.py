@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from checkpoint import FORMAT_VERSION, TEMP_FILE, read_checkpoint_info, resolve_checkpoint_path
+from redline.checkpoint import FORMAT_VERSION, TEMP_FILE, read_checkpoint_info, resolve_checkpoint_path
 from conftest import save_tiny_hf_checkpoint
-from scripts.convert_hf_checkpoint import convert_hf_checkpoint, main
+from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint, main
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_cli_out_and_dtype(hf_dir, tmp_path, capsys):
 
 
 def test_interrupted_write_leaves_no_file(hf_dir, tmp_path, monkeypatch):
-    import checkpoint
+    from redline import checkpoint
 
     def explode(*args, **kwargs):
         raise KeyboardInterrupt
@@ -264,7 +264,7 @@ def test_bin_with_pickled_objects_is_refused_as_unsafe(tmp_path, capsys):
 
 
 def test_ctrl_c_is_one_line_and_status_130(hf_dir, tmp_path, capsys, monkeypatch):
-    import checkpoint
+    from redline import checkpoint
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt

@@ -10,11 +10,11 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as QT  # noqa: E402
 
-from checkpoint import read_checkpoint_info
-from quantize import load_model  # noqa: E402
-from model import RopeScaling  # noqa: E402
-from scripts.convert_gguf import convert_gguf, llama3_factors, main, read_gguf, tensor_to_float  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from redline.checkpoint import read_checkpoint_info
+from redline.quantize import load_model  # noqa: E402
+from redline.model import RopeScaling  # noqa: E402
+from redline.scripts.convert_gguf import convert_gguf, llama3_factors, main, read_gguf, tensor_to_float  # noqa: E402
+from redline.tokenizer import load_tokenizer  # noqa: E402
 
 # Types the writer can quantize itself, and the K-quants, whose blocks the tests fill with random codes.
 WRITER_TYPES = (QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1)
@@ -119,7 +119,7 @@ def gpt2_tokenizer_from(hf_tokenizer_dir, add_bos=False, template=CHATML):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from tests.conftest import save_tiny_hf_checkpoint
+    from conftest import save_tiny_hf_checkpoint
 
     return save_tiny_hf_checkpoint(tmp_path_factory.mktemp("hf-gguf"), "gqa")[1]
 
@@ -179,7 +179,7 @@ def test_converted_model_matches_hf_on_dequantized_weights(tmp_path, tiny_hf, qt
 
 
 def test_tied_embeddings_when_there_is_no_output_weight(tmp_path):
-    from tests.conftest import save_tiny_hf_checkpoint
+    from conftest import save_tiny_hf_checkpoint
 
     hf = save_tiny_hf_checkpoint(tmp_path / "hf", "tied")[1]
     out = convert_gguf(write_gguf(tmp_path / "m.gguf", hf), tmp_path / "o" / "model.safetensors", "float32")
@@ -208,7 +208,7 @@ def test_llama3_rope_factors_become_llama3_scaling(tmp_path, tiny_hf):
 def test_gpt2_tokenizer_matches_the_source_and_transformers(tmp_path, tiny_hf, hf_tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from tokenizer import HFTokenizer
+    from redline.tokenizer import HFTokenizer
 
     path = write_gguf(tmp_path / "m.gguf", tiny_hf, tokenizer=gpt2_tokenizer_from(hf_tokenizer_dir, add_bos=True))
     out = convert_gguf(path, tmp_path / "o" / "model.safetensors", "float32")
@@ -301,8 +301,8 @@ def test_bad_arguments(tmp_path, capsys):
 def test_q4_files_load_natively_as_int4_g32_with_no_loss(tmp_path, tiny_hf, qtype):
     """Every block projection keeps its codes: the int4 checkpoint dequantizes to exactly gguf's own values,
     an untied output head of the same type is int4 too, and --dequantize still gives float."""
-    from checkpoint import load_tensors
-    from quantize import dequantize_int4
+    from redline.checkpoint import load_tensors
+    from redline.quantize import dequantize_int4
 
     path = write_gguf(tmp_path / "m.gguf", tiny_hf, qtype)
     native = convert_gguf(path, tmp_path / "int4" / "model.safetensors", "float32")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.demo_model import DEFAULT_DIR, checkpoint_path, demo_checkpoint, gguf_path
+from redline.scripts.demo_model import DEFAULT_DIR, checkpoint_path, demo_checkpoint, gguf_path
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France?"
@@ -31,7 +31,7 @@ def test_demo_model_is_cached_and_not_converted_twice(smollm2_checkpoint):
 
 @pytest.mark.real_model
 def test_demo_answers_the_question_through_the_chat_template(smollm2_checkpoint):
-    from generate import LLM
+    from redline.generate import LLM
 
     llm = LLM.load(smollm2_checkpoint, device="cpu", dtype="float32")
     result = llm.generate(llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}]),

@@ -6,8 +6,8 @@ import io
 import pytest
 import torch
 
-import generate
-from generate import LLM, GenerateArgs, main, nucleus_keep_mask, sample
+from redline import generate
+from redline.generate import LLM, GenerateArgs, main, nucleus_keep_mask, sample
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +254,7 @@ def test_cli_profile_writes_a_trace_that_trace_summary_reads(tiny_llm_checkpoint
     import json
     import re
 
-    from scripts.trace_summary import main as summary_main
+    from redline.scripts.trace_summary import main as summary_main
 
     trace = tmp_path / "run.json.gz"
     code, _, err = cli(capsys, "--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt", "def f(x):",
@@ -277,10 +277,10 @@ def test_cli_profile_writes_a_trace_that_trace_summary_reads(tiny_llm_checkpoint
 
 @pytest.mark.gpu
 def test_kernels_false_runs_no_triton_kernel_int8_included(tiny_llm_checkpoint, monkeypatch):
-    from checkpoint import read_checkpoint_info
-    from kernels import attention, linear
-    from quantize import load_model, quantize_
-    from tokenizer import load_tokenizer
+    from redline.checkpoint import read_checkpoint_info
+    from redline.kernels import attention, linear
+    from redline.quantize import load_model, quantize_
+    from redline.tokenizer import load_tokenizer
 
     def refuse():
         raise AssertionError("a Triton kernel was asked for with kernels=False")

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-import generate
-from generate import LLM, GenerateArgs, GenerationOptions, main, sample
-from model import ModelArgs, Transformer
+from redline import generate
+from redline.generate import LLM, GenerateArgs, GenerationOptions, main, sample
+from redline.model import ModelArgs, Transformer
 
 # The 0.999 quantile of the chi-square distribution with 7 degrees of freedom: a correct sampler fails one
 # fixed-seed check in a thousand.

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention as da
-from kernels.configs import AttentionConfig
+from redline.kernels import attention as da
+from redline.kernels.configs import AttentionConfig
 from conftest import prefill_then_decode_logits
 
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (H, Hkv); gqa is 4:1
@@ -194,7 +194,7 @@ def test_gpu_other_dtypes_and_head_dims(dtype, tol, head_dim):
 @pytest.mark.parametrize("block_s", [16, 64, 128])
 @pytest.mark.parametrize("layout", ["mha", "gqa"])
 def test_gpu_explicit_configs(layout, block_s, num_splits):
-    from kernels import triton_attention as ta
+    from redline.kernels import triton_attention as ta
 
     n_heads, n_kv_heads = GPU_LAYOUTS[layout]
     q, k, v = make_inputs(1, n_heads, n_kv_heads, 3000, 128, torch.bfloat16, "cuda")
@@ -255,8 +255,8 @@ def test_gpu_torch_compile_reduce_overhead():
 
 def test_routed_model_decodes_like_sdpa():
     """The model's one-token steps through the op give the logits of the masked-SDPA path."""
-    from kernels import KernelAttention, use_kernels
-    from model import ModelArgs, Transformer
+    from redline.kernels import KernelAttention, use_kernels
+    from redline.model import ModelArgs, Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
@@ -274,7 +274,7 @@ def test_routed_model_decodes_like_sdpa():
 
 def qkv_inputs(batch, n_heads, n_kv_heads, seq_len, head_dim, pos, dtype=torch.float32, device="cpu", seed=0):
     """Raw qkv (B, 1, (H + 2 Hkv) D), caches with random history, and the rope table (the op reads row pos)."""
-    from model import ModelArgs, rope_table
+    from redline.model import ModelArgs, rope_table
 
     gen = torch.Generator(device=device).manual_seed(seed)
     qkv = torch.randn(batch, 1, (n_heads + 2 * n_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
@@ -288,7 +288,7 @@ def qkv_inputs(batch, n_heads, n_kv_heads, seq_len, head_dim, pos, dtype=torch.f
 
 def unfused_steps(qkv, k, v, rope, pos):
     """What the model's Attention does for one token, on copies of the caches (rope: the whole table)."""
-    from model import apply_rope
+    from redline.model import apply_rope
 
     rope = rope[pos:pos + 1]  # (1, 2, D/2)
     batch, n_kv_heads, _, head_dim = k.shape
@@ -358,7 +358,7 @@ def test_gpu_qkv_kernel_matches_unfused_steps(layout, seq_len):
 
 @pytest.mark.gpu
 def test_gpu_qkv_kernel_in_a_cuda_graph():
-    from kernels import triton_attention as ta
+    from redline.kernels import triton_attention as ta
 
     qkv, k, v, rope, ip = qkv_inputs(1, 32, 8, 2304, 128, 0, torch.bfloat16, "cuda")
     for splits in (1, 8):
@@ -384,7 +384,7 @@ def test_gpu_qkv_kernel_in_a_cuda_graph():
 
 def prefill_inputs(batch, n_heads, n_kv_heads, length, seq_len, head_dim, dtype=torch.float32, device="cpu", seed=0):
     """Raw qkv (B, T, (H + 2 Hkv) D), caches filled with NaN (so untouched rows stay visible), rope rows 0..T-1."""
-    from model import ModelArgs, rope_table
+    from redline.model import ModelArgs, rope_table
 
     gen = torch.Generator(device=device).manual_seed(seed)
     qkv = torch.randn(batch, length, (n_heads + 2 * n_kv_heads) * head_dim, generator=gen, device=device).to(dtype)
@@ -396,7 +396,7 @@ def prefill_inputs(batch, n_heads, n_kv_heads, length, seq_len, head_dim, dtype=
 
 def model_prefill_steps(qkv, k, v, rope):
     """What the model does without the op: split, apply_rope, write_prefix."""
-    from model import apply_rope
+    from redline.model import apply_rope
 
     batch, length, _ = qkv.shape
     n_kv_heads, head_dim = k.shape[1], k.shape[3]
@@ -446,8 +446,8 @@ def test_prefill_op_opcheck_cpu():
 
 def test_routed_model_prefills_from_start_like_the_unrouted_one():
     """A from_start prefill through the op (then decode steps reading the cache it wrote) gives the same logits."""
-    from kernels import use_kernels
-    from model import ModelArgs, Transformer
+    from redline.kernels import use_kernels
+    from redline.model import ModelArgs, Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs.from_name("debug-tiny-llama3")).eval()  # GQA
@@ -488,8 +488,8 @@ def test_gpu_prefill_kernel_matches_the_model_steps(shape, dtype):
 def test_no_fitting_attention_config_takes_the_reference(monkeypatch):
     from dataclasses import replace
 
-    from kernels import triton_attention
-    from kernels.device import device_caps, simulated
+    from redline.kernels import triton_attention
+    from redline.kernels.device import device_caps, simulated
 
     def refuse(*args, **kwargs):
         raise AssertionError("the split kernel ran on a GPU where no config fits")

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from kernels import configs
-from kernels.configs import AttentionConfig, DotConfig, GemvConfig, attention_config, dot_config, gemv_config
-from kernels.device import DEFAULT_TARGETS, target_caps
+from redline.kernels import configs
+from redline.kernels.configs import AttentionConfig, DotConfig, GemvConfig, attention_config, dot_config, gemv_config
+from redline.kernels.device import DEFAULT_TARGETS, target_caps
 
 # (N, K) of Llama-2-7B's and Llama-3-8B's decode projections.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),

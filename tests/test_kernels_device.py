@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels
-from kernels import device
-from kernels.device import CPU_CAPS, DeviceCaps, device_caps
+from redline import kernels
+from redline.kernels import device
+from redline.kernels.device import CPU_CAPS, DeviceCaps, device_caps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,13 +82,13 @@ def test_importing_the_engine_imports_no_triton():
     """Triton is imported only when a GPU kernel first runs: importing the engine never loads it, and a CPU model
     step through the kernel modules never loads the Triton sources (torch itself may import Triton for its
     compiler when a mutating custom op first runs, so only the package's own modules are checked then)."""
-    code = ("import sys, torch, kernels, model, quantize, checkpoint, generate\n"
+    code = ("import sys, torch\nfrom redline import kernels, model, quantize, checkpoint, generate\n"
             "assert 'triton' not in sys.modules, 'importing the engine imported triton'\n"
             "m = kernels.use_kernels(model.Transformer(model.ModelArgs.from_name('debug-tiny')))\n"
             "m.setup_caches(1, 8)\n"
             "kernels.FusedDecode(m)(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))\n"
             "m(torch.zeros(1, 3, dtype=torch.long), torch.arange(3), from_start=True)\n"
-            "ours = sorted(k for k in sys.modules if k.startswith('kernels.triton'))\n"
+            "ours = sorted(k for k in sys.modules if k.startswith('redline.kernels.triton'))\n"
             "assert not ours, ours\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
@@ -105,7 +105,7 @@ def test_gpu_caps_match_torch():
 
 
 def test_named_targets_describe_their_gpus():
-    from kernels.device import DEFAULT_TARGETS, target_caps
+    from redline.kernels.device import DEFAULT_TARGETS, target_caps
 
     assert DEFAULT_TARGETS == ("sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942", "gfx1100")
     caps = {name: target_caps(name) for name in DEFAULT_TARGETS}
@@ -121,7 +121,7 @@ def test_named_targets_describe_their_gpus():
 
 
 def test_simulated_caps_apply_inside_the_block_only():
-    from kernels.device import simulated, target_caps
+    from redline.kernels.device import simulated, target_caps
 
     before = device_caps()
     with simulated(target_caps("gfx90a")) as caps:

@@ -4,16 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import fused_decode
-from model import ModelArgs, Transformer
+from redline import kernels
+from redline.kernels import fused_decode
+from redline.model import ModelArgs, Transformer
 
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_fused_decode_gives_the_unfused_logits(quantized, monkeypatch):
     """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
     the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise."""
-    from quantize import quantize_
+    from redline.quantize import quantize_
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs.from_name("debug-tiny-llama3")).eval()  # GQA 4:1, llama3 rope

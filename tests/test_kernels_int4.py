@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels  # noqa: F401  (registers the ops)
-from kernels.linear import fused_linear_reference, int4_linear_reference
-from quantize import quantize_int4
+from redline import kernels  # noqa: F401  (registers the ops)
+from redline.kernels.linear import fused_linear_reference, int4_linear_reference
+from redline.quantize import quantize_int4
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
@@ -28,10 +28,10 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
         patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
     interp._patch_lang_tensor = patched
-    from kernels.configs import GemvConfig
-    from kernels.linear import fused_linear_reference, int4_linear_reference
-    from kernels.triton_int4 import gemv_int4
-    from quantize import quantize_int4
+    from redline.kernels.configs import GemvConfig
+    from redline.kernels.linear import fused_linear_reference, int4_linear_reference
+    from redline.kernels.triton_int4 import gemv_int4
+    from redline.quantize import quantize_int4
     torch.manual_seed(0)
     worst = 0.0
     cases = [(16, 256, 32, None), (10, 96, 32, GemvConfig(4, 64, 1, 2)), (24, 512, 128, GemvConfig(8, 128, 2, 1)),
@@ -127,7 +127,7 @@ def _x_of_kind(kind: str, k: int) -> torch.Tensor:
 def test_gpu_int4_gemv_products_match_reference(half2, kind, n, k, g):
     """Both product forms (fp16x2 with x scaled per chunk, fp32) over the inputs that test the fp16 range: an
     overflow, an underflow or a bad scale would show as an error far above one bf16 rounding."""
-    from kernels.triton_int4 import gemv_int4
+    from redline.kernels.triton_int4 import gemv_int4
 
     if half2 and not torch.version.cuda:
         pytest.skip("the fp16x2 products are inline PTX (NVIDIA)")

@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import configs, linear
-from kernels.configs import Int4DotConfig, fitted_int4_dot_config, int4_dot_config, int4_dot_smem_bytes
-from kernels.device import DEFAULT_TARGETS, simulated, target_caps
-from quantize import dequantize_int4, quantize_int4
+from redline.kernels import configs, linear
+from redline.kernels.configs import Int4DotConfig, fitted_int4_dot_config, int4_dot_config, int4_dot_smem_bytes
+from redline.kernels.device import DEFAULT_TARGETS, simulated, target_caps
+from redline.quantize import dequantize_int4, quantize_int4
 
 # (N, K) of the projections of Llama-2-7B, Llama-3-8B and Llama-3-70B (fused qkv, wo, fused gate/up, w2, head).
 SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096), (6144, 4096), (28672, 4096),
@@ -69,7 +69,7 @@ def test_config_validation():
 
 
 def test_block_k_divides_k():
-    tk = pytest.importorskip("kernels.triton_int4_dot")
+    tk = pytest.importorskip("redline.kernels.triton_int4_dot")
     assert tk.block_k_for(256, 4096) == 256
     assert tk.block_k_for(256, 11008) == 256  # 43 * 256
     assert tk.block_k_for(256, 4160) == 64  # 65 * 64
@@ -77,7 +77,7 @@ def test_block_k_divides_k():
 
 
 def test_int4_dot_rejects_bad_weights():
-    tk = pytest.importorskip("kernels.triton_int4_dot")
+    tk = pytest.importorskip("redline.kernels.triton_int4_dot")
     w, sz = quantize_int4(torch.randn(8, 128), 32)
     x = torch.randn(2, 128)
     with pytest.raises(ValueError, match="do not fit K=128"):
@@ -95,7 +95,7 @@ def test_shared_memory_estimate_covers_compiled_kernels():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton_int4_dot import _int4_dot_kernel
+    from redline.kernels.triton_int4_dot import _int4_dot_kernel
 
     signature = {"x_ptr": "*bf16", "w_ptr": "*u8", "sz_ptr": "*i32", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                  "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32", "G": "constexpr",
@@ -131,7 +131,7 @@ def _rel_err(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor
 @pytest.mark.parametrize("n,k,g", [(333, 4160, 64), (7, 32, 32), (1000, 96, 32), (130, 512, 256), (4099, 1024, 128)])
 @pytest.mark.parametrize("m", [2, 17, 64, 130, 256])
 def test_gpu_int4_dot_matches_reference(n, k, g, m, dtype):
-    from kernels.triton_int4_dot import int4_dot
+    from redline.kernels.triton_int4_dot import int4_dot
 
     w, sz = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, g)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -146,7 +146,7 @@ def test_gpu_int4_dot_matches_reference(n, k, g, m, dtype):
 @pytest.mark.parametrize("m", [4, 16, 64, 256])
 def test_gpu_int4_linear_7b_shapes(n, k, g, m):
     """The op on the 7B shapes in bf16: the tensor-core kernel (bit for bit what int4_dot gives) within the bound."""
-    from kernels.triton_int4_dot import int4_dot
+    from redline.kernels.triton_int4_dot import int4_dot
 
     w, sz = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, g)
     x = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
@@ -163,7 +163,7 @@ def test_gpu_int4_linear_7b_shapes(n, k, g, m):
 @pytest.mark.parametrize("ptx", [True, False])
 def test_gpu_int4_dot_configs_and_conversions(config, dtype, ptx):
     """Every tile form (swapped or not, 16-64 row tiles, the PTX and the plain nibble conversion) on a 7B shape."""
-    from kernels.triton_int4_dot import int4_dot
+    from redline.kernels.triton_int4_dot import int4_dot
 
     w, sz = quantize_int4(torch.randn(4096, 4096, device="cuda") * 0.02, 64)
     x = torch.randn(40, 4096, device="cuda", dtype=dtype)

@@ -50,8 +50,8 @@ def _rope_table(seq_len: int, head_dim: int) -> torch.Tensor:
 
 
 def _gemv_case(variant: str, dtype: torch.dtype) -> float:
-    from kernels import configs, linear
-    from kernels import triton_linear as tk
+    from redline.kernels import configs, linear
+    from redline.kernels import triton_linear as tk
 
     k = 100 if variant in ("odd_k", "int8_odd_k") else 256
     n = 48
@@ -73,8 +73,8 @@ def _gemv_case(variant: str, dtype: torch.dtype) -> float:
 
 
 def _dot_case(variant: str, dtype: torch.dtype) -> float:
-    from kernels import configs, linear
-    from kernels import triton_linear as tk
+    from redline.kernels import configs, linear
+    from redline.kernels import triton_linear as tk
 
     m = 5 if variant == "int8" else int(variant)
     n, k = 96, 160  # K not a multiple of the 128-wide blocks below: the masked path
@@ -92,9 +92,9 @@ def _int4_dot_case(m: int, dtype: torch.dtype) -> float:
     """The int4 tensor-core kernel against int4_linear_reference: odd N, group sizes 32-256, swapped and not, K steps
     shorter than a group, several groups per step, a K that the config's step does not divide, x at an odd offset
     (copied for the kernel's 32-bit reads) and a weight with a row stride past K/2."""
-    from kernels import configs, linear
-    from kernels.triton_int4_dot import int4_dot
-    from quantize import quantize_int4
+    from redline.kernels import configs, linear
+    from redline.kernels.triton_int4_dot import int4_dot
+    from redline.quantize import quantize_int4
 
     n, k, group_size, config = {
         2: (33, 256, 64, configs.Int4DotConfig(16, 128, 4, 2)),
@@ -111,9 +111,9 @@ def _int4_dot_case(m: int, dtype: torch.dtype) -> float:
 
 
 def _attention_case(variant: str, dtype: torch.dtype) -> float:
-    from kernels import attention as da
-    from kernels import configs
-    from kernels import triton_attention as ta
+    from redline.kernels import attention as da
+    from redline.kernels import configs
+    from redline.kernels import triton_attention as ta
 
     n_heads, n_kv_heads = (4, 4) if variant == "mha" else (8, 2)
     batch, seq_len, head_dim, pos = 2, 80, 32, 70
@@ -137,9 +137,9 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
 
 
 def _rope_case(dtype: torch.dtype) -> float:
-    from kernels import attention as da
-    from kernels import configs
-    from kernels import triton_attention as ta
+    from redline.kernels import attention as da
+    from redline.kernels import configs
+    from redline.kernels import triton_attention as ta
     batch, length, n_heads, n_kv_heads, head_dim = 2, 37, 4, 2, 32
     rope = _rope_table(length, head_dim)
     qkv = torch.randn(batch, length, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)

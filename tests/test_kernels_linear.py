@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import linear as kl
-from kernels.configs import DotConfig, GemvConfig
-from kernels.linear import PROMPT_SMALL_M, SMALL_M, int8_linear_reference, linear_reference
+from redline.kernels import linear as kl
+from redline.kernels.configs import DotConfig, GemvConfig
+from redline.kernels.linear import PROMPT_SMALL_M, SMALL_M, int8_linear_reference, linear_reference
 
 # (N, K) of the decode GEMVs that matter.
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
@@ -263,9 +263,9 @@ def test_gpu_int8_prefill_chunked(monkeypatch, no_tf32):
 @pytest.mark.parametrize("int8_mode", [1, 2])
 @pytest.mark.parametrize("shape", [(4096, 11008), (50, 72), (7, 13)])
 def test_gpu_gemv_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no_tf32):
-    from kernels import triton_linear as tk
+    from redline.kernels import triton_linear as tk
 
-    from kernels.device import device_caps
+    from redline.kernels.device import device_caps
 
     if pdl and not device_caps().supports_pdl:
         pytest.skip("PDL needs NVIDIA sm_90+")
@@ -289,7 +289,7 @@ def test_gpu_gemv_variants_overwrite_poisoned_output(shape, int8_mode, pdl, no_t
 @pytest.mark.parametrize("shape", [(4096, 11008), (4096, 14336), (33, 4100), (50, 72)])
 def test_gpu_gemv_configs(shape, cfg, no_tf32):
     """Every config the table may pick is correct, also when BLOCK_K does not divide K."""
-    from kernels import triton_linear as tk
+    from redline.kernels import triton_linear as tk
 
     n, k = shape
     w, q, s = _weights(n, k, torch.bfloat16)
@@ -304,7 +304,7 @@ def test_gpu_gemv_configs(shape, cfg, no_tf32):
 
 @pytest.mark.gpu
 def test_gpu_kernel_bounds():
-    from kernels import triton_linear as tk
+    from redline.kernels import triton_linear as tk
 
     x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
@@ -316,7 +316,7 @@ def test_gpu_kernel_bounds():
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(4096, 11008), (12288, 4096), (50, 72), (4097, 2056)])
 def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
-    from kernels import triton_linear as tk
+    from redline.kernels import triton_linear as tk
 
     n, k = shape
     w32, q, s = _weights(n, k, torch.float32)
@@ -335,7 +335,7 @@ def test_gpu_small_m_dot(shape, x_dtype, no_tf32):
 @pytest.mark.parametrize("config", [(32, 64, 4, 3, 16), (64, 128, 4, 4, 32), (128, 64, 4, 4, 64), (128, 64, 8, 4, 128)])
 def test_gpu_small_m_dot_row_tiles(config, no_tf32):
     """Explicit rows per tile: every tile of rows, the partial last one included, is computed and stored."""
-    from kernels import triton_linear as tk
+    from redline.kernels import triton_linear as tk
 
     n, k = 4097, 2056
     w32, q, s = _weights(n, k, torch.float32)
@@ -410,8 +410,8 @@ def test_gpu_torch_compile_reduce_overhead(no_tf32):
 
 
 def test_use_kernels_swaps_linears_keeping_weights_shared_and_outputs_equal():
-    from kernels import KernelLinear, use_kernels
-    from model import ModelArgs, Transformer
+    from redline.kernels import KernelLinear, use_kernels
+    from redline.model import ModelArgs, Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
@@ -430,9 +430,9 @@ def test_use_kernels_swaps_linears_keeping_weights_shared_and_outputs_equal():
 
 
 def test_use_kernels_swaps_int8_linears_for_the_kernel_op():
-    from kernels import KernelInt8Linear, use_kernels
-    from model import ModelArgs, Transformer
-    from quantize import Int8Linear, quantize_
+    from redline.kernels import KernelInt8Linear, use_kernels
+    from redline.model import ModelArgs, Transformer
+    from redline.quantize import Int8Linear, quantize_
 
     torch.manual_seed(0)
     model = quantize_(Transformer(ModelArgs.from_name("debug-tiny")).eval(), "int8")
@@ -481,7 +481,7 @@ def fused_fp32(x, w, scales, nw, eps, r, swiglu):
                                                   (False, False, False)])
 def test_fused_linear_cpu_is_the_unfused_ops(int8, norm, residual, swiglu):
     """On the CPU the op runs the model's own ops in the model's order: bit-identical to composing them."""
-    from model import rms_norm
+    from redline.model import rms_norm
 
     x, w, s, nw, r = fused_inputs(24, 40, int8=int8, norm=norm, residual=residual, swiglu=swiglu)
     out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-5, r, swiglu, None, -1, -1)
@@ -564,7 +564,7 @@ def test_gpu_fused_linear_matches_reference(name, int8, no_tf32):
 
 @pytest.mark.gpu
 def test_gpu_fused_linear_configs_and_no_pdl(no_tf32):
-    from kernels import triton_linear as tk
+    from redline.kernels import triton_linear as tk
 
     x, w, s, nw, r = fused_inputs(4098, 4096, device="cuda", swiglu=True)
     ref = fused_fp32(x, w, s, nw, 1e-6, None, True)
@@ -588,8 +588,8 @@ def test_fused_linear_cpu_accumulates_the_sum_of_squares():
 def test_no_fitting_tensor_core_config_takes_blas_and_matches_the_reference(monkeypatch):
     from dataclasses import replace
 
-    from kernels import triton_linear
-    from kernels.device import device_caps, simulated
+    from redline.kernels import triton_linear
+    from redline.kernels.device import device_caps, simulated
 
     launched = []
     real = triton_linear.small_m_dot

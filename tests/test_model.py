@@ -10,9 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint import read_checkpoint_info
-from model import MODEL_REGISTRY, ModelArgs, Transformer, rope_frequencies
-from quantize import load_model
+from redline.checkpoint import read_checkpoint_info
+from redline.model import MODEL_REGISTRY, ModelArgs, Transformer, rope_frequencies
+from redline.quantize import load_model
 
 from conftest import prefill_then_decode_logits, save_tiny_hf_checkpoint, tiny_hf_config
 
@@ -39,7 +39,7 @@ def test_converted_logits_match_hf(hf_variant_checkpoint):
 
 
 def test_llama3_rope_beyond_original_length_matches_hf(tmp_path):
-    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
     hf_dir, hf_model = save_tiny_hf_checkpoint(tmp_path, "llama3_rope")
     model = load_fp32(convert_hf_checkpoint(hf_dir, dtype="float32"))
@@ -185,7 +185,7 @@ def test_rope_llama3_scaling_keeps_high_frequencies_and_slows_low_ones():
 
 
 def test_rope_table_is_fp32_and_matches_cos_sin():
-    from model import rope_table
+    from redline.model import rope_table
 
     args = ModelArgs.from_name("debug-tiny")
     table = rope_table(args, 50)
@@ -217,8 +217,8 @@ class RedlineOpRecorder(TorchDispatchMode):
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_a_model_without_use_kernels_runs_no_redline_op(quantized):
-    import kernels
-    from quantize import quantize_
+    from redline import kernels
+    from redline.quantize import quantize_
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs.from_name("debug-tiny")).eval()

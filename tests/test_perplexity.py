@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scripts.perplexity import main, scored_windows
+from redline.scripts.perplexity import main, scored_windows
 
 
 @pytest.mark.parametrize("n, window, stride", [(10, 4, 2), (3, 4, 2), (9, 4, 3), (1, 4, 2), (12, 5, 1), (100, 16, 15)])
@@ -30,7 +30,7 @@ def test_matches_hf_when_one_window_covers_the_text(tiny_llm_checkpoint, tmp_pat
                  "--device", "cpu", "--json", str(out_json)])
     assert code == 0
     record = json.loads(out_json.read_text())
-    from tokenizer import load_tokenizer
+    from redline.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
     ids = torch.tensor([[tok.bos_id] + tok.encode(text_file.read_text()) + [tok.eos_ids[0]]])
@@ -63,7 +63,7 @@ def one_line(code: int, err: str, message: str) -> None:
 @pytest.fixture
 def long_doc(tmp_path, tiny_llm_checkpoint):
     """A text longer than the tiny model's 256-token context, and its token count with BOS and EOS."""
-    from tokenizer import load_tokenizer
+    from redline.tokenizer import load_tokenizer
 
     doc = tmp_path / "long.txt"
     doc.write_text("The quick brown fox jumps over the lazy dog. def add(a, b): return a + b\n" * 30)
@@ -94,7 +94,7 @@ def test_every_token_is_scored_once_whatever_the_window(tiny_llm_checkpoint, lon
 
 def test_sliding_windows_match_hf_scored_window_by_window(tiny_llm_checkpoint, long_doc, tmp_path):
     path, hf_model = tiny_llm_checkpoint
-    from tokenizer import load_tokenizer
+    from redline.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
     ids = torch.tensor([tok.bos_id] + tok.encode(long_doc[0].read_text()) + [tok.eos_ids[0]])
@@ -116,7 +116,7 @@ def test_folder_as_text_is_named_a_folder(tiny_llm_checkpoint, tmp_path, capsys)
 
 @pytest.mark.parametrize("where", ["under_a_file", "a_folder", "the_text"])
 def test_bad_json_path_fails_before_the_model_loads(tiny_llm_checkpoint, tmp_path, capsys, monkeypatch, where):
-    import scripts.perplexity as perplexity
+    from redline.scripts import perplexity
 
     doc = tmp_path / "a.txt"
     doc.write_text("hello")
@@ -132,7 +132,7 @@ def test_bad_json_path_fails_before_the_model_loads(tiny_llm_checkpoint, tmp_pat
 
 
 def test_ctrl_c_is_one_line_and_status_130(tiny_llm_checkpoint, tmp_path, capsys, monkeypatch):
-    import scripts.perplexity as perplexity
+    from redline.scripts import perplexity
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -153,7 +153,7 @@ def test_stride_not_below_the_window_is_refused_by_the_window_function():
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_arguments_give_a_result_or_one_line(tiny_llm_checkpoint, tmp_path, capsys, data):
-    from checkpoint import TEMP_FILE
+    from redline.checkpoint import TEMP_FILE
 
     doc = tmp_path / "doc.txt"
     doc.write_text("The quick brown fox.\n" * 3)

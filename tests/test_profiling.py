@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from profiling import ProfileConfig, TraceRecorder
+from redline.profiling import ProfileConfig, TraceRecorder
 
 STATS = {
     "model": "tiny",

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from checkpoint import load_tensors, read_checkpoint_info
-from generate import LLM
-from quantize import Int8Linear, load_model, main, quantize_, quantize_checkpoint, quantize_int8
+from redline.checkpoint import load_tensors, read_checkpoint_info
+from redline.generate import LLM
+from redline.quantize import Int8Linear, load_model, main, quantize_, quantize_checkpoint, quantize_int8
 
 # The bounds this scheme promises (README: "int8 weight-only").
 MAX_LAYER_REL_ERROR = 0.01
@@ -22,7 +22,7 @@ MAX_SIZE_RATIO = 0.55
 
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tiny_llm_checkpoint, tmp_path_factory):
-    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
     src = tiny_llm_checkpoint[0].parent
     return convert_hf_checkpoint(src, tmp_path_factory.mktemp("bf16") / "model.safetensors", dtype="bfloat16")
@@ -167,7 +167,7 @@ def test_cli_refuses_an_out_that_is_the_input_through_a_link(bf16_checkpoint, tm
 
 
 def test_cli_ctrl_c_is_one_line_and_status_130(bf16_checkpoint, tmp_path, capsys, monkeypatch):
-    import quantize
+    from redline import quantize
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -189,7 +189,7 @@ def test_cli_progress_bar_only_on_a_terminal(bf16_checkpoint, tmp_path, capsys, 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_cli_random_arguments_give_a_result_or_one_line(bf16_checkpoint, int8_checkpoint, tmp_path, capsys, data):
-    from checkpoint import TEMP_FILE
+    from redline.checkpoint import TEMP_FILE
 
     values = [str(bf16_checkpoint), str(bf16_checkpoint.parent), str(int8_checkpoint), str(tmp_path / "q.safetensors"),
               str(tmp_path / "q.bin"), str(tmp_path / "missing.safetensors"), str(bf16_checkpoint / "x.safetensors"),

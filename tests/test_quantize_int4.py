@@ -4,14 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint import read_checkpoint_info
-from quantize import (Int4Linear, dequantize_int4, load_model, main, pack_int4, quantize_, quantize_checkpoint,
+from redline.checkpoint import read_checkpoint_info
+from redline.quantize import (Int4Linear, dequantize_int4, load_model, main, pack_int4, quantize_, quantize_checkpoint,
                       quantize_int4, unpack_int4)
 
 
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tiny_llm_checkpoint, tmp_path_factory):
-    from scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
     src = tiny_llm_checkpoint[0].parent
     return convert_hf_checkpoint(src, tmp_path_factory.mktemp("bf16") / "model.safetensors", dtype="bfloat16")
@@ -94,7 +94,7 @@ def test_quantize_checkpoint_int4_metadata_and_load(bf16_checkpoint, tmp_path):
 def test_llm_load_quantizes_int4_in_memory(bf16_checkpoint, tiny_llm_checkpoint):
     import shutil
 
-    from generate import LLM
+    from redline.generate import LLM
 
     shutil.copy(tiny_llm_checkpoint[0].parent / "tokenizer.model", bf16_checkpoint.parent / "tokenizer.model")
     # plain "int4" takes the largest group size up to 128 that divides every layer (the tiny model: 64 and 160 inputs)
@@ -110,8 +110,8 @@ def test_llm_load_quantizes_int4_in_memory(bf16_checkpoint, tiny_llm_checkpoint)
 
 
 def test_auto_group_size_is_the_largest_that_divides_every_layer():
-    from model import ModelArgs
-    from quantize import auto_group_size, model_input_features
+    from redline.model import ModelArgs
+    from redline.quantize import auto_group_size, model_input_features
 
     assert auto_group_size(model_input_features(ModelArgs.from_name("Llama-2-7B"))) == 128
     assert auto_group_size([576, 1536]) == 64  # SmolLM2-135M: dim 576, intermediate 1536
@@ -123,7 +123,7 @@ def test_auto_group_size_is_the_largest_that_divides_every_layer():
 @pytest.mark.parametrize("spec, parsed", [("int8", ("int8", None)), ("int4", ("int4", None)),
                                           ("int4-g64", ("int4", 64)), ("int4-g256", ("int4", 256))])
 def test_quant_spec_parses(spec, parsed):
-    from quantize import parse_quant_spec
+    from redline.quantize import parse_quant_spec
 
     assert parse_quant_spec(spec) == parsed
 
@@ -132,7 +132,7 @@ def test_quant_spec_parses(spec, parsed):
                                            ("int4-gx", "unknown quantization"), ("int4-g48", "power of two"),
                                            ("int4-g16", "at least 32"), ("int4-g", "unknown quantization")])
 def test_bad_quant_specs_are_one_line_errors(spec, message):
-    from quantize import parse_quant_spec
+    from redline.quantize import parse_quant_spec
 
     with pytest.raises(ValueError, match=message) as info:
         parse_quant_spec(spec)

@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from checkpoint import read_checkpoint_info
-from quantize import load_model
-from tokenizer import load_tokenizer
+from redline.checkpoint import read_checkpoint_info
+from redline.quantize import load_model
+from redline.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.real_model
 
@@ -85,7 +85,7 @@ def test_fp32_logits_match_hf_over_real_text(smollm2_checkpoint, smollm2_hf):
 
 
 def test_greedy_generation_matches_hf(smollm2_checkpoint, smollm2_hf):
-    from generate import LLM
+    from redline.generate import LLM
 
     _, hf_model = smollm2_hf
     llm = LLM.load(smollm2_checkpoint, device="cpu", dtype="float32")
@@ -109,7 +109,7 @@ def test_perplexity_script_matches_hf(smollm2_checkpoint, smollm2_hf, tmp_path):
 
     import torch.nn.functional as F
 
-    from scripts.perplexity import main as perplexity_main
+    from redline.scripts.perplexity import main as perplexity_main
 
     _, hf_model = smollm2_hf
     doc = tmp_path / "doc.txt"

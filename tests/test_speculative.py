@@ -10,12 +10,12 @@ import pytest
 import scipy.stats
 import torch
 
-from checkpoint import read_checkpoint_info
-from generate import LLM, main
-from model import ModelArgs, Transformer
-from quantize import load_model
-import speculative
-from speculative import CostGate, Draft, PromptLookupDraft, ReplayDraft, filtered_probs
+from redline.checkpoint import read_checkpoint_info
+from redline.generate import LLM, main
+from redline.model import ModelArgs, Transformer
+from redline.quantize import load_model
+from redline import speculative
+from redline.speculative import CostGate, Draft, PromptLookupDraft, ReplayDraft, filtered_probs
 
 # Greedy equality is checked on these prompts: repetitive text (prompt lookup finds matches), code, and raw ids.
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The quick brown",
@@ -105,7 +105,7 @@ def test_stats_count_accepted_tokens(llm):
 
 @pytest.mark.parametrize("prompt", PROMPTS[1:4])
 def test_step_counts_add_up_to_the_tokens(llm, noisy_draft, prompt):
-    """The prefill's token, 1 + accepted per verify step, 1 per plain step: what scripts/speculative_projection.py
+    """The prefill's token, 1 + accepted per verify step, 1 per plain step: what benchmarks/speculative_projection.py
     builds its model on."""
     for draft in ("prompt_lookup", noisy_draft):
         stats = greedy(llm, prompt, draft=draft, speculate_k=4).stats

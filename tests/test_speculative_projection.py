@@ -1,4 +1,4 @@
-"""scripts/speculative_projection.py: the projected speedup from hand-made reports, and from real CPU runs."""
+"""benchmarks/speculative_projection.py: the projected speedup from hand-made reports, and from real CPU runs."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from scripts import speculative_projection as projection
+from redline.benchmarks import speculative_projection as projection
 
 MODEL = "Llama-2-7B"
 
@@ -87,8 +87,8 @@ def one_thread():
 
 def test_the_scripts_json_files_chain(tiny_llm_checkpoint, chat_tokenizer, monkeypatch, tmp_path, capsys, one_thread):
     """bench.py --speculate-k and bench_prompt_lookup.py on the CPU write what the projection reads."""
-    import generate
-    from scripts import bench, bench_prompt_lookup
+    from redline import generate
+    from redline.benchmarks import bench, bench_prompt_lookup
 
     spec, lookup, out = tmp_path / "spec.json", tmp_path / "lookup.json", tmp_path / "projection.json"
     assert bench.main(["--model", "debug-tiny", "--quant", "none,int8", "--device", "cpu", "--dtype", "float32",

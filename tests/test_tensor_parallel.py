@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import tensor_parallel as tp
-from checkpoint import load_tensors, read_checkpoint_info
-from model import ModelArgs
+from redline import tensor_parallel as tp
+from redline.checkpoint import load_tensors, read_checkpoint_info
+from redline.model import ModelArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "tp_worker.py"
@@ -38,8 +38,8 @@ def torchrun(args: list[str], nproc: int = 2, extra_env: dict[str, str] | None =
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llm_checkpoint, tmp_path_factory) -> list[Path]:
     """The float32 tiny model (4 heads, 2 kv heads, intermediate 160) and its int8 copy, each beside the tokenizer."""
-    from quantize import quantize_checkpoint
-    from tokenizer import copy_tokenizer_files
+    from redline.quantize import quantize_checkpoint
+    from redline.tokenizer import copy_tokenizer_files
 
     float_path = tiny_llm_checkpoint[0]
     folder = tmp_path_factory.mktemp("tp-int8")
@@ -59,7 +59,7 @@ def two_ranks(checkpoints, tmp_path_factory):
 
 
 def one_process(path: Path) -> dict:
-    import generate
+    from redline import generate
     from tests.tp_worker import NEW_TOKENS, logits
 
     llm = generate.LLM.load(path, device="cpu", compile=False)
@@ -89,7 +89,7 @@ def test_ranks_agree_on_unseeded_samples(two_ranks):
 
 
 def test_cli_prints_once_from_rank_zero(two_ranks, checkpoints):
-    import generate
+    from redline import generate
     from tests.tp_worker import NEW_TOKENS
 
     _, proc = two_ranks
@@ -205,7 +205,7 @@ def test_fused_decode_per_rank_equals_unfused_tensor_parallel(checkpoints, tmp_p
 @each_all_reduce
 def test_two_gpus_give_one_gpus_greedy_tokens(checkpoints, tmp_path, all_reduce):
     """The converted float32 checkpoint and its int8 copy, compiled with the fused decode: 2 GPUs against 1."""
-    import generate
+    from redline import generate
     from tests.tp_worker import GPU_NEW_TOKENS
 
     run_on_two_gpus(["--gpu-greedy", str(tmp_path), PROMPT, *map(str, checkpoints)], all_reduce)
@@ -219,11 +219,11 @@ def test_two_gpus_give_one_gpus_greedy_tokens(checkpoints, tmp_path, all_reduce)
 
 
 def test_bench_tp_needs_a_matching_torchrun_launch(monkeypatch):
-    from scripts.bench import parse_args
+    from redline.benchmarks.bench import parse_args
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(ValueError, match="torchrun --nproc_per_node 2 scripts/bench.py --tp 2"):
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node 2 benchmarks/bench.py --tp 2"):
         parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cpu"])
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="divisible by 3"):
@@ -247,7 +247,7 @@ def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
     import json
 
     out = tmp_path / "tp.json"
-    proc = torchrun([str(ROOT / "scripts" / "bench.py"), "--tp", "2", "--model", "debug-tiny", "--quant",
+    proc = torchrun([str(ROOT / "benchmarks" / "bench.py"), "--tp", "2", "--model", "debug-tiny", "--quant",
                      "none,int8", "--all-reduce", "nccl", "--new-tokens", "4", "--runs", "1",
                      "--device", "cpu", "--json", str(out), "--profile", str(tmp_path / "traces"),
                      "--profile-steps", "2"])
@@ -266,11 +266,11 @@ def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
     assert proc.stdout.count("# Redline benchmark") == 1
     # One GPU's run of the same model merged with the TP run gives the table of TP against one GPU.
     single = tmp_path / "one.json"
-    from scripts import bench
+    from redline.benchmarks import bench
 
     assert bench.main(["--model", "debug-tiny", "--quant", "int8", "--new-tokens", "4", "--runs", "1",
                        "--device", "cpu", "--json", str(single)]) == 0
-    merged = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--merge", f"{single},{out}"],
+    merged = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--merge", f"{single},{out}"],
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                             timeout=LAUNCH_TIMEOUT_S)
     assert merged.returncode == 0, merged.stderr[-4000:]

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import sentencepiece as spm
 
-import tokenizer as tk
-from tokenizer import load_tokenizer
+from redline import tokenizer as tk
+from redline.tokenizer import load_tokenizer
 
 TOKENIZER_DIRS = ["sp_tokenizer_dir", "tiktoken_tokenizer_dir", "hf_tokenizer_dir"]
 
@@ -554,8 +554,8 @@ def test_copy_tokenizer_files_never_onto_itself(sp_tokenizer_dir, tmp_path):
 
 
 def test_converter_and_quantizer_clis_copy_the_tokenizer_beside_out(tiny_llm_checkpoint, tmp_path):
-    from quantize import main as quantize_main
-    from scripts.convert_hf_checkpoint import main as convert_main
+    from redline.quantize import main as quantize_main
+    from redline.scripts.convert_hf_checkpoint import main as convert_main
 
     source = tiny_llm_checkpoint[0].parent
     converted = tmp_path / "converted" / "model.safetensors"

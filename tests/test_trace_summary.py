@@ -210,7 +210,7 @@ def test_cli_text_gzip(tmp_path, capsys):
 
 
 def test_round_trip_trace_recorder(tmp_path):
-    from profiling import ProfileConfig, TraceRecorder
+    from redline.profiling import ProfileConfig, TraceRecorder
 
     w = torch.randn(32, 32)
     rec = TraceRecorder(ProfileConfig(tmp_path / "rt.json.gz", record_steps=3), "cpu")

@@ -37,7 +37,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 
 
 def run(out_dir: Path, prompt: str, checkpoints: list[str]) -> int:
-    import generate
+    from redline import generate
 
     rank = int(os.environ.get("RANK", "0"))
     for i, path in enumerate(checkpoints):
@@ -57,9 +57,9 @@ def run(out_dir: Path, prompt: str, checkpoints: list[str]) -> int:
 def fused_and_unfused(path: str, device: str) -> dict[str, torch.Tensor]:
     """This rank's float32 logits of single-token steps (after a prefill) through the fused TP decode and through the
     unfused TP model, both on the kernel modules (their PyTorch references on the CPU)."""
-    import tensor_parallel
-    from checkpoint import read_checkpoint_info
-    from kernels import use_kernels
+    from redline import tensor_parallel
+    from redline.checkpoint import read_checkpoint_info
+    from redline.kernels import use_kernels
 
     world = tensor_parallel.start(device)
     model = tensor_parallel.load_sharded_model(read_checkpoint_info(path), world)
@@ -88,7 +88,7 @@ def fused_check(out_dir: Path, path: str) -> int:
 def gpu_greedy(out_dir: Path, prompt: str, checkpoints: list[str]) -> int:
     """On GPUs, the engine as users run it (compiled, CUDA graphs, fused decode, the all-reduce REDLINE_ALL_REDUCE
     names): OUT_DIR/gpu-<i>-rank<r>.pt holds the greedy tokens of each checkpoint."""
-    import generate
+    from redline import generate
 
     rank = int(os.environ.get("RANK", "0"))
     for i, path in enumerate(checkpoints):

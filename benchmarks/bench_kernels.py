@@ -6,9 +6,9 @@ several times, and takes the median over REPS replays timed with CUDA events. Th
 measured in the same process (a large bf16 .sum(), CUDA events, median of 20), and each row shows
 the share of it that the kernel reaches.
 
-    python scripts/bench_kernels.py --json out/bench_kernels.json
-    python scripts/bench_kernels.py --sweep --msweep --json out/sweep.json   # also try configs
-    python scripts/bench_kernels.py --msweep --dot-sweep --m-rows 32,64,256 --no-table   # batches
+    python benchmarks/bench_kernels.py --json out/bench_kernels.json
+    python benchmarks/bench_kernels.py --sweep --msweep --json out/sweep.json   # also try configs
+    python benchmarks/bench_kernels.py --msweep --dot-sweep --m-rows 32,64,256 --no-table   # batches
 
 --sweep times several (BLOCK_N, BLOCK_K, num_warps, depth, red) configs of the GEMV kernel per shape
 (and the best one without PDL); --msweep compares the ops with cuBLAS at M = 2, 4, 8, 16 on the 7B
@@ -28,9 +28,9 @@ from dataclasses import astuple
 import torch
 import torch.nn.functional as F
 
-from kernels.configs import DotConfig, GemvConfig
-from kernels import linear as kernels  # registers torch.ops.redline
-from profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
+from redline.kernels.configs import DotConfig, GemvConfig
+from redline.kernels import linear as kernels  # registers torch.ops.redline
+from redline.profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
 
 LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w2": (4096, 11008),
              "lm_head": (32000, 4096)}
@@ -347,4 +347,7 @@ def print_table(report: dict, bw: float) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.benchmarks.bench_kernels import main as package_main
+
+    sys.exit(package_main())

@@ -1,4 +1,4 @@
-"""The tensor-parallel parts of the benchmark (scripts/bench.py --tp N under torchrun): a rank's random-weight model,
+"""The tensor-parallel parts of the benchmark (benchmarks/bench.py --tp N under torchrun): a rank's random-weight model,
 built directly in its slice shapes (no full copy anywhere), and the time one decode token spends in all-reduces,
 NCCL against the one-shot over symmetric memory, each a CUDA graph of just those all-reduces."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-import tensor_parallel
-from model import ModelArgs, Transformer
-from scripts.bench_model import build_random_model
+from redline import tensor_parallel
+from redline.model import ModelArgs, Transformer
+from redline.benchmarks.bench_model import build_random_model
 
 # Replays of the all-reduce graph that are timed (after WARM_REPLAYS untimed ones); their mean is reported.
 TIMED_REPLAYS = 50

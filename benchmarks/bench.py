@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark Redline on random-weight models: decode against the GPU's read bandwidth, prefill, compile time, and HF.
 
-    python scripts/bench.py --model Llama-2-7B,Llama-3-8B --quant none,int8 --batch-size 1 \\
+    python benchmarks/bench.py --model Llama-2-7B,Llama-3-8B --quant none,int8 --batch-size 1 \\
         --prompt-lengths 8,512,2048 --new-tokens 200 --runs 5 [--compare hf] [--compile-prefill] \\
         [--compile-time | --compile-time-only] [--device cuda|cpu] [--dtype bfloat16] [--json FILE] [--plot FILE.png]
-    python scripts/bench.py --merge a.json,b.json [--json all.json] [--plot all.png]   # re-report saved runs
-    torchrun --nproc_per_node 2 scripts/bench.py --tp 2 --model Llama-2-70B [--all-reduce nccl,oneshot]  # 2 GPUs
-    python scripts/bench.py --model Llama-2-7B --quant none,int8 --speculate-k 1,2,3,4,5,6,7,8 [--json FILE]
+    python benchmarks/bench.py --merge a.json,b.json [--json all.json] [--plot all.png]   # re-report saved runs
+    torchrun --nproc_per_node 2 benchmarks/bench.py --tp 2 --model Llama-2-70B [--all-reduce nccl,oneshot]  # 2 GPUs
+    python benchmarks/bench.py --model Llama-2-7B --quant none,int8 --speculate-k 1,2,3,4,5,6,7,8 [--json FILE]
 
 Models come from the registry (`model.ModelArgs.from_name`) and get random weights of a realistic scale, so nothing
 is downloaded. What each number means:
@@ -28,8 +28,8 @@ is downloaded. What each number means:
   in turn. A run that also has 1-GPU records of the same models (--merge) gets a table of TP against one GPU.
   Rank 0 alone prints and writes the JSON.
 - --speculate-k (instead of the runs above): one decode step's time, a verify step's time for each k against it, and
-  the ceiling with a replay draft that is always right (scripts/bench_speculative.py says how);
-  scripts/speculative_projection.py combines these with measured acceptance.
+  the ceiling with a replay draft that is always right (benchmarks/bench_speculative.py says how);
+  benchmarks/speculative_projection.py combines these with measured acceptance.
 
 This file is the CLI and the run; each measurement has its own module: bench_redline (Redline), bench_hf
 (transformers), bench_compile_time (the child processes), bench_model (random weights and the counts), bench_env
@@ -52,20 +52,20 @@ from typing import Any
 import torch
 import torch._dynamo
 
-import tensor_parallel
-from checkpoint import dtype_from_name
-from model import ModelArgs
-from options import MAX_SPECULATE_K
-from scripts.bench_compile_time import CompileTimeRecord, measure_compile_times, run_ttft_probe
-from scripts.bench_env import BANDWIDTH_REPEATS, environment, measure_read_bandwidth
-from scripts.bench_int4 import tinygemm_anchor
-from scripts.bench_hf import HF_SHORT_TOKENS, HFRecord, attach_ratios, bench_hf
-from scripts.bench_model import QUANT_CHOICES
-from scripts.bench_redline import RedlineRecord, bench_redline, median
-from scripts.bench_report import NOTES, format_report, merge_reports, write_json, write_plot
-from scripts.bench_speculative import bench_speculative, format_speculative
+from redline import tensor_parallel
+from redline.checkpoint import dtype_from_name
+from redline.model import ModelArgs
+from redline.options import MAX_SPECULATE_K
+from redline.benchmarks.bench_compile_time import CompileTimeRecord, measure_compile_times, run_ttft_probe
+from redline.benchmarks.bench_env import BANDWIDTH_REPEATS, environment, measure_read_bandwidth
+from redline.benchmarks.bench_int4 import tinygemm_anchor
+from redline.benchmarks.bench_hf import HF_SHORT_TOKENS, HFRecord, attach_ratios, bench_hf
+from redline.benchmarks.bench_model import QUANT_CHOICES
+from redline.benchmarks.bench_redline import RedlineRecord, bench_redline, median
+from redline.benchmarks.bench_report import NOTES, format_report, merge_reports, write_json, write_plot
+from redline.benchmarks.bench_speculative import bench_speculative, format_speculative
 
-# What --compare can time next to Redline: transformers' LlamaForCausalLM (scripts/bench_hf.py).
+# What --compare can time next to Redline: transformers' LlamaForCausalLM (benchmarks/bench_hf.py).
 COMPARE_CHOICES = ("hf",)
 
 
@@ -145,7 +145,7 @@ class BenchConfig:
             if quant not in QUANT_CHOICES:
                 raise ValueError(f"unknown --quant mode {quant!r}; choose from {', '.join(QUANT_CHOICES)}")
         if "int4" in self.quants:
-            from quantize import check_group_size
+            from redline.quantize import check_group_size
 
             check_group_size(self.group_size, self.group_size)
         for what in self.compare:
@@ -187,14 +187,14 @@ class BenchConfig:
         world = ranks[1] if ranks is not None else 1
         if self.tp != world:
             raise ValueError(f"--tp {self.tp} but this launch has {world} process(es); run "
-                             f"torchrun --nproc_per_node {self.tp} scripts/bench.py --tp {self.tp} ...")
+                             f"torchrun --nproc_per_node {self.tp} benchmarks/bench.py --tp {self.tp} ...")
         if self.tp > 1 and (self.compile_time or self.compare or self.merge or self.speculate_ks):
             raise ValueError("--tp measures Redline's decode itself; drop --compile-time, --compare, --merge and "
                              "--speculate-k")
         for name in self.models if self.tp > 1 else ():
             local = tensor_parallel.shard_args(ModelArgs.from_name(name), self.tp)  # one line when it does not divide
             if "int4" in self.quants:  # a rank's slices must hold whole groups
-                from quantize import check_group_size, model_input_features
+                from redline.quantize import check_group_size, model_input_features
 
                 for k in model_input_features(local):
                     check_group_size(self.group_size, k)
@@ -230,7 +230,7 @@ def _importable(module: str) -> bool:
 
 
 def parse_args(argv: Sequence[str]) -> BenchConfig:
-    p = BenchArgumentParser(prog="scripts/bench.py", description=__doc__.split("\n\n")[0])
+    p = BenchArgumentParser(prog="benchmarks/bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="comma-separated registry names, e.g. Llama-2-7B,Llama-3-8B")
     p.add_argument("--quant", default="none", help="comma-separated: none, int8, int4 (int4 also times torch's "
                                                    "int4 kernel, tinygemm, on the model's GEMV shapes)")
@@ -412,4 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.benchmarks.bench import main as package_main
+
+    sys.exit(package_main())

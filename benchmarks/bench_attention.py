@@ -9,8 +9,8 @@ positions per S: input_pos = S - 1 (full cache) and S / 8 (a short prefix in a l
 implementations (SDPA reads the whole cache, so its GB/s is the useful rate, not what it moves).
 The read bandwidth of a large .sum() is measured in the same process as the ceiling.
 
-    python scripts/bench_attention.py --json out/bench_attention.json
-    python scripts/bench_attention.py --sweep --json out/sweep_attention.json   # also try kernel configs
+    python benchmarks/bench_attention.py --json out/bench_attention.json
+    python benchmarks/bench_attention.py --sweep --json out/sweep_attention.json   # also try kernel configs
 """
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import attention as da  # registers torch.ops.redline.decode_attention
-from kernels.configs import attention_config
-from checkpoint import write_atomically
-from profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
+from redline.kernels import attention as da  # registers torch.ops.redline.decode_attention
+from redline.kernels.configs import attention_config
+from redline.checkpoint import write_atomically
+from redline.profiling import cuda_graph_us_per_call, read_bandwidth_gb_s
 
 # name: (n_head, n_kv_heads, head_dim)
 SHAPES = {"Llama-2-7B": (32, 32, 128), "Llama-3-8B": (32, 8, 128)}
@@ -79,7 +79,7 @@ def rel_err(out, ref) -> float:
 def triton_calls(c: Caches, pos_t: torch.Tensor, config=None) -> list:
     if config is None:
         return [lambda i=i: torch.ops.redline.decode_attention(c.q, c.k[i], c.v[i], pos_t) for i in range(LAYERS)]
-    from kernels import triton_attention as ta
+    from redline.kernels import triton_attention as ta
 
     return [lambda i=i: ta.decode_attention(c.q, c.k[i], c.v[i], pos_t, config) for i in range(LAYERS)]
 
@@ -215,4 +215,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.benchmarks.bench_attention import main as package_main
+
+    sys.exit(package_main())

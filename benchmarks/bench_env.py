@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from profiling import read_bandwidth_gb_s
+from redline.profiling import read_bandwidth_gb_s
 
 # The checkout, whose git commit the record names.
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def measure_read_bandwidth(device: torch.device, gib: float, repeats: int = BAND
 def environment(device: torch.device, argv: Sequence[str]) -> dict[str, Any]:
     """Where and how the numbers were taken: the command, versions (CUDA or HIP), the device and the git commit."""
     env: dict[str, Any] = {
-        "command": shlex.join(["python", "scripts/bench.py", *argv]),
+        "command": shlex.join(["python", "benchmarks/bench.py", *argv]),
         "argv": list(argv),
         "timestamp_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),

@@ -6,10 +6,10 @@ process: plain, with prompt lookup, and with each --drafts entry, a draft that i
 SmolLM2-135M). The table shows the mean accepted drafts per verify step, the acceptance rate and decode tok/s
 against plain decoding.
 
-    PYTHONPATH=$PWD python scripts/bench_prompt_lookup.py [--checkpoint_path PATH] [--device cuda]
+    python benchmarks/bench_prompt_lookup.py [--checkpoint_path PATH] [--device cuda]
         [--dtype bfloat16] [--max_new_tokens 256] [--speculate_k 8] [--runs 3] [--drafts int8,int4,int4-g32]
         [--tasks code_edit,summarize] [--json FILE]
-    PYTHONPATH=$PWD python scripts/bench_prompt_lookup.py --device cpu --max_new_tokens 32 --runs 1  # small
+    python benchmarks/bench_prompt_lookup.py --device cpu --max_new_tokens 32 --runs 1  # small
 
 --checkpoint_path takes a Redline checkpoint (file or folder) or a .gguf file; a GGUF is converted once, dequantized
 to float32, into the folder NAME-float32 beside it (scripts/convert_gguf.py, which needs the gguf package; where it
@@ -17,7 +17,7 @@ is missing, convert elsewhere and pass the folder). Without it the demo model (S
 scripts/demo_model.py) is fetched once. Replies end at EOS as in real use. decode tok/s counts accepted tokens
 (tokens after the first over the time after the first, median of --runs after one warm-up); "same" says whether
 the greedy output equals the plain output. Each record also counts the verify steps and the plain decode steps of
-its first run: scripts/speculative_projection.py turns them, with a 7B model's measured step costs, into the 7B
+its first run: benchmarks/speculative_projection.py turns them, with a 7B model's measured step costs, into the 7B
 speedup. A source that fails is recorded under "errors" and the others still run (exit code 1).
 """
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from options import MAX_SPECULATE_K
-from quantize import parse_quant_spec
+from redline.options import MAX_SPECULATE_K
+from redline.quantize import parse_quant_spec
 
 _CODE = '''def moving_average(values, window):
     result = []
@@ -125,7 +125,7 @@ def timed_chat(llm: Any, messages: list[dict[str, str]], cfg: LookupBenchConfig,
 
 def draft_label(llm: Any) -> str:
     """The quantization an engine runs: "int8", "int4-gG" or "none"."""
-    from quantize import Int4Linear, model_quantization
+    from redline.quantize import Int4Linear, model_quantization
 
     scheme = model_quantization(llm.model)
     if scheme != "int4":
@@ -191,7 +191,7 @@ def format_records(records: Sequence[TaskRecord], k: int, errors: Sequence[dict[
 
 
 def parse_args(argv: Sequence[str]) -> LookupBenchConfig:
-    from checkpoint import OneLineArgumentParser
+    from redline.checkpoint import OneLineArgumentParser
 
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint_path", type=Path, default=None,
@@ -225,7 +225,7 @@ def converted_gguf(path: Path) -> Path:
         raise ValueError(f"{path} is a GGUF file, and reading one needs the gguf package (pip install gguf); or "
                          f"convert it where gguf is installed (scripts/convert_gguf.py --gguf FILE --dequantize "
                          f"--dtype float32 --out DIR/model.safetensors) and pass DIR")
-    from scripts.convert_gguf import convert_gguf
+    from redline.scripts.convert_gguf import convert_gguf
 
     return convert_gguf(path, out, "float32", dequantize=True)
 
@@ -233,7 +233,7 @@ def converted_gguf(path: Path) -> Path:
 def checkpoint_for(cfg: LookupBenchConfig) -> Path:
     """--checkpoint_path as a Redline checkpoint (a GGUF converted once), or the demo model."""
     if cfg.checkpoint_path is None:
-        from scripts.demo_model import demo_checkpoint
+        from redline.scripts.demo_model import demo_checkpoint
 
         return demo_checkpoint()
     if cfg.checkpoint_path.is_file() and cfg.checkpoint_path.suffix.lower() == ".gguf":
@@ -242,7 +242,7 @@ def checkpoint_for(cfg: LookupBenchConfig) -> Path:
 
 
 def run(cfg: LookupBenchConfig, log: Any = None) -> tuple[list[TaskRecord], dict[str, Any]]:
-    from generate import LLM
+    from redline.generate import LLM
 
     path = checkpoint_for(cfg)
     llm = LLM.load(path, device=cfg.device, dtype=cfg.dtype, compile=cfg.compile)
@@ -276,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prompt lookup's cost gate: a verify step measured {about['gate_cost_ratio']:.2f} decode steps, so a "
               f"match length is verified while its proposals keep {about['gate_cost_ratio'] - 1:.2f} drafts or more")
     if cfg.json_path is not None:
-        from scripts.bench_report import write_json
+        from redline.benchmarks.bench_report import write_json
 
         write_json({**about, "records": [asdict(r) for r in records]}, cfg.json_path)
         print(f"\nJSON written to {cfg.json_path}")
@@ -284,4 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.benchmarks.bench_prompt_lookup import main as package_main
+
+    sys.exit(package_main())

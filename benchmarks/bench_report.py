@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from checkpoint import write_atomically
-from scripts.bench_model import QUANT_CHOICES
+from redline.checkpoint import write_atomically
+from redline.benchmarks.bench_model import QUANT_CHOICES
 
 # The column label of a dense (unquantized) record: its dtype, short enough for a table cell.
 SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}

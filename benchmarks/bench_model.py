@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model import ModelArgs, Transformer
+from redline.model import ModelArgs, Transformer
 
 # The weight formats a random model can be built in: the dense dtype, int8 per channel or int4 per group (quantize.py).
 QUANT_CHOICES = ("none", "int8", "int4")
@@ -45,7 +45,7 @@ def fill_random_(model: torch.nn.Module, seed: int) -> None:
 def fill_random_int4_(model: torch.nn.Module, seed: int) -> None:
     """Random packed int4 weights drawn directly (every code 0..15 equally likely), scale 0.005 and offset
     -7.5 * scale, so the values lie within +-0.0375 around 0 like an N(0, 0.02) matrix; no float copy is made."""
-    from quantize import INT4_MAX, Int4Linear
+    from redline.quantize import INT4_MAX, Int4Linear
 
     gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 1)
     for module in model.modules():
@@ -60,7 +60,7 @@ def fill_random_int4_(model: torch.nn.Module, seed: int) -> None:
 def fill_random_int8_(model: torch.nn.Module, seed: int) -> None:
     """Random int8 weights drawn directly, every code in -127..127 equally likely, with per-channel scales
     WEIGHT_STD * sqrt(3) / 127, so each row is uniform with the std of an N(0, 0.02) matrix; no float copy is made."""
-    from quantize import INT8_MAX, Int8Linear
+    from redline.quantize import INT8_MAX, Int8Linear
 
     gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 2)
     for module in model.modules():
@@ -74,7 +74,7 @@ def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype
                        seed: int = 0, group_size: int = 128) -> Transformer:
     """The registry model on `device` in `dtype` with random weights, built in its quantized structure when asked
     (int8 and int4 weights drawn directly: a 70B model never needs a bf16 copy, on one GPU or per rank)."""
-    from quantize import prepare_quantized_structure, quantization_metadata
+    from redline.quantize import prepare_quantized_structure, quantization_metadata
 
     if quant not in QUANT_CHOICES:
         raise ValueError(f"unknown quantization {quant!r}; choose from {', '.join(QUANT_CHOICES)}")

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-import generate
-from model import ModelArgs
-from scripts.bench_model import param_counts, random_prompts
-from scripts.bench_redline import RedlineRecord, median
-from scripts.bench_report import fmt
+from redline import generate
+from redline.model import ModelArgs
+from redline.benchmarks.bench_model import param_counts, random_prompts
+from redline.benchmarks.bench_redline import RedlineRecord, median
+from redline.benchmarks.bench_report import fmt
 
 if TYPE_CHECKING:
-    from scripts.bench import BenchConfig
+    from redline.benchmarks.bench import BenchConfig
 
 # HF's decode rate is the difference of a long and a short generation; the short one has this many tokens at most.
 HF_SHORT_TOKENS = 10

@@ -1,8 +1,8 @@
-"""Speculative decoding on one random-weight model (scripts/bench.py --speculate-k 1,2,4,8): what a verify step of
+"""Speculative decoding on one random-weight model (benchmarks/bench.py --speculate-k 1,2,4,8): what a verify step of
 k+1 tokens costs against one decode step, and the ceiling a draft that is always right reaches.
 
 - decode: the median time of one compiled decode step, recorded first (for an int8 or int4 model it is also the
-  cost of one step of that model used as a draft; scripts/speculative_projection.py reads it).
+  cost of one step of that model used as a draft; benchmarks/speculative_projection.py reads it).
 
 - verify / decode: the median time of the compiled verify step (k+1 rows, positions p..p+k) over the median time
   of one compiled decode step, both called back to back at the same position; on a GPU each call is one CUDA graph
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import Tensor
 
-import generate
-import speculative
-from model import ModelArgs
-from scripts.bench_model import build_random_model, random_prompts
+from redline import generate
+from redline import speculative
+from redline.model import ModelArgs
+from redline.benchmarks.bench_model import build_random_model, random_prompts
 
 if TYPE_CHECKING:
-    from scripts.bench import BenchConfig
+    from redline.benchmarks.bench import BenchConfig
 
 # Timed calls per step measurement (median reported); steps are a few ms, so this is well under a second each.
 STEP_REPEATS = 50
@@ -71,7 +71,7 @@ def median_us(call: Callable[[], Any], device: torch.device, repeats: int = STEP
     for _ in range(3):
         call()
     if device.type == "cuda":
-        from profiling import cuda_event_ms
+        from redline.profiling import cuda_event_ms
 
         torch.cuda.synchronize(device)
         return statistics.median(cuda_event_ms(call, repeats)) * 1000

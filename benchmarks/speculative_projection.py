@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""The speedup measured acceptance gives a larger model: acceptance from scripts/bench_prompt_lookup.py (a real
-model on input-grounded tasks) combined with the step costs of that larger model measured by scripts/bench.py
+"""The speedup measured acceptance gives a larger model: acceptance from benchmarks/bench_prompt_lookup.py (a real
+model on input-grounded tasks) combined with the step costs of that larger model measured by benchmarks/bench.py
 (verify steps for each k, decode steps of the model and of its quantized copies as drafts).
 
-    python scripts/bench.py --model Llama-2-7B --quant none --speculate-k 1,2,3,4,5,6,7,8 --json spec-bf16.json
-    python scripts/bench.py --model Llama-2-7B --quant int8 --speculate-k 1,2,3,4,5,6,7,8 --json spec-int8.json
-    python scripts/bench.py --model Llama-2-7B --quant int8,int4 --json decode.json     # draft step costs
-    python scripts/bench_prompt_lookup.py --json lookup.json
-    python scripts/speculative_projection.py --spec spec-bf16.json,spec-int8.json,decode.json \\
+    python benchmarks/bench.py --model Llama-2-7B --quant none --speculate-k 1,2,3,4,5,6,7,8 --json spec-bf16.json
+    python benchmarks/bench.py --model Llama-2-7B --quant int8 --speculate-k 1,2,3,4,5,6,7,8 --json spec-int8.json
+    python benchmarks/bench.py --model Llama-2-7B --quant int8,int4 --json decode.json     # draft step costs
+    python benchmarks/bench_prompt_lookup.py --json lookup.json
+    python benchmarks/speculative_projection.py --spec spec-bf16.json,spec-int8.json,decode.json \\
         --acceptance lookup.json [--json FILE]
 
 The model, per target quantization q (each one with verify steps in the --spec files), task and draft source, with
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint import OneLineArgumentParser
+from redline.checkpoint import OneLineArgumentParser
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--spec", required=True, help="comma-separated bench.py JSON files (--speculate-k runs, and plain "
                                                  "runs for the drafts' decode steps)")
-    p.add_argument("--acceptance", type=Path, required=True, help="the JSON of scripts/bench_prompt_lookup.py")
+    p.add_argument("--acceptance", type=Path, required=True, help="the JSON of benchmarks/bench_prompt_lookup.py")
     p.add_argument("--model", default=None, help="the model of the --spec files to project (default: the only one)")
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write the projections here")
     try:
@@ -212,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(format_projections(costs, rows, notes))
     if ns.json_path is not None:
-        from scripts.bench_report import write_json
+        from redline.benchmarks.bench_report import write_json
 
         write_json({"model": costs.model, "decode_us": costs.decode_us, "projections": [asdict(r) for r in rows],
                     "notes": list(notes), "checks": ceiling_checks(costs)}, ns.json_path)
@@ -221,4 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.benchmarks.speculative_projection import main as package_main
+
+    sys.exit(package_main())

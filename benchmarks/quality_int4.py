@@ -1,7 +1,7 @@
 """Quality of the weight-only schemes on the real SmolLM2-135M-Instruct: perplexity and teacher-forced top-1
 agreement with bf16 for int8 and int4 (g32, g64, g128), and the native Q4_1 import against the dequantized logits.
 
-    PYTHONPATH=$PWD python scripts/quality_int4.py [--text FILE] [--tokens 1024]
+    python benchmarks/quality_int4.py [--text FILE] [--tokens 1024]
 
 The demo checkpoint comes from a Q4_1 GGUF (scripts/demo_model.py), so its projections are exactly 4-bit
 representable in groups of 32. A group size that does not divide a layer's inputs (SmolLM2's 576 features and
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import read_checkpoint_info
-from quantize import load_model, quantize_
-from tokenizer import load_tokenizer
+from redline.checkpoint import read_checkpoint_info
+from redline.quantize import load_model, quantize_
+from redline.tokenizer import load_tokenizer
 
 # The text scored when --text is not given: the project's README, real English prose with code.
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "README.md"
@@ -35,7 +35,7 @@ def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scripts.demo_model import demo_checkpoint
+    from redline.scripts.demo_model import demo_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
@@ -71,4 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.benchmarks.quality_int4 import main as package_main
+
+    sys.exit(package_main())

@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-import generate
-from model import ModelArgs
-from scripts.bench_model import (build_random_model, kv_cache_bytes, param_counts, prefill_flops, random_prompts,
+from redline import generate
+from redline.model import ModelArgs
+from redline.benchmarks.bench_model import (build_random_model, kv_cache_bytes, param_counts, prefill_flops, random_prompts,
                                  weights_bytes)
-from scripts.bench_tp import all_reduce_timings, build_random_tp_model
+from redline.benchmarks.bench_tp import all_reduce_timings, build_random_tp_model
 
 if TYPE_CHECKING:
-    from scripts.bench import BenchConfig
-    from tensor_parallel import TPWorld
+    from redline.benchmarks.bench import BenchConfig
+    from redline.tensor_parallel import TPWorld
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class RedlineRecord:
     profile_decode_tok_s: float | None = None  # that generation's decode rate (profiler overhead = vs decode_tok_s)
     tp: int = 1  # tensor-parallel ranks; bytes, weights, KV cache, memory and the limit are then one rank's
     all_reduce_mode: str | None = None  # the all-reduce the model ran (REDLINE_ALL_REDUCE), with --tp
-    all_reduce: dict[str, Any] | None = None  # scripts.bench_tp.all_reduce_timings, with --tp
+    all_reduce: dict[str, Any] | None = None  # benchmarks.bench_tp.all_reduce_timings, with --tp
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_tok_s < 0 or self.bytes_per_token <= 0:
@@ -232,7 +232,7 @@ def bench_redline(cfg: BenchConfig, name: str, quant: str, batch: int, bandwidth
 def trace_all_reduce(path: str) -> dict[str, float | None]:
     """The all-reduce kernels of a decode step in a rank's trace (scripts/trace_summary.py): per decode step, which
     is one token at batch 1, their summed duration and the time they add to the GPU timeline."""
-    from scripts.trace_summary import summarize_trace
+    from redline.scripts.trace_summary import summarize_trace
 
     summary = summarize_trace(path)
     return {"calls_per_token": summary.all_reduce_calls_per_step, "us_per_token": summary.all_reduce_us_per_step,
@@ -245,7 +245,7 @@ def profile_generation(cfg: BenchConfig, llm: generate.LLM, prompts: Tensor, lab
 
     Batch 1 goes through `LLM.generate(profile=...)`; larger batches drive the same token loop with a recorder.
     """
-    from profiling import ProfileConfig, TraceRecorder
+    from redline.profiling import ProfileConfig, TraceRecorder
 
     path = cfg.profile_dir / f"{label}.json.gz"
     config = ProfileConfig(path=path, record_steps=cfg.profile_steps)

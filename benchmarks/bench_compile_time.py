@@ -1,4 +1,4 @@
-"""Time to first token after process start: child processes of scripts/bench.py (--ttft-probe) build a random model,
+"""Time to first token after process start: child processes of benchmarks/bench.py (--ttft-probe) build a random model,
 compile and generate once, first with a fresh (cold) and then with the same (warm) inductor cache."""
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import generate
-from model import ModelArgs
-from scripts.bench_model import build_random_model, random_prompts
-from scripts.bench_report import fmt
+from redline import generate
+from redline.model import ModelArgs
+from redline.benchmarks.bench_model import build_random_model, random_prompts
+from redline.benchmarks.bench_report import fmt
 
 if TYPE_CHECKING:
-    from scripts.bench import BenchConfig
+    from redline.benchmarks.bench import BenchConfig
 
 # The checkout: the children run from it, with it on PYTHONPATH.
 ROOT = Path(__file__).resolve().parents[1]
 # The child is bench.py itself, with --ttft-probe.
-BENCH_SCRIPT = ROOT / "scripts" / "bench.py"
+BENCH_SCRIPT = ROOT / "benchmarks" / "bench.py"
 # A child still running after this long is taken to be stuck: its row records the timeout instead of the run hanging.
 PROBE_TIMEOUT_S = 900
 

@@ -1,0 +1,1 @@
+"""Command-line tools: download, convert (HF, GGUF), the demo model, perplexity, trace summaries, check_targets."""
