@@ -25,108 +25,28 @@ import torch
 from torch import Tensor
 
 from redline.checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
-from redline.kernels import use_kernels
-from redline.kernels import available as kernels_available
 from redline.model import Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
 from redline.profiling import ProfileConfig, TraceRecorder
 from redline import speculative
 from redline.quantize import load_model, model_quantization
-from redline.sampling import SamplingParams, greedy, is_int, next_token, nucleus_keep_mask, sample  # noqa: F401
+from redline.runner import Runner, sync
+from redline.sampling import SamplingParams, nucleus_keep_mask, sample  # noqa: F401
 from redline.streaming import GenerationLock, Stream, TextStream, first_stop, step_seconds  # noqa: F401
 from redline import tensor_parallel
 from redline.tokenizer import Tokenizer, load_tokenizer
 
-SMALLEST_PREFILL_BUCKET = 16
-# Each prefill bucket, batch size and sampling mode is its own graph; well below this, never fall back to eager.
-RECOMPILE_LIMIT = 64
-# Inductor settings of Redline's compiled calls, applied around each call only. emulate_precision_casts keeps the
-# intermediate roundings to bf16 that eager performs (greedy tokens otherwise drift from eager's).
-INDUCTOR_SETTINGS = {"triton.unique_kernel_names": True, "fx_graph_cache": True, "emulate_precision_casts": True,
-                     "coordinate_descent_tuning": False}
 # A chat keeps this share of the context (or max_new_tokens, if fewer) free for the reply.
 CHAT_REPLY_SHARE = 0.25
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The two model calls of a generation.
-
-
-def prefill(model: Transformer, ids: Tensor, input_pos: Tensor, last_index: Tensor, vocab_bias: Tensor | None,
-            *sampling: Tensor) -> Tensor:
-    """ids (B, T) -> first new token (B, 1). `last_index` (1,) is the last real prompt token (prompts may be padded)."""
-    logits = model(ids, input_pos, logits_at=last_index, from_start=True)[:, -1]  # (B, V)
-    return next_token(logits, last_index + 1, vocab_bias, sampling)
-
-
-def decode_one_token(model: torch.nn.Module, token: Tensor, input_pos: Tensor, vocab_bias: Tensor | None,
-                     *sampling: Tensor) -> Tensor:
-    """token (B, 1) at position input_pos (1,) -> next token (B, 1)."""
-    logits = model(token, input_pos)[:, -1]  # (B, V)
-    return next_token(logits, input_pos + 1, vocab_bias, sampling)
-
-
-def prefill_bucket(length: int, limit: int) -> int:
-    """Prompt lengths are padded to a power of two, so each bucket compiles once."""
-    bucket = SMALLEST_PREFILL_BUCKET
-    while bucket < length:
-        bucket *= 2
-    return min(bucket, limit)
-
-
-class CompiledStep:
-    """torch.compile(fn) called under Redline's compiler settings, which are set around each call and undone after
-    it (thread-locally where torch keeps config per thread): the process's own inductor/dynamo config is untouched."""
-
-    def __init__(self, fn: Callable[..., Tensor], device: torch.device) -> None:
-        import torch._inductor.config as inductor_config
-
-        self.fn = torch.compile(fn, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True,
-                                dynamic=False)
-        self.settings = (inductor_config.patch(INDUCTOR_SETTINGS),
-                         torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT))
-
-    def __call__(self, *args: Any) -> Tensor:
-        with self.settings[0], self.settings[1]:
-            return self.fn(*args)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The engine.
 
 
-def model_bytes_per_token(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: every parameter and weight buffer, but only one embedding row."""
-    total = 0
-    seen: set[int] = set()
-    embedding = model.tok_embeddings.weight
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or "kv_cache" in name or name == "rope":
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    if not model.args.tie_word_embeddings:  # a tied table is read whole by the output head
-        total -= embedding.numel() * embedding.element_size()
-    return total
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def vocab_bias(model_vocab: int, tokenizer: Tokenizer | None, device: torch.device) -> Tensor | None:
-    """(V,) fp32: 0 for ids the tokenizer decodes, -inf for a model's padding rows beyond them; None if none."""
-    if tokenizer is None or tokenizer.vocab_size >= model_vocab:
-        return None
-    bias = torch.zeros(model_vocab, dtype=torch.float32, device=device)
-    bias[tokenizer.vocab_size:] = float("-inf")
-    return bias
-
-
 class LLM:
-    """A loaded model with its tokenizer and compiled step functions.
+    """A loaded model with its tokenizer, on a Runner (runner.py) that owns its kernels, cache and compiled steps.
 
     Safe to share between threads: calls are serialized by a lock held for a whole generation (a stream's from its
     first next() to its end or close()). `LLM(model, ...)` rewrites the model it is handed only when kernels are on
@@ -137,39 +57,21 @@ class LLM:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None, device: torch.device | str, compile: bool,
                  compile_prefill: bool = False, info: CheckpointInfo | None = None,
                  kernels: bool | None = None, name: str | None = None, fuse: bool | None = None) -> None:
-        device = torch.device(device)
-        self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
-        # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
-        self.kernels = device.type == "cuda" and kernels_available() if kernels is None else kernels
-        # Batch-1 decode steps fuse norm, rope, cache write, SwiGLU and residuals into the kernels (on by default).
-        self.fuse = self.kernels if fuse is None else fuse
-        if self.kernels and (device.type != "cuda" or not kernels_available()):
-            raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed; use kernels=False")
-        if self.fuse and not self.kernels:
-            raise ValueError("fuse=True needs the GPU kernels (kernels=True)")
-        self._step_model: torch.nn.Module = model  # what decode steps call
-        if self.kernels:
-            use_kernels(model)
-            if self.fuse:
-                self._step_model = tensor_parallel.fused_decode(model)  # a rank's model: the TP one
+        self.runner = Runner(model, device, compile, compile_prefill, kernels, fuse,
+                             tokenizer.vocab_size if tokenizer is not None else None)
         self.tokenizer = tokenizer
-        self.device = device
-        self.compile = compile
-        self.compile_prefill = compile_prefill
         self.info = info
         self.name = name  # for stats and traces; by default the checkpoint's folder name
-        self.bytes_per_token = model_bytes_per_token(model)
-        self._vocab_bias = vocab_bias(model.args.vocab_size, tokenizer, device)  # made once: no recompile
-        self._prefill_fn: Callable[..., Tensor] = prefill
-        self._decode_fn: Callable[..., Tensor] = decode_one_token
-        if compile:
-            self._decode_fn = CompiledStep(decode_one_token, device)
-            if compile_prefill:  # one CUDA graph per prompt bucket too: short prompts are otherwise launch-bound
-                self._prefill_fn = CompiledStep(prefill, device)
-        self._warm: set[tuple] = set()  # graphs already compiled and captured
-        self._speculative_fns: dict[str, Callable[..., Any]] = {}  # speculative.py's verify/draft steps, made once
-        self._speculative_costs: dict[tuple, float] = {}  # verify/decode step time ratios for speculative.CostGate
-        self._lock = GenerationLock()  # held for a whole generation, a stream's included
+        self.lock = GenerationLock()  # held for a whole generation, a stream's included
+
+    # The runner's state, read-only here.
+    model = property(lambda self: self.runner.model)
+    device = property(lambda self: self.runner.device)
+    compile = property(lambda self: self.runner.compile)
+    compile_prefill = property(lambda self: self.runner.compile_prefill)
+    kernels = property(lambda self: self.runner.kernels)
+    fuse = property(lambda self: self.runner.fuse)
+    bytes_per_token = property(lambda self: self.runner.bytes_per_token)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
@@ -202,57 +104,6 @@ class LLM:
         return cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
                    config.fuse)
 
-    # -- compilation ---------------------------------------------------------------------------------------------------
-
-    def _ensure_cache(self, batch_size: int, seq_len: int) -> None:
-        """Keep the current cache when it is large enough (a new cache shape means a new graph)."""
-        m = self.model
-        if m.max_batch_size >= batch_size and m.max_seq_length >= seq_len:
-            return
-        length = min(max(seq_len, m.max_seq_length, 256), m.args.block_size)
-        length = min(-(-length // 256) * 256, m.args.block_size)  # round up: fewer cache shapes, fewer compiles
-        m.setup_caches(max(batch_size, m.max_batch_size), length)
-
-    def _prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
-        """Size the cache and compile/capture this generation's graphs; returns the seconds that took (0 if warm)."""
-        self._ensure_cache(batch, prompt_len + self._plan_lengths(prompt_len, max_new_tokens))
-        if not self.compile:
-            return 0.0
-        args = self._step_args(dataclasses.replace(sampling, seed=0))  # warm-ups leave the global RNG alone
-        cache = self.model.layers[0].attention.kv_cache
-        # A re-allocated cache (the caller may call setup_caches) needs a new capture even at the same shapes.
-        key = (batch, self.model.max_seq_length, self.model.max_batch_size, cache.k.data_ptr(), bool(args))
-        bucket = prefill_bucket(prompt_len, self.model.max_seq_length)
-        todo = [("decode", *key)] + ([("prefill", bucket, *key)] if self.compile_prefill else [])
-        todo = [k for k in todo if k not in self._warm]
-        if not todo:
-            return 0.0
-        start = time.perf_counter()
-        # Same grad mode and tensor kinds as generation, or the real call would recompile. Garbage written to the
-        # cache here is harmless: every position is rewritten before it is read.
-        with torch.inference_mode():
-            token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-            ids = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)
-            positions = torch.arange(bucket, device=self.device)
-            last = torch.tensor([min(prompt_len, bucket) - 1], device=self.device)
-            for _ in range(3):  # the first call compiles, later ones record and replay the graph
-                for kind, *_ in todo:
-                    self._mark_step()
-                    if kind == "decode":
-                        self._decode_fn(self._step_model, token, positions[:1], self._vocab_bias, *args)
-                    else:
-                        self._prefill_fn(self.model, ids, positions, last, self._vocab_bias, *args)
-        sync(self.device)
-        self._warm.update(todo)
-        return time.perf_counter() - start
-
-    def _mark_step(self) -> None:
-        if self.compile and self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()
-
-    def _step_args(self, sampling: SamplingParams) -> tuple[Tensor, ...]:
-        return () if sampling.is_greedy else sampling.tensors(self.model.args.vocab_size, self.device)
-
     # -- generation ----------------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -273,81 +124,10 @@ class LLM:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return ids
 
-    def _plan_lengths(self, prompt_len: int, max_new_tokens: int) -> int:
-        if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        context = self.model.args.block_size
-        if prompt_len >= context:
-            raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context is {context}; shorten it")
-        return min(max_new_tokens, context - prompt_len)  # capped by the context
-
     def generate_token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
                                recorder: Any = None) -> Iterator[tuple[list[int], float]]:
-        """The token loop, for a batch of equal-length prompts (B, T); not locked (generate/stream/chat are).
-
-        Yields (tokens of this step, host time when they arrived, less any time the profiler spent on itself).
-        Step i+1 is queued on the GPU before step i's tokens are read, so reading never leaves the GPU idle.
-        """
-        batch, prompt_len = prompts.shape
-        new_tokens = self._plan_lengths(prompt_len, max_new_tokens)
-        sampling = tensor_parallel.agreed_sampling(sampling, self.model)  # every rank draws the same tokens
-        self._prepare(batch, prompt_len, max_new_tokens, sampling)
-        args = self._step_args(sampling)
-        region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
-        bucket = prefill_bucket(prompt_len, self.model.max_seq_length) if self.compile_prefill else prompt_len
-        with torch.inference_mode():  # the same tensor kind as the warm-up's, so the compiled prefill's guards match
-            padded = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)  # (B, bucket)
-            padded[:, :prompt_len] = prompts.to(self.device)
-            positions = torch.arange(bucket, device=self.device)  # (bucket,)
-            last = torch.tensor([prompt_len - 1], device=self.device)  # (1,)
-        pinned = self.device.type == "cuda"
-        host = torch.empty(batch, dtype=torch.long, pin_memory=pinned)
-        ready = torch.cuda.Event() if pinned else None
-        # Tokens go to the host on a side stream, so the device-to-host copy never sits between two replays.
-        copier = torch.cuda.Stream(self.device) if pinned else None
-
-        def to_host(token: Tensor) -> None:
-            if copier is None:
-                host.copy_(token.view(-1))
-                return
-            copier.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(copier):
-                host.copy_(token.view(-1), non_blocking=True)
-                ready.record(copier)
-            token.record_stream(copier)  # its memory is not reused before the copy has read it
-
-        def read_host() -> list[int]:
-            if ready is not None:
-                ready.synchronize()
-            return host.tolist()
-
-        with torch.inference_mode():
-            with region("prefill"):
-                self._mark_step()
-                # Copied out of the CUDA graph's pool: the next graph replay may reuse that memory.
-                token = self._prefill_fn(self.model, padded, positions, last, self._vocab_bias, *args).clone()
-                to_host(token)  # (B, 1)
-            # Decode step i reads position prompt_len + i - 1 from this table: a slice per step instead of an
-            # in-place increment, which would be one more kernel between graph replays. Made in inference mode,
-            # like the warm-up's position, so the compiled step's guards match.
-            decode_positions = torch.arange(prompt_len, prompt_len + new_tokens, device=self.device)  # (N,)
-            paused = 0.0  # the profiler's own bookkeeping (starting, stopping) is kept out of every timing
-            for step in range(1, new_tokens + 1):
-                if recorder is not None:
-                    before = time.perf_counter()
-                    recorder.step()
-                    paused += time.perf_counter() - before
-                with region("decode_step"):
-                    if step < new_tokens:
-                        self._mark_step()
-                        input_pos = decode_positions[step - 1:step]  # (1,)
-                        nxt = self._decode_fn(self._step_model, token, input_pos, self._vocab_bias, *args).clone()
-                    tokens = read_host()  # the previous step's; the next one is already queued
-                    arrived = time.perf_counter() - paused
-                    if step < new_tokens:
-                        to_host(nxt)  # (B, 1)
-                        token = nxt
-                yield tokens, arrived
+        """The runner's token loop for equal-length prompts (B, T); not locked (generate/stream/chat are)."""
+        return self.runner.token_batches(prompts, max_new_tokens, sampling, recorder)
 
     def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
                  **settings: Any) -> GenerationResult:
@@ -363,9 +143,9 @@ class LLM:
         options are checked here, before the first piece is asked for."""
         options = resolve_options(options, settings)
         ids = self.encode_prompt(prompt)
-        self._plan_lengths(len(ids), options.max_new_tokens)
+        self.runner.plan_lengths(len(ids), options.max_new_tokens)
         speculative.Speculator.for_options(self, options)  # a bad draft is refused here, before the first piece
-        return Stream(self._lock, lambda: self._pieces(ids, options))
+        return Stream(self.lock, lambda: self._pieces(ids, options))
 
     def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
              **settings: Any) -> GenerationResult:
@@ -384,7 +164,7 @@ class LLM:
         if room < self.chat_reply_room(options.max_new_tokens):
             raise ValueError(f"the conversation takes {len(ids)} of the model's {self.model.args.block_size} tokens "
                              f"and leaves {room} for the reply; drop older turns (LLM.fit_chat does)")
-        return Stream(self._lock, lambda: self._pieces(ids, options))
+        return Stream(self.lock, lambda: self._pieces(ids, options))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         if self.tokenizer is None:
@@ -426,9 +206,9 @@ class LLM:
         stops, sampling, max_new = list(options.stop), options.sampling, options.max_new_tokens
         prompts = torch.tensor([prompt_ids], dtype=torch.long)
         spec = speculative.Speculator.for_options(self, options)  # None without a draft
-        engine: Any = spec if spec is not None else self  # whose token loop runs
-        compile_s = engine._prepare(1, len(prompt_ids), max_new, sampling)  # never inside the timings
-        recorder = self._recorder(options.profile, prompts, max_new, sampling, engine)
+        loop: Any = spec if spec is not None else self.runner  # whose token loop runs
+        compile_s = loop.prepare(1, len(prompt_ids), max_new, sampling)  # never inside the timings
+        recorder = self._recorder(options.profile, prompts, max_new, sampling, loop)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         text_stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
@@ -439,7 +219,7 @@ class LLM:
         with recorder if recorder is not None else contextlib.nullcontext():
             sync(self.device)
             start = time.perf_counter()
-            for tokens, arrived in engine.generate_token_batches(prompts, max_new, sampling, recorder):
+            for tokens, arrived in loop.token_batches(prompts, max_new, sampling, recorder):
                 times.append(arrived)
                 counts.append(0)
                 for token in tokens:  # batch 1: one token, or a verify step's accepted run
@@ -493,12 +273,12 @@ class LLM:
     # -- profiling -----------------------------------------------------------------------------------------------------
 
     def _recorder(self, profile: ProfileConfig | None, prompts: Tensor, max_new_tokens: int,
-                  sampling: SamplingParams, engine: Any = None) -> TraceRecorder | None:
+                  sampling: SamplingParams, loop: Any) -> TraceRecorder | None:
         if profile is None:
             return None
         # Run the whole path once outside the trace, so the window holds only steady-state steps.
         warm = dataclasses.replace(sampling, seed=0)
-        for _ in (engine or self).generate_token_batches(prompts, min(max_new_tokens, 4), warm):
+        for _ in loop.token_batches(prompts, min(max_new_tokens, 4), warm):
             pass
         return TraceRecorder(profile, self.device)
 

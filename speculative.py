@@ -259,63 +259,42 @@ class ModelDraft(Draft):
         self._written = (0, 0)  # (first position, count) of the last proposal's cache writes
 
     def room(self) -> int:
-        return self.llm.model.max_seq_length
-
-    def _step_fn(self) -> Any:
-        llm = self.llm
-        if not self._sampling:
-            return llm._decode_fn
-        if "draft" not in llm._speculative_fns:
-            llm._speculative_fns["draft"] = compiled(draft_sample_step, llm) if llm.compile else draft_sample_step
-        return llm._speculative_fns["draft"]
+        return self.llm.runner.cache_length
 
     def _step(self, token: Tensor, position: int) -> tuple[Tensor, Tensor | None]:
         """One draft decode step (its own compiled graph): token (1, 1) -> (next (1, 1), q (1, V) or None)."""
-        llm = self.llm
-        llm._mark_step()
-        out = self._step_fn()(llm._step_model, token, self._positions[position:position + 1], llm._vocab_bias,
-                              *self._sampling)
-        if self._sampling:
-            return out[0].clone(), out[1].clone()  # out of the CUDA graph's pool before the next replay
-        return out.clone(), None
+        runner = self.llm.runner
+        input_pos = self._positions[position:position + 1]  # (1,)
+        if not self._sampling:
+            return runner.decode(token, input_pos, ()).clone(), None
+        runner.mark_step()
+        out = runner.step("draft", draft_sample_step)(runner.step_model, token, input_pos, runner.vocab_bias,
+                                                      *self._sampling)
+        return out[0].clone(), out[1].clone()  # out of the CUDA graph's pool before the next replay
 
     def prepare(self, prompt_len: int, max_new_tokens: int, k: int, sampled: bool) -> float:
         """The draft's cache (k positions beyond the target's last) and graphs: greedy decode and prefill, and the
         sampled step when sampling."""
-        from redline import generate
-
-        llm = self.llm
-        seconds = llm._prepare(1, prompt_len, max_new_tokens + k, SamplingParams())
-        key = ("draft", cache_key(llm))
-        if not (sampled and llm.compile) or key in llm._warm:
+        runner = self.llm.runner
+        seconds = runner.prepare(1, prompt_len, max_new_tokens + k, SamplingParams())
+        key = ("draft", *runner.cache_key())
+        if not sampled or runner.is_warm(key):
             return seconds
-        begin = time.perf_counter()
-        sampling = SamplingParams(1.0, seed=0).tensors(llm.model.args.vocab_size, llm.device)  # as the target's
+        sampling = SamplingParams(1.0, seed=0).tensors(runner.vocab_size, runner.device)  # as the target's
         with torch.inference_mode():
-            self._positions = torch.arange(llm.model.max_seq_length, device=llm.device)  # (S,)
+            self._positions = torch.arange(runner.cache_length, device=runner.device)  # (S,)
             self._sampling = (*sampling[:3], salted(sampling[3], DRAFT_SALT))
-            token = torch.zeros(1, 1, dtype=torch.long, device=llm.device)
-            for _ in range(3):  # compile, record, replay
-                self._step(token, 0)
-        generate.sync(llm.device)
-        llm._warm.add(key)
-        return seconds + time.perf_counter() - begin
+            token = torch.zeros(1, 1, dtype=torch.long, device=runner.device)
+        return seconds + runner.warm_up(key, lambda: self._step(token, 0))
 
     def start(self, prompt_ids: list[int], sampling: tuple[Tensor, ...]) -> None:
         """Prefills the prompt into the draft's cache."""
-        from redline.generate import prefill_bucket
-
-        llm, prompt_len = self.llm, len(prompt_ids)
+        runner = self.llm.runner
         self._sampling = (*sampling[:3], salted(sampling[3], DRAFT_SALT)) if sampling else ()
         with torch.inference_mode():
-            self._positions = torch.arange(llm.model.max_seq_length, device=llm.device)  # (S,)
-            bucket = prefill_bucket(prompt_len, llm.model.max_seq_length) if llm.compile_prefill else prompt_len
-            padded = torch.zeros(1, bucket, dtype=torch.long, device=llm.device)  # (1, bucket)
-            padded[0, :prompt_len] = torch.tensor(prompt_ids, device=llm.device)
-            last = torch.tensor([prompt_len - 1], device=llm.device)  # (1,)
-            llm._mark_step()
-            llm._prefill_fn(llm.model, padded, self._positions[:bucket], last, llm._vocab_bias)
-        self._valid = prompt_len
+            self._positions = torch.arange(runner.cache_length, device=runner.device)  # (S,)
+            runner.prefill(runner.prefill_inputs([prompt_ids]), ())
+        self._valid = len(prompt_ids)
 
     def proposal(self, context: list[int], k: int, vocab: int, device: torch.device) -> Proposal:
         start = len(context) - 1  # the last token's position
@@ -395,18 +374,6 @@ def check_cli_draft(prompt_lookup: bool, draft_path: Any, draft_quantize: str | 
             raise ValueError(f"--draft_quantize: {exc}") from None
 
 
-def compiled(fn: Any, llm: Any) -> Any:
-    from redline.generate import CompiledStep
-
-    return CompiledStep(fn, llm.device)
-
-
-def cache_key(llm: Any) -> tuple:
-    """Identifies the engine's current cache: a re-allocated one needs its graphs captured again."""
-    model = llm.model
-    return model.max_seq_length, model.max_batch_size, model.layers[0].attention.kv_cache.k.data_ptr()
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # The speculative token loop.
 
@@ -438,10 +405,11 @@ class CostGate:
 
 class Speculator:
     """One speculative generation on `llm` (batch 1) with `draft` proposing up to k tokens per verify step. Has
-    the LLM's _prepare / generate_token_batches contract, but yields a run of accepted tokens per step."""
+    the runner's prepare / token_batches contract, but yields a run of accepted tokens per step."""
 
     def __init__(self, llm: Any, draft: Draft, k: int) -> None:
         self.llm, self.draft, self.k = llm, draft, k
+        self.runner = llm.runner
         self.steps = self.accepted = self.proposed = 0  # verify steps, drafts kept, real drafts verified
         self.plain_steps = 0  # decode steps without a draft (nothing proposed, or too near the end)
 
@@ -456,37 +424,24 @@ class Speculator:
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 "verify_steps": self.steps, "plain_steps": self.plain_steps}
 
-    def _verify_fn(self, greedy: bool) -> Any:
-        llm = self.llm
-        name = "verify_greedy" if greedy else "verify_sampled"
-        if name not in llm._speculative_fns:
-            fn = verify_greedy if greedy else verify_sampled
-            llm._speculative_fns[name] = compiled(fn, llm) if llm.compile else fn
-        return llm._speculative_fns[name]
-
     def _verify(self, step: Tensor, positions: Tensor, proposal_q: Tensor | None,
                 sampling: tuple[Tensor, ...]) -> Tensor:
         """step (k+2,) = [last, d1..dk, count] at positions (k+1,) -> [n, tokens...] (k+2,) on the device."""
-        llm = self.llm
-        llm._mark_step()
+        runner = self.runner
+        runner.mark_step()
         if not sampling:
-            return self._verify_fn(True)(llm.model, step, positions, llm._vocab_bias)
-        return self._verify_fn(False)(llm.model, step, positions, llm._vocab_bias, proposal_q, *sampling)
-
-    def _decode(self, token: Tensor, input_pos: Tensor, args: tuple[Tensor, ...]) -> Tensor:
-        """One plain decode step of the target: token (1, 1) at input_pos (1,) -> next (1, 1) on the device."""
-        llm = self.llm
-        llm._mark_step()
-        return llm._decode_fn(llm._step_model, token, input_pos, llm._vocab_bias, *args)
+            return runner.step("verify_greedy", verify_greedy)(runner.model, step, positions, runner.vocab_bias)
+        return runner.step("verify_sampled", verify_sampled)(runner.model, step, positions, runner.vocab_bias,
+                                                             proposal_q, *sampling)
 
     def _cost_ratio(self, args: tuple[Tensor, ...]) -> float:
         """Verify step time over decode step time, each called and read back on the host as the loop does."""
-        llm, k = self.llm, self.k
+        runner, k = self.runner, self.k
         with torch.inference_mode():
-            positions = torch.arange(k + 1, device=llm.device)  # (k+1,) the prefill overwrites these entries
-            step = full_step(k, llm.device)  # (k+2,)
-            token = torch.zeros(1, 1, dtype=torch.long, device=llm.device)  # (1, 1)
-            calls = {"decode": lambda: self._decode(token, positions[:1], args).item(),
+            positions = torch.arange(k + 1, device=runner.device)  # (k+1,) the prefill overwrites these entries
+            step = full_step(k, runner.device)  # (k+2,)
+            token = torch.zeros(1, 1, dtype=torch.long, device=runner.device)  # (1, 1)
+            calls = {"decode": lambda: runner.decode(token, positions[:1], args).item(),
                      "verify": lambda: self._verify(step, positions, None, args).tolist()}
             seconds = {}
             for name, call in calls.items():
@@ -503,67 +458,62 @@ class Speculator:
         """Where the gate's cost ratio is kept (per k, sampling and cache), or None for a draft that is not gated."""
         if not self.draft.gated:
             return None
-        return "cost", self.k, bool(args), cache_key(self.llm)
+        return "cost", self.k, bool(args), *self.runner.cache_key()
 
     def _gate(self, args: tuple[Tensor, ...]) -> CostGate | None:
-        """The cost gate for a gated draft, with the ratio _prepare measured; None for a draft that is not gated."""
+        """The cost gate for a gated draft, with the ratio prepare measured; None for a draft that is not gated."""
         key = self._cost_key(args)
-        return None if key is None else CostGate(self.llm._speculative_costs[key])
+        return None if key is None else CostGate(self.runner.measured(key, lambda: self._cost_ratio(args)))
 
-    def _prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
-        """The LLM's graphs, the verify graph for k, with k positions of slack in the cache; seconds spent."""
+    def prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
+        """The runner's graphs, the verify graph for k, with k positions of slack in the cache, and the cost gate's
+        ratio (outside every timing); seconds spent."""
         if batch != 1:
             raise ValueError("speculative decoding runs one sequence at a time (batch 1)")
-        llm, k = self.llm, self.k
-        total = prompt_len + llm._plan_lengths(prompt_len, max_new_tokens)
-        llm._ensure_cache(1, min(total + k, llm.model.args.block_size))
-        seconds = llm._prepare(1, prompt_len, max_new_tokens, sampling)
-        args = llm._step_args(dataclasses.replace(sampling, seed=0))  # warm-ups leave the global RNG alone
+        runner, k = self.runner, self.k
+        total = prompt_len + runner.plan_lengths(prompt_len, max_new_tokens)
+        runner.ensure_cache(1, min(total + k, runner.context_length))
+        seconds = runner.prepare(1, prompt_len, max_new_tokens, sampling)
+        args = runner.step_args(dataclasses.replace(sampling, seed=0))  # warm-ups leave the global RNG alone
         q_kind = bool(args) and isinstance(self.draft, ModelDraft)
         seconds += self.draft.prepare(prompt_len, max_new_tokens, k, bool(args))
-        key = ("verify", k, bool(args), q_kind, cache_key(llm))
-        cost_key = self._cost_key(args)
-        if (not llm.compile or key in llm._warm) and (cost_key is None or cost_key in llm._speculative_costs):
-            return seconds  # nothing to do: exactly the LLM's and the draft's time
-        begin = time.perf_counter()
-        if llm.compile and key not in llm._warm:
+        key = ("verify", k, bool(args), q_kind, *runner.cache_key())
+        if not runner.is_warm(key):
             with torch.inference_mode():
-                step = full_step(k, llm.device)  # (k+2,) [last, drafts, count]
-                positions = torch.arange(k + 1, device=llm.device)
-                q = torch.zeros(k, llm.model.args.vocab_size, device=llm.device) if q_kind else None
-                for _ in range(3):  # compile, record, replay
-                    self._verify(step, positions, q, args)
-            from redline.generate import sync
+                step = full_step(k, runner.device)  # (k+2,) [last, drafts, count]
+                positions = torch.arange(k + 1, device=runner.device)
+                q = torch.zeros(k, runner.vocab_size, device=runner.device) if q_kind else None
+            seconds += runner.warm_up(key, lambda: self._verify(step, positions, q, args))
+        cost_key = self._cost_key(args)
+        if cost_key is not None and cost_key not in runner.costs:
+            begin = time.perf_counter()
+            runner.measured(cost_key, lambda: self._cost_ratio(args))
+            seconds += time.perf_counter() - begin
+        return seconds
 
-            sync(llm.device)
-            llm._warm.add(key)
-        if cost_key is not None and cost_key not in llm._speculative_costs:  # the gate's ratio, outside the timings
-            llm._speculative_costs[cost_key] = self._cost_ratio(args)
-        return seconds + time.perf_counter() - begin
-
-    def generate_token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
-                               recorder: Any = None) -> Iterator[tuple[list[int], float]]:
+    def token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
+                      recorder: Any = None) -> Iterator[tuple[list[int], float]]:
         """Yields (the tokens of this step: the prefill's one, then each verify step's accepted run plus the
         target's own next token, host time when they arrived less the profiler's own time)."""
-        llm, k = self.llm, self.k
+        runner, k = self.runner, self.k
         # This run's counts (a profiled run's warm-up runs first).
         self.steps = self.accepted = self.proposed = self.plain_steps = 0
         prompt = [int(t) for t in prompts[0].tolist()]
-        new_tokens = llm._plan_lengths(len(prompt), max_new_tokens)
-        self._prepare(1, len(prompt), max_new_tokens, sampling)
-        args = llm._step_args(sampling)
+        new_tokens = runner.plan_lengths(len(prompt), max_new_tokens)
+        self.prepare(1, len(prompt), max_new_tokens, sampling)
+        args = runner.step_args(sampling)
         region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
-        vocab = llm.model.args.vocab_size
-        room = min(llm.model.max_seq_length, self.draft.room() or llm.model.max_seq_length)
-        lock = self.draft.llm if isinstance(self.draft, ModelDraft) else None
-        number = lock._lock.acquire() if lock is not None else 0  # the draft engine is ours for the generation
+        vocab = runner.vocab_size
+        room = min(runner.cache_length, self.draft.room() or runner.cache_length)
+        lock = self.draft.llm.lock if isinstance(self.draft, ModelDraft) else None
+        number = lock.acquire() if lock is not None else 0  # the draft engine is ours for the generation
         try:
             gate = self._gate(args)
             with torch.inference_mode():
                 # [last, drafts, count] is written on the host and copied once per verify step.
-                self._host_step = torch.zeros(k + 2, dtype=torch.long, pin_memory=llm.device.type == "cuda")
-                self._device_step = torch.zeros(k + 2, dtype=torch.long, device=llm.device)
-                positions = torch.arange(llm.model.max_seq_length, device=llm.device)  # (S,)
+                self._host_step = torch.zeros(k + 2, dtype=torch.long, pin_memory=runner.device.type == "cuda")
+                self._device_step = torch.zeros(k + 2, dtype=torch.long, device=runner.device)
+                positions = torch.arange(runner.cache_length, device=runner.device)  # (S,)
                 with region("prefill"):
                     token = self._prefill(prompt, positions, args)
                 paused = 0.0
@@ -581,7 +531,7 @@ class Speculator:
                         run = None
                         if left > 1 and start + k < room:
                             with region("draft_step"):
-                                proposal = self.draft.proposal(context, min(k, left - 1), vocab, llm.device)
+                                proposal = self.draft.proposal(context, min(k, left - 1), vocab, runner.device)
                             gated = gate is not None and proposal.key is not None
                             if proposal.count and (not gated or gate.worth(proposal.key, proposal.count)):
                                 with region("verify_step"):
@@ -596,22 +546,15 @@ class Speculator:
                     yield run, time.perf_counter() - paused
         finally:
             if lock is not None:
-                lock._lock.release(number)
+                lock.release(number)
 
     def _prefill(self, prompt: list[int], positions: Tensor, args: tuple[Tensor, ...]) -> int:
-        from redline.generate import prefill_bucket
-
-        llm = self.llm
-        bucket = prefill_bucket(len(prompt), llm.model.max_seq_length) if llm.compile_prefill else len(prompt)
-        padded = torch.zeros(1, bucket, dtype=torch.long, device=llm.device)  # (1, bucket)
-        padded[0, :len(prompt)] = torch.tensor(prompt, device=llm.device)
-        last = torch.tensor([len(prompt) - 1], device=llm.device)  # (1,)
-        llm._mark_step()
-        return int(llm._prefill_fn(llm.model, padded, positions[:bucket], last, llm._vocab_bias, *args).item())
+        runner = self.runner
+        return int(runner.prefill(runner.prefill_inputs([prompt]), args).item())
 
     def _decode_step(self, last: int, input_pos: Tensor, args: tuple[Tensor, ...]) -> list[int]:
-        token = torch.tensor([[last]], device=self.llm.device)  # (1, 1)
-        return [int(self._decode(token, input_pos, args).item())]
+        token = torch.tensor([[last]], device=self.runner.device)  # (1, 1)
+        return [int(self.runner.decode(token, input_pos, args).item())]
 
     def _verify_step(self, last: int, proposal: Proposal, input_pos: Tensor, args: tuple[Tensor, ...]) -> list[int]:
         """Pads the proposal to k, verifies it in one pass, reads [n, tokens] once; returns the n kept drafts and

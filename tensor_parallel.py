@@ -41,8 +41,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from redline.checkpoint import CheckpointInfo, model_state_dict
-from redline.kernels.fused_decode import FusedDecode, fused_projection
-from redline.model import ModelArgs, Transformer, TransformerBlock
+from redline.model import ModelArgs, Transformer
 from redline.quantize import prepare_quantized_structure
 from redline.sampling import SEED_LIMIT, SamplingParams
 
@@ -367,7 +366,11 @@ class RowParallelLinear(nn.Module):
         self.rank = world.rank
 
     def forward(self, x: Tensor) -> Tensor:
-        return all_reduce(self.inner(x), self.group_name, self.mode)
+        return self.reduce(self.inner(x))
+
+    def reduce(self, partial: Tensor) -> Tensor:
+        """The sum of every rank's partial product (kernels.fused_decode calls it on its fused one)."""
+        return all_reduce(partial, self.group_name, self.mode)
 
 
 def apply_tensor_parallel(model: Transformer, world: TPWorld) -> Transformer:
@@ -385,42 +388,6 @@ def apply_tensor_parallel(model: Transformer, world: TPWorld) -> Transformer:
 def parallel_layer(model: nn.Module) -> RowParallelLinear | None:
     """The model's first RowParallelLinear: None when it runs on one process."""
     return next((m for m in model.modules() if isinstance(m, RowParallelLinear)), None)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The fused batch-1 decode on each rank.
-
-
-def tp_fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
-    """kernels.fused_decode.fused_block on one rank: the residual rides in rank 0's partial sum (wo and w2 add it
-    there only, so the all-reduce adds it once), and each norm sums the squares of its all-reduced input in its own
-    GEMV's K loop (sum_in -1) instead of from lanes filled by atomics, so every rank computes identical norms."""
-    attn, ffn = block.attention, block.feed_forward
-    wo, w2 = attn.wo, ffn.w2
-    cache = attn.cache()
-    qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm)  # (1, 1, (H + 2 Hkv) D / N)
-    out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D / N)
-    h = all_reduce(fused_projection(wo.inner, out, residual=x if wo.rank == 0 else None), wo.group_name,
-                   wo.mode)  # (1, 1, dim)
-    act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True)  # (1, 1, I / N)
-    return all_reduce(fused_projection(w2.inner, act, residual=h if w2.rank == 0 else None), w2.group_name,
-                      w2.mode)  # (1, 1, dim)
-
-
-class TensorParallelFusedDecode(FusedDecode):
-    """FusedDecode for a rank's model (kernels.use_kernels, then apply_tensor_parallel): one-token steps (batch 1)
-    take tp_fused_block per block, every other call runs model(...)."""
-
-    def one_token_logits(self, x: Tensor, input_pos: Tensor) -> Tensor:
-        model = self.model
-        for layer in model.layers:
-            x = tp_fused_block(layer, x, model.rope, input_pos)
-        return fused_projection(model.output, x, norm=model.norm)  # (1, 1, vocab)
-
-
-def fused_decode(model: Transformer) -> FusedDecode:
-    """The fused batch-1 decode for this model: the tensor-parallel one for a rank's model."""
-    return TensorParallelFusedDecode(model) if parallel_layer(model) is not None else FusedDecode(model)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from redline import generate
+from redline import generate, runner
 from redline.model import ModelArgs
 from redline.benchmarks.bench_model import build_random_model, random_prompts
 from redline.benchmarks.bench_report import fmt
@@ -106,7 +106,7 @@ def run_ttft_probe(cfg: BenchConfig) -> int:
     device = torch.device(cfg.device)
     args = ModelArgs.from_name(cfg.models[0])
     model = build_random_model(args, device, cfg.torch_dtype, cfg.quants[0], cfg.seed)
-    generate.sync(device)
+    runner.sync(device)
     built = time.time()
     llm = generate.LLM(model, tokenizer=None, device=device, compile=cfg.compiled,
                        compile_prefill=cfg.compile_prefill)

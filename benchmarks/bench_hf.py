@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from redline import generate
+from redline import generate, runner
 from redline.model import ModelArgs
 from redline.benchmarks.bench_model import param_counts, random_prompts
 from redline.benchmarks.bench_redline import RedlineRecord, median
@@ -86,10 +86,10 @@ def build_hf_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) ->
 
 def time_hf_generate(model: Any, ids: Tensor, new_tokens: int, **kwargs: Any) -> float:
     device = ids.device
-    generate.sync(device)
+    runner.sync(device)
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
-    generate.sync(device)
+    runner.sync(device)
     elapsed = time.perf_counter() - start
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"HF generated {out.shape[1] - ids.shape[1]} tokens instead of {new_tokens}")

@@ -260,7 +260,7 @@ def run(cfg: LookupBenchConfig, log: Any = None) -> tuple[list[TaskRecord], dict
 
 def gate_cost_ratio(llm: Any) -> float | None:
     """The verify/decode step cost ratio prompt lookup's cost gate measured (the last one), or None."""
-    ratios = list(llm._speculative_costs.values())
+    ratios = list(llm.runner.costs.values())
     return ratios[-1] if ratios else None
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from redline import generate
+from redline import generate, runner
 from redline.model import ModelArgs
 from redline.benchmarks.bench_model import (build_random_model, kv_cache_bytes, param_counts, prefill_flops, random_prompts,
                                  weights_bytes)
@@ -97,7 +97,7 @@ def timed_generation(llm: generate.LLM, prompts: Tensor, new_tokens: int) -> Tim
     `generate_token_batches`, timed the same way (first token on the host, then the steps after it)."""
     device = llm.device
     batch = prompts.shape[0]
-    generate.sync(device)
+    runner.sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if batch == 1:

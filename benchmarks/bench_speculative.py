@@ -92,8 +92,7 @@ def step_timers(llm: generate.LLM, position: int) -> tuple[Callable[[], float], 
 
     def decode_us() -> float:
         def decode() -> None:
-            llm._mark_step()
-            llm._decode_fn(llm._step_model, token, positions[position:position + 1], llm._vocab_bias)
+            llm.runner.decode(token, positions[position:position + 1], ())
 
         with torch.inference_mode():
             return median_us(decode, device)
@@ -101,7 +100,7 @@ def step_timers(llm: generate.LLM, position: int) -> tuple[Callable[[], float], 
     def verify_us(k: int) -> float:
         spec = speculative.Speculator(llm, speculative.ReplayDraft([]), k)
         with torch.inference_mode():
-            spec._prepare(1, position, 16, generate.SamplingParams())  # compiles and captures this k
+            spec.prepare(1, position, 16, generate.SamplingParams())  # compiles and captures this k
             step = speculative.full_step(k, device)  # (k+2,) [last, drafts, count]
             return median_us(lambda: spec._verify(step, positions[position:position + k + 1], None, ()), device)
 
@@ -124,8 +123,8 @@ def ceiling(llm: generate.LLM, prompt: list[int], new_tokens: int, ks: Sequence[
     output would leave the generation after a few tokens. Both runs therefore add a logit bias that decides every
     step (one add in each step, plain and speculative alike), which makes the replay always right; the work per
     step is unchanged, and the acceptance rate is recorded to show it."""
-    saved = llm._vocab_bias
-    llm._vocab_bias = decisive_bias(llm.model.args.vocab_size, llm.device)
+    saved = llm.runner.vocab_bias
+    llm.runner.vocab_bias = decisive_bias(llm.model.args.vocab_size, llm.device)
     try:
         plain = [llm.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True) for _ in range(runs + 1)]
         replay = speculative.ReplayDraft(plain[0].token_ids)
@@ -137,7 +136,7 @@ def ceiling(llm: generate.LLM, prompt: list[int], new_tokens: int, ks: Sequence[
             out[k] = (statistics.median(r.stats.decode_tok_s for r in results), stats.mean_accepted,
                       stats.acceptance_rate)
     finally:
-        llm._vocab_bias = saved
+        llm.runner.vocab_bias = saved
     return statistics.median(r.stats.decode_tok_s for r in plain[1:]), out
 
 

@@ -33,23 +33,39 @@ def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, 
         0.0 if norm is None else norm.eps, residual, swiglu, sums, sum_in, sum_out)
 
 
-def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor,
+def residual_projection(linear: nn.Module, x: Tensor, residual: Tensor, sums: Tensor | None, sum_out: int) -> Tensor:
+    """linear(x) + residual in one kernel. On a tensor-parallel rank (a linear with `reduce`, such as
+    tensor_parallel.RowParallelLinear) rank 0 alone adds the residual into its partial product, so the all-reduce
+    adds it once."""
+    reduce = getattr(linear, "reduce", None)
+    if reduce is None:
+        return fused_projection(linear, x, residual=residual, sums=sums, sum_out=sum_out)
+    return reduce(fused_projection(linear.inner, x, residual=residual if linear.rank == 0 else None))
+
+
+def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor | None,
                 index: int) -> Tensor:
-    """block.forward for one token (batch 1) in five ops. The residual kernels sum their outputs' squares into
-    sums slots 2 * index and 2 * index + 1; block 0's first norm sums x itself (sum_in -1). x (1, 1, dim)."""
+    """block.forward for one token (batch 1) in five ops. x (1, 1, dim).
+
+    With `sums`, the residual kernels sum their outputs' squares into slots 2 * index and 2 * index + 1 and each
+    norm reads them (block 0's first norm sums x itself, sum_in -1). Without (a tensor-parallel rank) each norm sums
+    the squares of its all-reduced input in its own GEMV's K loop, so every rank computes identical norms."""
     attn, ffn = block.attention, block.feed_forward
     cache = attn.cache()
+    lanes = sums is not None
     qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm, sums=sums,
-                           sum_in=2 * index - 1)  # (1, 1, (H + 2 Hkv) D)
+                           sum_in=2 * index - 1 if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
     out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
-    h = fused_projection(attn.wo, out, residual=x, sums=sums, sum_out=2 * index)  # (1, 1, dim)
-    act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums, sum_in=2 * index)  # (1, 1, I)
-    return fused_projection(ffn.w2, act, residual=h, sums=sums, sum_out=2 * index + 1)  # (1, 1, dim)
+    h = residual_projection(attn.wo, out, x, sums, 2 * index)  # (1, 1, dim)
+    act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums,
+                           sum_in=2 * index if lanes else -1)  # (1, 1, I)
+    return residual_projection(ffn.w2, act, h, sums, 2 * index + 1)  # (1, 1, dim)
 
 
 class FusedDecode(nn.Module):
-    """Wraps a model already passed through kernels.use_kernels: one-token steps (batch 1) run the fused path,
-    every other call runs model(...)."""
+    """Wraps a model already passed through kernels.use_kernels (and, for a tensor-parallel rank, through
+    tensor_parallel.apply_tensor_parallel): one-token steps (batch 1) run the fused path, every other call runs
+    model(...)."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
@@ -59,6 +75,8 @@ class FusedDecode(nn.Module):
             raise ValueError("FusedDecode needs the model's layers swapped for the kernel ones first; "
                              "call kernels.use_kernels(model)")
         self.model = model
+        # A rank's model computes its norms inside the GEMVs; one GPU hands them on through these lanes.
+        self.parallel = any(hasattr(m, "reduce") for m in model.modules())
         device = model.norm.weight.device
         # The blocks' sums of squares, zeroed each step: (2 n_layer, NORM_SUM_LANES) fp32.
         self.register_buffer("norm_sums", torch.zeros(2 * model.args.n_layer, NORM_SUM_LANES, dtype=torch.float32,
@@ -77,11 +95,13 @@ class FusedDecode(nn.Module):
     def one_token_logits(self, x: Tensor, input_pos: Tensor) -> Tensor:
         """x (1, 1, dim), the token's embedding -> logits (1, 1, vocab), each block in five kernels."""
         model = self.model
-        self.norm_sums.zero_()
+        sums = None if self.parallel else self.norm_sums
+        if sums is not None:
+            sums.zero_()
         # The attention kernel reads the rope row at input_pos from the whole (S, 2, D/2) table itself: a gather here
         # would be one more kernel, which inductor re-emits before several layers' attention. No mask either: the
         # kernel reads keys 0..input_pos.
         for i, layer in enumerate(model.layers):
-            x = fused_block(layer, x, model.rope, input_pos, self.norm_sums, i)
-        return fused_projection(model.output, x, norm=model.norm, sums=self.norm_sums,
-                                sum_in=2 * len(model.layers) - 1)  # (1, 1, vocab)
+            x = fused_block(layer, x, model.rope, input_pos, sums, i)
+        return fused_projection(model.output, x, norm=model.norm, sums=sums,
+                                sum_in=2 * len(model.layers) - 1 if sums is not None else -1)  # (1, 1, vocab)

@@ -72,5 +72,5 @@ def test_the_ceiling_bias_decides_every_step_and_is_removed_afterwards():
     prompt = random_prompts(args.vocab_size, 1, 8, 0)[0].tolist()
     plain, fast = bench_speculative.ceiling(llm, prompt, 12, [3], runs=1)
     assert plain > 0 and fast[3][2] == 1.0 and fast[3][1] > 0
-    assert llm._vocab_bias is None
+    assert llm.runner.vocab_bias is None
     assert set(llm.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids) != {args.vocab_size // 2}

@@ -167,9 +167,9 @@ def test_gated_prompt_lookup_keeps_greedy_output_and_skips_costly_proposals(llm,
     plain = greedy(llm, prompt)
     free = greedy(llm, prompt, draft=PromptLookupDraft(gated=False), speculate_k=4)
     monkeypatch.setattr(speculative.Speculator, "_cost_ratio", lambda self, args: 50.0)
-    llm._speculative_costs.clear()
+    llm.runner.forget_costs()
     gated = greedy(llm, prompt, draft="prompt_lookup", speculate_k=4)
-    llm._speculative_costs.clear()
+    llm.runner.forget_costs()
     assert gated.token_ids == free.token_ids == plain.token_ids
     # At 50x a decode step no kind pays: only the first proposal of each match length and the retries are verified.
     assert gated.stats.verify_steps < free.stats.verify_steps

@@ -59,12 +59,12 @@ def fused_and_unfused(path: str, device: str) -> dict[str, torch.Tensor]:
     unfused TP model, both on the kernel modules (their PyTorch references on the CPU)."""
     from redline import tensor_parallel
     from redline.checkpoint import read_checkpoint_info
-    from redline.kernels import use_kernels
+    from redline.kernels import FusedDecode, use_kernels
 
     world = tensor_parallel.start(device)
     model = tensor_parallel.load_sharded_model(read_checkpoint_info(path), world)
-    step = tensor_parallel.fused_decode(use_kernels(tensor_parallel.apply_tensor_parallel(model, world)))
-    assert isinstance(step, tensor_parallel.TensorParallelFusedDecode)
+    step = FusedDecode(use_kernels(tensor_parallel.apply_tensor_parallel(model, world)))
+    assert step.parallel
     ids = torch.tensor([LOGIT_IDS], device=world.device)
     out = {}
     for kind, call in (("fused", step), ("unfused", model)):

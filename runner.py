@@ -1,0 +1,350 @@
+"""The loaded model on its device: the one place that applies the kernels and compile, sizes the static cache,
+and owns the step functions (prefill, decode, verify, draft) with their captured graphs.
+
+    runner = Runner(model, device, compile=True)
+    for tokens, arrived in runner.token_batches(prompts, max_new_tokens=64, sampling=SamplingParams()):
+        ...
+
+`LLM` (generate.py) and speculative decoding are its clients; neither reaches into the model's caches or the
+compiled callables, and the runner knows nothing of tokenizers, prompts as text or results.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from redline import tensor_parallel
+from redline.kernels import FusedDecode, use_kernels
+from redline.kernels import available as kernels_available
+from redline.model import Transformer
+from redline.sampling import SamplingParams, is_int, next_token
+
+SMALLEST_PREFILL_BUCKET = 16
+# Each prefill bucket, batch size and sampling mode is its own graph; well below this, never fall back to eager.
+RECOMPILE_LIMIT = 64
+# Inductor settings of Redline's compiled calls, applied around each call only. emulate_precision_casts keeps the
+# intermediate roundings to bf16 that eager performs (greedy tokens otherwise drift from eager's).
+INDUCTOR_SETTINGS = {"triton.unique_kernel_names": True, "fx_graph_cache": True, "emulate_precision_casts": True,
+                     "coordinate_descent_tuning": False}
+# The static cache grows in steps of this many positions: fewer cache shapes, fewer compiles.
+CACHE_LENGTH_STEP = 256
+# Calls that compile a graph, record it, then replay it once: after these a step runs from its captured graph.
+WARM_UP_CALLS = 3
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two model calls of a generation.
+
+
+def prefill(model: Transformer, ids: Tensor, input_pos: Tensor, last_index: Tensor, vocab_bias: Tensor | None,
+            *sampling: Tensor) -> Tensor:
+    """ids (B, T) -> first new token (B, 1). `last_index` (1,) is the last real prompt token (prompts may be padded)."""
+    logits = model(ids, input_pos, logits_at=last_index, from_start=True)[:, -1]  # (B, V)
+    return next_token(logits, last_index + 1, vocab_bias, sampling)
+
+
+def decode_one_token(model: torch.nn.Module, token: Tensor, input_pos: Tensor, vocab_bias: Tensor | None,
+                     *sampling: Tensor) -> Tensor:
+    """token (B, 1) at position input_pos (1,) -> next token (B, 1)."""
+    logits = model(token, input_pos)[:, -1]  # (B, V)
+    return next_token(logits, input_pos + 1, vocab_bias, sampling)
+
+
+def prefill_bucket(length: int, limit: int) -> int:
+    """Prompt lengths are padded to a power of two, so each bucket compiles once."""
+    bucket = SMALLEST_PREFILL_BUCKET
+    while bucket < length:
+        bucket *= 2
+    return min(bucket, limit)
+
+
+class CompiledStep:
+    """torch.compile(fn) called under Redline's compiler settings, which are set around each call and undone after
+    it (thread-locally where torch keeps config per thread): the process's own inductor/dynamo config is untouched."""
+
+    def __init__(self, fn: Callable[..., Tensor], device: torch.device) -> None:
+        import torch._inductor.config as inductor_config
+
+        self.fn = torch.compile(fn, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True,
+                                dynamic=False)
+        self.settings = (inductor_config.patch(INDUCTOR_SETTINGS),
+                         torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT))
+
+    def __call__(self, *args: Any) -> Tensor:
+        with self.settings[0], self.settings[1]:
+            return self.fn(*args)
+
+
+def model_bytes_per_token(model: Transformer) -> int:
+    """Bytes of weights one decode step reads: every parameter and weight buffer, but only one embedding row."""
+    total = 0
+    seen: set[int] = set()
+    embedding = model.tok_embeddings.weight
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in seen or "kv_cache" in name or name == "rope":
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    if not model.args.tie_word_embeddings:  # a tied table is read whole by the output head
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def vocab_bias(model_vocab: int, tokenizer_vocab: int | None, device: torch.device) -> Tensor | None:
+    """(V,) fp32: 0 for ids the tokenizer decodes, -inf for a model's padding rows beyond them; None if none."""
+    if tokenizer_vocab is None or tokenizer_vocab >= model_vocab:
+        return None
+    bias = torch.zeros(model_vocab, dtype=torch.float32, device=device)
+    bias[tokenizer_vocab:] = float("-inf")
+    return bias
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillInputs:
+    """A batch of equal-length prompts padded to their bucket, on the device."""
+    ids: Tensor  # (B, bucket) token ids, zeros after the prompt
+    positions: Tensor  # (bucket,) 0..bucket-1
+    last: Tensor  # (1,) index of the last real prompt token
+
+
+class HostTokens:
+    """Step outputs (B, 1) copied to pinned host memory on a side stream, so the device-to-host copy never sits
+    between two graph replays; on the CPU a plain copy."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.host = torch.empty(batch, dtype=torch.long, pin_memory=pinned)  # (B,)
+        self.ready = torch.cuda.Event() if pinned else None
+        self.copier = torch.cuda.Stream(device) if pinned else None
+        self.device = device
+
+    def send(self, token: Tensor) -> None:
+        if self.copier is None:
+            self.host.copy_(token.view(-1))
+            return
+        self.copier.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copier):
+            self.host.copy_(token.view(-1), non_blocking=True)
+            self.ready.record(self.copier)
+        token.record_stream(self.copier)  # its memory is not reused before the copy has read it
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
+class Runner:
+    """Owns a model on its device: its kernels (applied once, in place), its static cache, and every compiled step.
+
+    `kernels=None` turns Redline's Triton kernels on for a CUDA device where they run; `fuse=None` follows them
+    (the fused batch-1 decode step). `tokenizer_vocab` masks the model's padding rows beyond the tokenizer's ids.
+    """
+
+    def __init__(self, model: Transformer, device: torch.device | str, compile: bool, compile_prefill: bool = False,
+                 kernels: bool | None = None, fuse: bool | None = None, tokenizer_vocab: int | None = None) -> None:
+        device = torch.device(device)
+        self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
+        # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
+        self.kernels = device.type == "cuda" and kernels_available() if kernels is None else kernels
+        self.fuse = self.kernels if fuse is None else fuse
+        if self.kernels and (device.type != "cuda" or not kernels_available()):
+            raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed; use kernels=False")
+        if self.fuse and not self.kernels:
+            raise ValueError("fuse=True needs the GPU kernels (kernels=True)")
+        self.step_model: torch.nn.Module = model  # what decode steps call
+        if self.kernels:
+            use_kernels(model)
+            if self.fuse:
+                self.step_model = FusedDecode(model)
+        self.device = device
+        self.compile = compile
+        self.compile_prefill = compile_prefill
+        self.bytes_per_token = model_bytes_per_token(model)
+        self.vocab_bias = vocab_bias(model.args.vocab_size, tokenizer_vocab, device)  # made once: no recompile
+        self._prefill_fn: Callable[..., Tensor] = prefill
+        self._decode_fn: Callable[..., Tensor] = decode_one_token
+        if compile:
+            self._decode_fn = CompiledStep(decode_one_token, device)
+            if compile_prefill:  # one CUDA graph per prompt bucket too: short prompts are otherwise launch-bound
+                self._prefill_fn = CompiledStep(prefill, device)
+        self._steps: dict[str, Callable[..., Any]] = {}  # other compiled steps (speculative verify, draft), by name
+        self._warm: set[tuple] = set()  # graphs already compiled and captured
+        self._costs: dict[tuple, float] = {}  # measured step-time ratios, by key (speculative.CostGate)
+
+    # -- sizes ---------------------------------------------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return self.model.args.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
+    def cache_length(self) -> int:
+        """Positions the static cache holds now (0 before the first generation)."""
+        return self.model.max_seq_length
+
+    def plan_lengths(self, prompt_len: int, max_new_tokens: int) -> int:
+        """New tokens a generation makes: max_new_tokens, capped by the context."""
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        context = self.context_length
+        if prompt_len >= context:
+            raise ValueError(f"the prompt has {prompt_len} tokens, but the model's context is {context}; shorten it")
+        return min(max_new_tokens, context - prompt_len)
+
+    def ensure_cache(self, batch_size: int, seq_len: int) -> None:
+        """Keep the current cache when it is large enough (a new cache shape means a new graph)."""
+        m = self.model
+        if m.max_batch_size >= batch_size and m.max_seq_length >= seq_len:
+            return
+        length = min(max(seq_len, m.max_seq_length, CACHE_LENGTH_STEP), m.args.block_size)
+        length = min(-(-length // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP, m.args.block_size)
+        m.setup_caches(max(batch_size, m.max_batch_size), length)
+
+    def cache_key(self) -> tuple:
+        """Identifies the current cache: a re-allocated one needs its graphs captured again."""
+        model = self.model
+        return model.max_seq_length, model.max_batch_size, model.layers[0].attention.cache().k.data_ptr()
+
+    # -- compiled steps --------------------------------------------------------------------------------------------------
+
+    def mark_step(self) -> None:
+        """Tells the CUDA-graph trees a new step begins (its outputs may overwrite the last step's)."""
+        if self.compile and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def step_args(self, sampling: SamplingParams) -> tuple[Tensor, ...]:
+        return () if sampling.is_greedy else sampling.tensors(self.vocab_size, self.device)
+
+    def step(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` compiled once under `name` (eager when not compiling): the speculative verify and draft steps."""
+        if name not in self._steps:
+            self._steps[name] = CompiledStep(fn, self.device) if self.compile else fn
+        return self._steps[name]
+
+    def is_warm(self, key: tuple) -> bool:
+        return not self.compile or key in self._warm
+
+    def warm_up(self, key: tuple, call: Callable[[], Any]) -> float:
+        """Compiles, records and replays `call` once under `key` (nothing if warm or not compiling); seconds spent.
+        Same grad mode and tensor kinds as generation, or the real call would recompile."""
+        if self.is_warm(key):
+            return 0.0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(WARM_UP_CALLS):
+                self.mark_step()
+                call()
+        sync(self.device)
+        self._warm.add(key)
+        return time.perf_counter() - start
+
+    def measured(self, key: tuple, measure: Callable[[], float]) -> float:
+        """A cost measured once per key (the speculative cost gate's verify/decode ratio) and kept."""
+        if key not in self._costs:
+            self._costs[key] = measure()
+        return self._costs[key]
+
+    def forget_costs(self) -> None:
+        self._costs.clear()
+
+    @property
+    def costs(self) -> dict[tuple, float]:
+        return dict(self._costs)
+
+    def prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
+        """Size the cache and compile/capture this generation's graphs; returns the seconds that took (0 if warm).
+        Garbage written to the cache here is harmless: every position is rewritten before it is read."""
+        self.ensure_cache(batch, prompt_len + self.plan_lengths(prompt_len, max_new_tokens))
+        if not self.compile:
+            return 0.0
+        args = self.step_args(dataclasses.replace(sampling, seed=0))  # warm-ups leave the global RNG alone
+        key = (batch, *self.cache_key(), bool(args))
+        with torch.inference_mode():
+            token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+            inputs = self.prefill_inputs(torch.zeros(batch, prompt_len, dtype=torch.long))
+        seconds = self.warm_up(("decode", *key), lambda: self.decode(token, inputs.positions[:1], args))
+        if self.compile_prefill:
+            bucket = inputs.ids.shape[1]
+            seconds += self.warm_up(("prefill", bucket, *key), lambda: self.prefill(inputs, args))
+        return seconds
+
+    def prefill_inputs(self, prompts: Tensor | Sequence[Sequence[int]]) -> PrefillInputs:
+        """Equal-length prompts (B, T) padded to their bucket (their own length without compiled prefill)."""
+        prompts = torch.as_tensor(prompts, dtype=torch.long)  # (B, T)
+        batch, length = prompts.shape
+        bucket = prefill_bucket(length, self.cache_length) if self.compile_prefill else length
+        with torch.inference_mode():  # the same tensor kind as the warm-up's, so the compiled prefill's guards match
+            ids = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)  # (B, bucket)
+            ids[:, :length] = prompts.to(self.device)
+            positions = torch.arange(bucket, device=self.device)  # (bucket,)
+            last = torch.tensor([length - 1], device=self.device)  # (1,)
+        return PrefillInputs(ids, positions, last)
+
+    def prefill(self, inputs: PrefillInputs, args: tuple[Tensor, ...]) -> Tensor:
+        """The first new token (B, 1) on the device, copied out of the CUDA graph's pool (the next replay may
+        reuse that memory)."""
+        self.mark_step()
+        return self._prefill_fn(self.model, inputs.ids, inputs.positions, inputs.last, self.vocab_bias,
+                                *args).clone()
+
+    def decode(self, token: Tensor, input_pos: Tensor, args: tuple[Tensor, ...]) -> Tensor:
+        """One decode step: token (B, 1) at input_pos (1,) -> next token (B, 1) on the device (not copied)."""
+        self.mark_step()
+        return self._decode_fn(self.step_model, token, input_pos, self.vocab_bias, *args)
+
+    # -- the token loop --------------------------------------------------------------------------------------------------
+
+    def token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
+                      recorder: Any = None) -> Iterator[tuple[list[int], float]]:
+        """The token loop, for a batch of equal-length prompts (B, T); not locked (LLM's callers are).
+
+        Yields (tokens of this step, host time when they arrived, less any time the profiler spent on itself).
+        Step i+1 is queued on the GPU before step i's tokens are read, so reading never leaves the GPU idle.
+        """
+        batch, prompt_len = prompts.shape
+        new_tokens = self.plan_lengths(prompt_len, max_new_tokens)
+        sampling = tensor_parallel.agreed_sampling(sampling, self.model)  # every rank draws the same tokens
+        self.prepare(batch, prompt_len, max_new_tokens, sampling)
+        args = self.step_args(sampling)
+        region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
+        inputs = self.prefill_inputs(prompts)
+        host = HostTokens(batch, self.device)
+        with torch.inference_mode():
+            with region("prefill"):
+                token = self.prefill(inputs, args)
+                host.send(token)  # (B, 1)
+            # Decode step i reads position prompt_len + i - 1 from this table: a slice per step instead of an
+            # in-place increment, which would be one more kernel between graph replays. Made in inference mode,
+            # like the warm-up's position, so the compiled step's guards match.
+            decode_positions = torch.arange(prompt_len, prompt_len + new_tokens, device=self.device)  # (N,)
+            paused = 0.0  # the profiler's own bookkeeping (starting, stopping) is kept out of every timing
+            for step in range(1, new_tokens + 1):
+                if recorder is not None:
+                    before = time.perf_counter()
+                    recorder.step()
+                    paused += time.perf_counter() - before
+                with region("decode_step"):
+                    if step < new_tokens:
+                        nxt = self.decode(token, decode_positions[step - 1:step], args).clone()
+                    tokens = host.read()  # the previous step's; the next one is already queued
+                    arrived = time.perf_counter() - paused
+                    if step < new_tokens:
+                        host.send(nxt)  # (B, 1)
+                        token = nxt
+                yield tokens, arrived
