@@ -184,7 +184,8 @@ class GenerationStats:
     model_bytes_per_token: int  # weights each decode step reads (the embedding table excluded: one row is read)
     bandwidth_gb_s: float
     peak_memory_gb: float | None  # None on the CPU
-    compile_s: float = 0.0  # compile/warm-up time spent before this generation, kept out of the rates above
+    compile_s: float = 0.0  # warm-up before this generation (compiling, graph capture, the speculative cost gate's
+    # timing), kept out of the rates above; the stats line calls it "warm-up"
     batch_size: int = 1
     mean_accepted: float | None = None  # speculative decoding: drafts accepted per verify step (0..k); else None
     acceptance_rate: float | None = None  # accepted / drafted tokens over the verify steps; None without a draft
@@ -196,7 +197,7 @@ class GenerationStats:
 
     def summary(self) -> str:
         mem = f", peak memory {self.peak_memory_gb:.2f} GB" if self.peak_memory_gb is not None else ""
-        compiled = f", compile {self.compile_s:.1f} s" if self.compile_s else ""
+        compiled = f", warm-up {self.compile_s:.1f} s" if self.compile_s else ""  # compiling, capture, cost gate
         if self.mean_accepted is not None:
             compiled += f", {self.mean_accepted:.2f} drafts accepted per step ({self.acceptance_rate:.0%})"
         return (f"prompt {self.prompt_tokens} tok, generated {self.new_tokens} tok | TTFT {self.ttft_s * 1e3:.1f} ms, "
