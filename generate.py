@@ -456,9 +456,22 @@ def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any, dra
             print(f"note: the conversation outgrew the context; dropped the {dropped} oldest messages", file=err)
         messages = fitted
         out.write("assistant> ")
-        result = print_stream(llm.stream_chat(messages, options), out)
-        messages.append({"role": "assistant", "content": result.text})
-        print(result.stats.summary(), file=err)
+        stream = llm.stream_chat(messages, options)
+        shown: list[str] = []
+        try:
+            for piece in stream:
+                shown.append(piece)
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:  # Ctrl-C stops this reply; the conversation goes on with what was shown
+            stream.close()
+            out.write("\n")
+            print("stopped; the reply so far is kept (Ctrl-C again at the prompt, or an empty line, ends)", file=err)
+            messages.append({"role": "assistant", "content": "".join(shown)})
+            continue
+        out.write("\n")
+        messages.append({"role": "assistant", "content": stream.result.text})
+        print(stream.result.stats.summary(), file=err)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -212,6 +212,35 @@ def test_cli_interactive_uses_the_chat_template(tiny_llm_checkpoint, chat_tokeni
     assert out.getvalue() == f"you> assistant> {reply}\nyou> "
 
 
+class InterruptingWriter(io.StringIO):
+    """stdout whose first write of a reply's text raises KeyboardInterrupt, as Ctrl-C during the reply would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted = False
+
+    def write(self, text: str) -> int:
+        if not self.interrupted and self.getvalue().endswith("assistant> ") and text.strip():
+            self.interrupted = True
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+def test_cli_interactive_ctrl_c_stops_the_reply_not_the_conversation(tiny_llm_checkpoint, chat_tokenizer,
+                                                                      monkeypatch):
+    monkeypatch.setattr(generate, "load_tokenizer", lambda path: chat_tokenizer)
+    cfg = GenerateArgs(checkpoint_path=tiny_llm_checkpoint[0], interactive=True, device="cpu", temperature=0.0,
+                       max_new_tokens=6)
+    out, err = InterruptingWriter(), io.StringIO()
+    code = generate.run_cli(cfg, stdin=io.StringIO("first\nsecond\n\n"), out=out, err=err)
+    assert code == 0 and out.interrupted
+    assert "stopped" in err.getvalue()
+    # The second message was answered: the conversation went on, with the stopped turn kept in it.
+    assert [m["role"] for m in chat_tokenizer.calls[-1]] == ["user", "assistant", "user"]
+    assert chat_tokenizer.calls[-1][2]["content"] == "second"
+    assert out.getvalue().count("you> ") == 3
+
+
 def test_compiled_decode_never_recompiles_on_cpu(tiny_llm_checkpoint, llm):
     """fullgraph inductor on the CPU: one graph serves three prompt lengths and every position."""
     from torch._dynamo.utils import counters
