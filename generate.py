@@ -305,43 +305,42 @@ class LLM:
 # CLI.
 
 
+# The CLI samples by default (the Python API is greedy unless told): gpt-fast's defaults, so a first run reads like
+# chat output rather than the most likely loop of text.
+CLI_TEMPERATURE = 0.8
+CLI_TOP_K = 200
+
+
 @dataclass(frozen=True)
 class GenerateArgs:
+    """The CLI's settings: how to build the engine (EngineConfig, the same as LLM.load's), how each generation samples
+    and ends (GenerationOptions, the same as generate's), and what the command does with them."""
     checkpoint_path: Path
+    engine: EngineConfig = EngineConfig()
+    options: GenerationOptions = GenerationOptions(temperature=CLI_TEMPERATURE, top_k=CLI_TOP_K)
     prompt: str | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = 0.8
-    top_k: int | None = 200
-    top_p: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    device: str | None = None
-    dtype: str | None = None
-    compile: bool | None = None
-    compile_prefill: bool = False
-    quantize: str | None = None
-    kernels: bool | None = None
-    fuse: bool | None = None
     num_samples: int = 1
     chat: bool = False
     interactive: bool = False
     system: str | None = None
-    profile: Path | None = None
-    profile_steps: int = 16
-    prompt_lookup: bool = False
-    draft_checkpoint_path: Path | None = None
+    draft_checkpoint_path: Path | None = None  # a draft model, loaded by run_cli
     draft_quantize: str | None = None
-    speculate_k: int | None = None
+    speculate_k: int | None = None  # the draft model's k (prompt lookup's is in options)
 
     def __post_init__(self) -> None:
-        # Validate every engine and generation setting before any work (a draft model's k as prompt lookup's).
-        self.engine, self.options(0, "prompt_lookup" if self.draft_checkpoint_path is not None else None)
-        speculative.check_cli_draft(self.prompt_lookup, self.draft_checkpoint_path, self.draft_quantize)
+        if not isinstance(self.engine, EngineConfig) or not isinstance(self.options, GenerationOptions):
+            raise TypeError("GenerateArgs takes an EngineConfig and a GenerationOptions")
+        if self.draft_checkpoint_path is not None:  # the draft model's k is checked as prompt lookup's would be
+            dataclasses.replace(self.options, draft="prompt_lookup", speculate_k=self.speculate_k)
+        elif self.speculate_k is not None:
+            raise ValueError("--speculate_k needs a draft; add --prompt_lookup or --draft_checkpoint_path")
+        speculative.check_cli_draft(self.options.draft == "prompt_lookup", self.draft_checkpoint_path,
+                                    self.draft_quantize)
         if self.num_samples < 1:
             raise ValueError(f"--num_samples must be >= 1, got {self.num_samples}")
         if self.chat and self.interactive:
             raise ValueError("--chat sends one message and --interactive holds a conversation; pick one")
-        if self.interactive and (self.prompt is not None or self.profile is not None or self.num_samples > 1):
+        if self.interactive and (self.prompt is not None or self.options.profile is not None or self.num_samples > 1):
             raise ValueError("--interactive reads the conversation from stdin; drop --prompt, --profile, --num_samples")
         if self.system is not None and not (self.chat or self.interactive):
             raise ValueError("--system is the chat's system message; add --chat or --interactive")
@@ -351,18 +350,16 @@ class GenerateArgs:
             if getattr(self, name) is not None:
                 check_text(getattr(self, name), f"--{name}")
 
-    @property
-    def engine(self) -> EngineConfig:
-        return EngineConfig(self.device, self.dtype, self.compile, self.compile_prefill, self.quantize, self.kernels,
-                            self.fuse)
-
-    def options(self, sample: int, draft: Any = None) -> GenerationOptions:
-        """Sample i's options: seed + i, and the trace for the first sample only; `draft`: the loaded draft model."""
-        profile = ProfileConfig(self.profile, self.profile_steps) if self.profile is not None and sample == 0 else None
-        draft = "prompt_lookup" if self.prompt_lookup else draft
-        return GenerationOptions(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.stop,
-                                 self.seed + sample if self.seed is not None else None, profile=profile,
-                                 draft=draft, speculate_k=self.speculate_k)
+    def sample_options(self, sample: int, draft: Any = None) -> GenerationOptions:
+        """Sample i's options: seed + i, the trace for the first sample only, and the loaded draft model if any."""
+        options = self.options
+        if options.seed is not None:
+            options = dataclasses.replace(options, seed=options.seed + sample)
+        if sample > 0 and options.profile is not None:
+            options = dataclasses.replace(options, profile=None)
+        if draft is not None:
+            options = dataclasses.replace(options, draft=draft, speculate_k=self.speculate_k)
+        return options
 
     def messages(self, prompt: str) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + \
@@ -374,8 +371,8 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     p.add_argument("--prompt", default=None, help="input text (with --chat: the user's message)")
     p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top_k", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=CLI_TEMPERATURE, help="0 means greedy")
+    p.add_argument("--top_k", type=int, default=CLI_TOP_K)
     p.add_argument("--top_p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="sample i uses seed + i; default: a fresh seed per run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -400,7 +397,14 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
     p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step (default 5)")
     ns = p.parse_args(argv)
-    return GenerateArgs(**{**vars(ns), "stop": tuple(ns.stop)})
+    engine = EngineConfig(ns.device, ns.dtype, ns.compile, ns.compile_prefill, ns.quantize, ns.kernels, ns.fuse)
+    lookup = ns.prompt_lookup
+    options = GenerationOptions(
+        ns.max_new_tokens, ns.temperature, ns.top_k, ns.top_p, tuple(ns.stop), ns.seed,
+        profile=ProfileConfig(ns.profile, ns.profile_steps) if ns.profile is not None else None,
+        draft="prompt_lookup" if lookup else None, speculate_k=ns.speculate_k if lookup else None)
+    return GenerateArgs(ns.checkpoint_path, engine, options, ns.prompt, ns.num_samples, ns.chat, ns.interactive,
+                        ns.system, ns.draft_checkpoint_path, ns.draft_quantize, None if lookup else ns.speculate_k)
 
 
 def print_stream(stream: Stream, out: Any) -> GenerationResult:
@@ -424,9 +428,9 @@ def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = No
         return interactive(llm, cfg, stdin or sys.stdin, out, err, draft)
     for i in range(cfg.num_samples):
         if cfg.chat:
-            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.options(i, draft))
+            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.sample_options(i, draft))
         else:
-            stream = llm.stream(cfg.prompt, cfg.options(i, draft))  # checks the prompt before it is echoed
+            stream = llm.stream(cfg.prompt, cfg.sample_options(i, draft))  # checks the prompt before it is echoed
             out.write(cfg.prompt)
         result = print_stream(stream, out)
         print(f"[sample {i + 1}/{cfg.num_samples}] {result.stats.summary()}", file=err)
@@ -438,7 +442,7 @@ def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = No
 def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any, draft: LLM | None = None) -> int:
     """A conversation on stdin: the oldest turns are dropped (the system message kept) when it outgrows the context."""
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
-    options = cfg.options(0, draft)
+    options = cfg.sample_options(0, draft)
     print(f"chatting with {llm.model_name}; an empty line or EOF ends.", file=err)
     while True:
         out.write("you> ")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from redline import generate
-from redline.generate import LLM, GenerateArgs, main, nucleus_keep_mask, sample
+from redline.generate import LLM, EngineConfig, GenerateArgs, GenerationOptions, main, nucleus_keep_mask, sample
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +201,8 @@ def test_cli_streams_text_and_prints_stats(tiny_llm_checkpoint, capsys, llm):
 
 def test_cli_interactive_uses_the_chat_template(tiny_llm_checkpoint, chat_tokenizer, monkeypatch, llm):
     monkeypatch.setattr(generate, "load_tokenizer", lambda path: chat_tokenizer)
-    cfg = GenerateArgs(checkpoint_path=tiny_llm_checkpoint[0], interactive=True, device="cpu", temperature=0.0,
-                       max_new_tokens=6, system="be brief")
+    cfg = GenerateArgs(tiny_llm_checkpoint[0], EngineConfig(device="cpu"), GenerationOptions(max_new_tokens=6),
+                       interactive=True, system="be brief")
     out = io.StringIO()
     code = generate.run_cli(cfg, stdin=io.StringIO("hello there\n\n"), out=out, err=io.StringIO())
     assert code == 0
@@ -229,8 +229,8 @@ class InterruptingWriter(io.StringIO):
 def test_cli_interactive_ctrl_c_stops_the_reply_not_the_conversation(tiny_llm_checkpoint, chat_tokenizer,
                                                                       monkeypatch):
     monkeypatch.setattr(generate, "load_tokenizer", lambda path: chat_tokenizer)
-    cfg = GenerateArgs(checkpoint_path=tiny_llm_checkpoint[0], interactive=True, device="cpu", temperature=0.0,
-                       max_new_tokens=6)
+    cfg = GenerateArgs(tiny_llm_checkpoint[0], EngineConfig(device="cpu"), GenerationOptions(max_new_tokens=6),
+                       interactive=True)
     out, err = InterruptingWriter(), io.StringIO()
     code = generate.run_cli(cfg, stdin=io.StringIO("first\nsecond\n\n"), out=out, err=err)
     assert code == 0 and out.interrupted

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from redline import generate
-from redline.generate import LLM, GenerateArgs, GenerationOptions, main, sample
+from redline.generate import LLM, EngineConfig, GenerateArgs, GenerationOptions, main, sample
 from redline.model import ModelArgs, Transformer
 
 # The 0.999 quantile of the chi-square distribution with 7 degrees of freedom: a correct sampler fails one
@@ -249,8 +249,8 @@ def test_chat_and_cli_chat_use_the_template(tiny_llm_checkpoint, chat_tokenizer,
 def test_interactive_chat_drops_the_oldest_turns_when_the_context_fills(tiny_llm_checkpoint, chat_tokenizer,
                                                                          monkeypatch):
     monkeypatch.setattr(generate, "load_tokenizer", lambda path: chat_tokenizer)
-    cfg = GenerateArgs(checkpoint_path=tiny_llm_checkpoint[0], interactive=True, device="cpu", temperature=0.0,
-                       max_new_tokens=24, system="be brief")
+    cfg = GenerateArgs(tiny_llm_checkpoint[0], EngineConfig(device="cpu"), GenerationOptions(max_new_tokens=24),
+                       interactive=True, system="be brief")
     line = "The quick brown fox jumps over the lazy dog. " * 3
     out, err = io.StringIO(), io.StringIO()
     assert generate.run_cli(cfg, stdin=io.StringIO(f"{line}\n" * 8 + "\n"), out=out, err=err) == 0
