@@ -20,7 +20,7 @@ from redline.benchmarks.bench_model import build_random_model, random_prompts
 from redline.benchmarks.bench_report import fmt
 
 if TYPE_CHECKING:
-    from redline.benchmarks.bench import BenchConfig
+    from redline.benchmarks.bench_config import BenchConfig
 
 # The checkout: the children run from it, with it on PYTHONPATH.
 ROOT = Path(__file__).resolve().parents[1]

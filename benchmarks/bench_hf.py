@@ -11,15 +11,14 @@ from torch import Tensor
 
 from redline import generate, runner
 from redline.model import ModelArgs
+from redline.benchmarks.bench_config import HF_SHORT_TOKENS
 from redline.benchmarks.bench_model import param_counts, random_prompts
 from redline.benchmarks.bench_redline import RedlineRecord, median
 from redline.benchmarks.bench_report import fmt
 
 if TYPE_CHECKING:
-    from redline.benchmarks.bench import BenchConfig
+    from redline.benchmarks.bench_config import BenchConfig
 
-# HF's decode rate is the difference of a long and a short generation; the short one has this many tokens at most.
-HF_SHORT_TOKENS = 10
 # Compiled HF generate keeps getting faster for a few calls (compile, then CUDA graph recording): warm it up until
 # two calls in a row agree within this fraction, or this many calls.
 HF_STEADY_TOLERANCE = 0.05

@@ -18,7 +18,7 @@ from redline.benchmarks.bench_model import (build_random_model, kv_cache_bytes, 
 from redline.benchmarks.bench_tp import all_reduce_timings, build_random_tp_model
 
 if TYPE_CHECKING:
-    from redline.benchmarks.bench import BenchConfig
+    from redline.benchmarks.bench_config import BenchConfig
     from redline.tensor_parallel import TPWorld
 
 

@@ -27,7 +27,7 @@ from redline.model import ModelArgs
 from redline.benchmarks.bench_model import build_random_model, random_prompts
 
 if TYPE_CHECKING:
-    from redline.benchmarks.bench import BenchConfig
+    from redline.benchmarks.bench_config import BenchConfig
 
 # Timed calls per step measurement (median reported); steps are a few ms, so this is well under a second each.
 STEP_REPEATS = 50
