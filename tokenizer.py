@@ -33,7 +33,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -505,38 +504,47 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     template = config.get("chat_template", _read_json(directory / "chat_template.json").get("chat_template"))
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
+        if "default" not in named:
+            raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template is a list of named templates "
+                             f"({', '.join(map(str, named))}) without a 'default' one; name one 'default'")
+        template = named["default"]
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template must be a string; fix or remove it")
     return template
 
 
-def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[Path]:
+def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, overwrite: bool = False,
+                         inputs: Sequence[str | os.PathLike] = ()) -> list[Path]:
     """Copy every tokenizer, chat-template and generation-config file in `src_dir` to `dst_dir`, each written
-    atomically; returns the files written. Nothing is copied when both name the same folder."""
+    atomically; returns the files written. Nothing is copied when both name the same folder. Checked first (see
+    tokenizer_files_to_copy); with `overwrite`, side files of another model left in `dst_dir` are removed."""
+    from redline.checkpoint import write_atomically
+
     src, dst = Path(src_dir), Path(dst_dir)
-    if not src.is_dir():
-        raise FileNotFoundError(f"{src} is not a folder; pass the checkpoint's folder")
-    if dst.exists() and dst.resolve() == src.resolve():
-        return []
-    dst.mkdir(parents=True, exist_ok=True)
+    todo = tokenizer_files_to_copy(src, dst, overwrite, inputs)
     written = []
+    for name, source in todo.items():
+        write_atomically(dst / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
+        written.append(dst / name)
     for name in TOKENIZER_SIDE_FILES:
-        if (src / name).is_file():
-            written.append(_copy_atomically(src / name, dst / name))
+        if overwrite and not (src / name).is_file() and (dst / name).is_file():
+            (dst / name).unlink()
     return written
 
 
-def _copy_atomically(src: Path, dst: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dst
+def tokenizer_files_to_copy(src: Path, dst: Path, overwrite: bool = False,
+                            inputs: Sequence[str | os.PathLike] = ()) -> dict[str, Path]:
+    """The side files copy_tokenizer_files will write (name: source), checked before any work: sources must lie
+    inside `src` (no symlink out of it), and a different file already in `dst` (another model's) is replaced only
+    with `overwrite`."""
+    from redline.outputs import check_inside, side_files_to_write
+
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a folder; pass the checkpoint's folder")
+    if dst.exists() and dst.resolve() == src.resolve():
+        return {}
+    sources = {name: check_inside(src / name, src) for name in TOKENIZER_SIDE_FILES if (src / name).is_file()}
+    return side_files_to_write(sources, dst, [*inputs, *sources.values()], overwrite, exclusive=TOKENIZER_SIDE_FILES)
 
 
 def _load_tokenizer_file(path: Path) -> Tokenizer:

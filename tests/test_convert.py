@@ -44,9 +44,11 @@ def test_cli_writes_one_file_with_metadata(hf_dir, capsys):
     assert not [p for p in hf_dir.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_reconverting_ignores_the_earlier_output(hf_dir, capsys):
+def test_reconverting_ignores_the_earlier_output_and_replaces_it_only_with_overwrite(hf_dir, capsys):
     assert run_cli(capsys, "--checkpoint_dir", str(hf_dir))[0] == 0
-    code, out, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--dtype", "float32")
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--dtype", "float32")
+    assert code == 2 and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--dtype", "float32", "--overwrite")
     assert code == 0, err
     assert read_checkpoint_info(out.strip()).dtype == torch.float32
 
@@ -64,7 +66,7 @@ def test_interrupted_write_leaves_no_file(hf_dir, tmp_path, monkeypatch):
     def explode(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "save_file", explode)
+    monkeypatch.setattr(checkpoint, "write_safetensors", explode)
     out_file = tmp_path / "never.safetensors"
     with pytest.raises(KeyboardInterrupt):
         convert_hf_checkpoint(hf_dir, out_file)
@@ -269,7 +271,7 @@ def test_ctrl_c_is_one_line_and_status_130(hf_dir, tmp_path, capsys, monkeypatch
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "save_file", interrupted)
+    monkeypatch.setattr(checkpoint, "write_safetensors", interrupted)
     code, out, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(tmp_path / "m.safetensors"))
     assert code == 130 and out == "" and err.count("\n") == 1 and "interrupted" in err
     assert list(tmp_path.glob("*m.safetensors*")) == []
