@@ -225,6 +225,18 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     return unquantized[0]
 
 
+def checkpoint_inputs(path: str | os.PathLike) -> list[Path]:
+    """Every file a command that loads the checkpoint at `path` reads: the checkpoint itself and the tokenizer,
+    chat-template and config files beside it (what an output flag of that command must never name)."""
+    from redline.tokenizer import TOKENIZER_SIDE_FILES
+
+    try:
+        file = resolve_checkpoint_path(path)
+    except (ValueError, FileNotFoundError):
+        return [Path(path)]
+    return [Path(path), file, *(file.parent / name for name in TOKENIZER_SIDE_FILES)]
+
+
 def checkpoint_scheme(path: Path) -> str | None:
     """The quantization scheme a Redline file's metadata names, or None when it cannot be read."""
     try:
