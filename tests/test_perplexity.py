@@ -198,3 +198,31 @@ def test_random_arguments_give_a_result_or_one_line(llama_checkpoint, tmp_path, 
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (argv, err)
     assert doc.read_text() == "The quick brown fox.\n" * 3
     assert not [p for p in tmp_path.iterdir() if TEMP_FILE.fullmatch(p.name)]
+
+
+@pytest.mark.parametrize("name", ["tokenizer.model", "tokenizer_config.json", "generation_config.json", "notes.json"])
+def test_json_never_replaces_a_file_the_run_reads_or_did_not_write(llama_checkpoint, tmp_path, capsys, name):
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(llama_checkpoint[0].parent, folder)
+    (folder / "notes.json").write_text('{"mine": 1}')
+    target = folder / name
+    link = tmp_path / "link.json"
+    link.symlink_to(target)  # through a symlink too
+    before = target.read_bytes()
+    doc = tmp_path / "doc.txt"
+    doc.write_text("hello world")
+    for out in (target, link):
+        code = main(["--checkpoint_path", str(folder), "--text", str(doc), "--device", "cpu", "--json", str(out)])
+        one_line(code, capsys.readouterr().err, "--json")
+    assert target.read_bytes() == before
+
+
+def test_json_replaces_an_earlier_record_only_with_overwrite(llama_checkpoint, tmp_path, capsys):
+    doc, out = tmp_path / "doc.txt", tmp_path / "r.json"
+    doc.write_text("hello world")
+    argv = ["--checkpoint_path", str(llama_checkpoint[0]), "--text", str(doc), "--device", "cpu", "--json", str(out)]
+    assert main(argv) == 0
+    one_line(main(argv), capsys.readouterr().err, "pass --overwrite")
+    assert main([*argv, "--overwrite"]) == 0
