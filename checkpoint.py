@@ -254,23 +254,26 @@ def check_checkpoint_output(path: Path, inputs: Iterable[Path] = (), overwrite: 
     check_output(path, inputs, "--out", overwrite=overwrite, replaceable=is_redline_file, kind="Redline checkpoint")
 
 
-def run_cli(body: Callable[[], int], interrupted: str = "interrupted") -> int:
-    """Run a command-line tool's body: bad input and file-system errors become one `error:` line and exit status 2,
-    Ctrl-C one line and 130, never a traceback."""
+def run_cli(body: Callable[[], int], interrupted: str = "interrupted",
+            report: Callable[[str], None] | None = None) -> int:
+    """Run a command-line tool's body: bad input and file-system errors (a full disk) become one `error:` line and
+    exit status 2, Ctrl-C one line and 130, a closed output pipe one line and 141, never a traceback. `report`
+    prints the line (default: to stderr)."""
+    report = report or (lambda line: print(line, file=sys.stderr))
     try:
         if sys.stdout is None:
             raise ValueError("stdout is closed; give the command somewhere to print (a terminal, a file or a pipe)")
         return body()
     except KeyboardInterrupt:
-        print(f"error: {interrupted}", file=sys.stderr)
+        report(f"error: {interrupted}")
         return 130
     except BrokenPipeError:
         return output_closed()
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
+        report(f"error: {' '.join(str(exc).split())}")
         return 2
     except OSError as exc:  # the disk or the file system, not the input: say which file and why
-        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
+        report(f"error: {exc.strerror or exc} ({exc.filename or 'output'})")
         return 2
 
 
