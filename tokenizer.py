@@ -34,7 +34,6 @@ import os
 import re
 import shutil
 from collections.abc import Iterator, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -145,14 +144,10 @@ class Tokenizer:
         _check_messages(messages)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; add chat_template.jinja beside the checkpoint")
-        import jinja2
+        from redline.templates import render_chat_template
 
-        try:
-            template = _compiled_template(self.chat_template)
-            return template.render(messages=messages, tools=None, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
+        return render_chat_template(self.chat_template, messages=messages, tools=None, documents=None,
+                                    add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a conversation: the checkpoint's chat template rendered and encoded without adding
@@ -207,33 +202,6 @@ class Tokenizer:
         for m in messages:
             ids += header(m["role"]) + self.encode_text(m["content"].strip()) + [eot]
         return ids + header("assistant") if add_generation_prompt else ids
-
-
-def _compiled_template(source: str) -> Any:
-    """A Jinja template compiled the way transformers compiles chat templates: a sandbox, trim_blocks and
-    lstrip_blocks, loop controls, a `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now`."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    import jinja2
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"the chat template is not valid Jinja ({exc}); fix or remove it") from exc
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:
