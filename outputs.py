@@ -7,9 +7,12 @@ replaced only when the user passed --overwrite.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, NoReturn
 
 
 def file_identity(path: str | os.PathLike) -> tuple[int, int] | None:
@@ -123,3 +126,58 @@ def side_files_to_write(files: dict[str, bytes | Path], folder: Path, inputs: It
             raise ValueError(f"{folder} holds {name} of another model, which would be loaded instead of (or mixed "
                              f"with) this one; pass --overwrite to remove it, or choose another folder")
     return todo
+
+
+# Command-line tools: one line and a documented exit status for every failure.
+
+
+def run_cli(body: Callable[[], int], interrupted: str = "interrupted",
+            report: Callable[[str], None] | None = None) -> int:
+    """Run a command-line tool's body: bad input and file-system errors (a full disk) become one `error:` line and
+    exit status 2, Ctrl-C one line and 130, a closed output pipe one line and 141, never a traceback. `report`
+    prints the line (default: to stderr)."""
+    report = report or (lambda line: print(line, file=sys.stderr))
+    try:
+        if sys.stdout is None:
+            raise ValueError("stdout is closed; give the command somewhere to print (a terminal, a file or a pipe)")
+        return body()
+    except KeyboardInterrupt:
+        report(f"error: {interrupted}")
+        return 130
+    except BrokenPipeError:
+        return output_closed()
+    except (ValueError, FileNotFoundError) as exc:
+        report(f"error: {' '.join(str(exc).split())}")
+        return 2
+    except OSError as exc:  # the disk or the file system, not the input: say which file and why
+        report(f"error: {exc.strerror or exc} ({exc.filename or 'output'})")
+        return 2
+
+
+# The exit status of a command whose output pipe was closed by its reader (`| head`), as a shell reports SIGPIPE.
+EXIT_OUTPUT_CLOSED = 141
+
+
+def output_closed() -> int:
+    """One line for a command whose stdout reader went away; stdout is pointed at /dev/null so that the
+    interpreter's last flush cannot print a traceback of its own."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, AttributeError, ValueError):
+        pass
+    print("error: the output was closed before the command finished (stdout pipe closed)", file=sys.stderr)
+    return EXIT_OUTPUT_CLOSED
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise ValueError, so that a CLI prints them as one line and exits with 2, and
+    whose --help shows every flag's default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{message} (see --help)")
