@@ -171,12 +171,19 @@ def output_closed() -> int:
     return EXIT_OUTPUT_CLOSED
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with every optional flag's default (a required flag has none to show)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.required else super()._get_help_string(action)
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse whose usage errors raise ValueError, so that a CLI prints them as one line and exits with 2, and
     whose --help shows every flag's default."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

@@ -1,5 +1,6 @@
-"""Convert a GGUF file (llama.cpp, Ollama) of a Llama-architecture model into one Redline .safetensors file,
-with its tokenizer, chat template and generation config written beside it.
+"""Convert a Llama-architecture GGUF file (llama.cpp, Ollama) into one Redline checkpoint, tokenizer beside it.
+
+The tokenizer, chat template and generation config are written beside the .safetensors file.
 
 python scripts/convert_gguf.py --gguf FILE.gguf [--out FILE] [--dtype bfloat16|float16|float32] [--dequantize]
                                [--overwrite]
