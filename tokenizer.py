@@ -344,6 +344,12 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: Path):
         import tokenizers
 
+        from redline.tokenizer_checks import check_tokenizer_json
+
+        try:
+            check_tokenizer_json(json.loads(path.read_text(encoding="utf-8")), path)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass  # the library's own error below names the problem
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception with a serde message
