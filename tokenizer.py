@@ -427,6 +427,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a checkpoint file or its directory.")
     directory = path if path.is_dir() else path.parent
+    from redline.outputs import check_inside
+
+    for name in TOKENIZER_SIDE_FILES:  # every file read from the folder must lie inside it (no symlink out)
+        if (directory / name).exists():
+            check_inside(directory / name, directory)
     candidates = [path] if path.name in TOKENIZER_FILES else [directory / name for name in TOKENIZER_FILES]
     found = next((p for p in candidates if p.is_file()), None)
     if found is None:

@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_layer_count,
                                 dtype_from_name, expected_shapes, is_redline_file, progress, run_cli, save_checkpoint)
 from redline.model import ModelArgs
+from redline.outputs import check_inside
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
@@ -213,7 +214,7 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     args = read_hf_config(checkpoint_dir)
     files = hf_weight_files(checkpoint_dir)
     out_path = Path(out) if out is not None else checkpoint_dir / DEFAULT_OUT_NAME
-    inputs = [checkpoint_dir / "config.json", *files]
+    inputs = [check_inside(p, checkpoint_dir) for p in [checkpoint_dir / "config.json", *files]]  # no symlink out
     check_checkpoint_output(out_path, inputs, overwrite)
     tokenizer_files_to_copy(checkpoint_dir, out_path.parent, overwrite, inputs)
     tensors = map_hf_tensors(read_hf_tensors(files), args)

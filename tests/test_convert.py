@@ -312,3 +312,23 @@ def test_random_arguments_give_a_result_or_one_line(hf_dir_shared, tmp_path, cap
     assert (hf_dir_shared / "model.safetensors").read_bytes() == weights
     for folder in (hf_dir_shared, tmp_path):
         assert not [p for p in folder.iterdir() if TEMP_FILE.fullmatch(p.name)]
+
+
+def test_a_file_that_leads_out_of_the_folder_is_never_read_or_copied(tmp_path, capsys):
+    import shutil
+
+    hf_dir = save_tiny_hf_checkpoint(tmp_path / "hf", "gqa")[0]
+    capsys.readouterr()  # drop the HF writer's own progress output
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"private": "data"}')
+    (hf_dir / "tokenizer_config.json").unlink(missing_ok=True)
+    (hf_dir / "tokenizer_config.json").symlink_to(secret)
+    out = tmp_path / "out" / "m.safetensors"
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(out))
+    assert code == 2 and "outside the checkpoint folder" in err and err.count("\n") == 1
+    assert not out.parent.exists() or not any(out.parent.iterdir())
+    (hf_dir / "tokenizer_config.json").unlink()
+    shutil.move(hf_dir / "config.json", tmp_path / "config.json")
+    (hf_dir / "config.json").symlink_to(tmp_path / "config.json")
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(out))
+    assert code == 2 and "outside the checkpoint folder" in err
