@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -332,3 +333,12 @@ def test_a_file_that_leads_out_of_the_folder_is_never_read_or_copied(tmp_path, c
     (hf_dir / "config.json").symlink_to(tmp_path / "config.json")
     code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(out))
     assert code == 2 and "outside the checkpoint folder" in err
+
+
+def test_a_small_config_that_declares_a_billion_layers_is_refused_at_once(hf_dir, tmp_path, capsys):
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+    start = time.monotonic()
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(tmp_path / "m.safetensors"))
+    assert code == 2 and "declares 1000000000 layers" in err and err.count("\n") == 1
+    assert time.monotonic() - start < 30
