@@ -30,8 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info,
-                        resolve_checkpoint_path, run_cli, save_checkpoint)
+from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, checkpoint_inputs, load_tensors, model_state_dict,
+                                read_checkpoint_info, resolve_checkpoint_path, run_cli, save_checkpoint)
 from redline.model import ModelArgs, Transformer
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
@@ -344,7 +344,7 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
     quantization = quantization_metadata(mode, info.args.tie_word_embeddings, group_size)
     suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
     out_path = Path(out) if out is not None else default_quantized_path(info.path, suffix)
-    check_checkpoint_output(out_path, [info.path], overwrite)
+    check_checkpoint_output(out_path, checkpoint_inputs(info.path), overwrite)
     tokenizer_files_to_copy(info.path.parent, out_path.parent, overwrite, [info.path])
     tensors = quantize_state_dict(load_tensors(info), info.args.n_layer, info.args.tie_word_embeddings, mode,
                                   quantization.get("group_size", DEFAULT_GROUP_SIZE))

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,12 +53,23 @@ def test_profile_in_a_read_only_folder_fails_before_generating(folder, tmp_path,
                                               "--profile", str(locked / "t.json.gz")])
 
 
-def test_profile_in_a_read_only_folder_is_checked_by_the_one_output_check(tmp_path, monkeypatch):
-    from redline import outputs
+def test_a_read_only_trace_folder_fails_before_the_model_loads(folder, tmp_path, capsys, monkeypatch):
+    """As root every folder is writable, so the folder's permission is simulated."""
+    from redline import generate, outputs
 
-    monkeypatch.setattr(outputs.os, "access", lambda path, mode: False)
-    with pytest.raises(ValueError, match="not writable"):
-        outputs.check_output(tmp_path / "t.json.gz", [], "--profile")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(outputs.os, "access", lambda path, mode: Path(path) != locked and real_access(path, mode))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the trace path was checked")
+
+    monkeypatch.setattr(generate.LLM, "from_config", no_load)
+    err = one_line(capsys, ["--checkpoint_path", str(folder), "--prompt", "hi", "--profile", str(locked / "t.json.gz")])
+    assert "not writable" in err
+    with pytest.raises(ValueError, match="not writable"):  # the Python API checks it through the same function
+        generate.GenerationOptions(profile=locked / "t.json.gz")
 
 
 def test_profile_replaces_an_earlier_trace_only_with_overwrite(folder, tmp_path, capsys):
