@@ -9,6 +9,7 @@ Nothing is ever guessed from the file name.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -220,9 +221,15 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
     unquantized = [p for p in candidates if checkpoint_scheme(p) == "none"]
     if len(unquantized) != 1:
         raise ValueError(f"{path} holds several Redline checkpoints ({names}); pass the file you want")
-    print(f"note: {path} holds several Redline checkpoints ({names}); using the unquantized {unquantized[0].name} "
-          f"(pass a file to choose another)", file=sys.stderr)
+    say_once(f"note: {path} holds several Redline checkpoints ({names}); using the unquantized {unquantized[0].name} "
+             f"(pass a file to choose another)")
     return unquantized[0]
+
+
+@functools.lru_cache(maxsize=None)
+def say_once(line: str) -> None:
+    """Print a note on stderr the first time this process has it to say (a folder is resolved several times)."""
+    print(line, file=sys.stderr)
 
 
 def checkpoint_inputs(path: str | os.PathLike) -> list[Path]:
