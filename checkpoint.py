@@ -9,23 +9,25 @@ Nothing is ever guessed from the file name.
 """
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import math
 import os
 import re
 import secrets
+import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from redline.model import ModelArgs, Transformer
+from redline.outputs import (EXIT_OUTPUT_CLOSED, OneLineArgumentParser, check_output, check_writable,  # noqa: F401
+                             file_identity, output_closed, run_cli)
 
 FORMAT_VERSION = 1
 CHECKPOINT_SUFFIX = ".safetensors"
@@ -105,28 +107,12 @@ def remove_stale_temp_files(folder: Path) -> list[Path]:
 
 def same_file(a: Path, b: Path) -> bool:
     """Whether two paths name one file (through symlinks and hard links too)."""
-    try:
-        return os.path.samefile(a, b)
-    except (OSError, ValueError):
-        return False
+    return file_identity(a) is not None and file_identity(a) == file_identity(b)
 
 
 def check_output_path(path: Path, inputs: Iterable[Path] = (), flag: str = "--out") -> None:
-    """Refuse an output path that would destroy an input or cannot be written, before any work is done."""
-    for source in inputs:
-        if same_file(path, source) or Path(os.path.abspath(path)) == Path(os.path.abspath(source)):
-            raise ValueError(f"{flag} {path} is an input of this command ({source}); writing it would overwrite the "
-                             f"input, choose another file name")
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; name a file inside it")
-    folder = Path(os.path.abspath(path)).parent
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"cannot write {flag} {path}: {existing} is a file, not a folder; choose another path")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write {flag} {path}: folder {existing} is not writable; choose another path")
+    """outputs.check_output for an output that may replace an earlier file of its own (the older interface)."""
+    check_output(path, inputs, flag, overwrite=True, replaceable=lambda p: True)
 
 
 def _create_temp_file(path: Path) -> Path:
@@ -145,7 +131,7 @@ def write_atomically(path: Path, write: Any) -> None:
 
     Stale temp files of killed writes in that folder are removed first. An interrupted write leaves no file."""
     path = Path(path)
-    check_output_path(path, flag="output")
+    check_writable(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -178,8 +164,35 @@ def save_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor], i
     if path.suffix != CHECKPOINT_SUFFIX:
         raise ValueError(f"output file {path} must end with {CHECKPOINT_SUFFIX}")
     contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    write_atomically(path, lambda tmp: save_file(contiguous, str(tmp), metadata=info.metadata()))
+    write_atomically(path, lambda tmp: write_safetensors(tmp, contiguous, info.metadata()))
     return path
+
+
+# Safetensors' names of the dtypes a checkpoint holds.
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write `tensors` to `path` in the safetensors format, into that file alone (safetensors' own writer makes a
+    temp file of its own beside it, which a killed process would leave behind)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name} has dtype {t.dtype}, which a Redline checkpoint cannot hold")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            f.write(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
 
 
 def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
@@ -205,41 +218,47 @@ def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
             f"no Redline checkpoint in {path}; run scripts/convert_hf_checkpoint.py --checkpoint_dir {path} first"
         )
     names = ", ".join(p.name for p in candidates)
-    raise ValueError(f"{path} holds several Redline checkpoints ({names}); pass the file you want")
+    unquantized = [p for p in candidates if checkpoint_scheme(p) == "none"]
+    if len(unquantized) != 1:
+        raise ValueError(f"{path} holds several Redline checkpoints ({names}); pass the file you want")
+    say_once(f"note: {path} holds several Redline checkpoints ({names}); using the unquantized {unquantized[0].name} "
+             f"(pass a file to choose another)")
+    return unquantized[0]
 
 
-def check_checkpoint_output(path: Path, inputs: Iterable[Path] = ()) -> None:
-    """Refuse, before any work, a checkpoint output that is an input, cannot be written, or would replace a file
-    that is not a Redline checkpoint (HF weights, someone else's data)."""
+@functools.lru_cache(maxsize=None)
+def say_once(line: str) -> None:
+    """Print a note on stderr the first time this process has it to say (a folder is resolved several times)."""
+    print(line, file=sys.stderr)
+
+
+def checkpoint_inputs(path: str | os.PathLike) -> list[Path]:
+    """Every file a command that loads the checkpoint at `path` reads: the checkpoint itself and the tokenizer,
+    chat-template and config files beside it (what an output flag of that command must never name)."""
+    from redline.tokenizer import TOKENIZER_SIDE_FILES
+
+    try:
+        file = resolve_checkpoint_path(path)
+    except (ValueError, FileNotFoundError):
+        return [Path(path)]
+    return [Path(path), file, *(file.parent / name for name in TOKENIZER_SIDE_FILES)]
+
+
+def checkpoint_scheme(path: Path) -> str | None:
+    """The quantization scheme a Redline file's metadata names, or None when it cannot be read."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return json.loads((f.metadata() or {}).get("quantization", '{"scheme": "none"}')).get("scheme")
+    except (SafetensorError, OSError, ValueError, AttributeError):
+        return None
+
+
+def check_checkpoint_output(path: Path, inputs: Iterable[Path] = (), overwrite: bool = False) -> None:
+    """Refuse, before any work, a checkpoint output that is an input, cannot be written, or would replace a file:
+    an earlier Redline checkpoint only with --overwrite, anything else (HF weights, someone else's data) never."""
     if path.suffix != CHECKPOINT_SUFFIX:
         raise ValueError(f"output file {path} must end with {CHECKPOINT_SUFFIX}")
-    check_output_path(path, inputs)
-    if path.exists() and not is_redline_file(path):
-        raise ValueError(f"--out {path} exists and is not a Redline checkpoint; refusing to replace it, choose another "
-                         f"file name")
-
-
-def run_cli(body: Callable[[], int], interrupted: str = "interrupted") -> int:
-    """Run a command-line tool's body: bad input and file-system errors become one `error:` line and exit status 2,
-    Ctrl-C one line and 130, never a traceback."""
-    try:
-        return body()
-    except KeyboardInterrupt:
-        print(f"error: {interrupted}", file=sys.stderr)
-        return 130
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # the disk or the file system, not the input: say which file and why
-        print(f"error: {exc.strerror or exc} ({exc.filename or 'output'})", file=sys.stderr)
-        return 2
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors raise ValueError, so that a CLI prints them as one line and exits with 2."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ValueError(f"{message} (see --help)")
+    check_output(path, inputs, "--out", overwrite=overwrite, replaceable=is_redline_file, kind="Redline checkpoint")
 
 
 def is_redline_file(path: Path) -> bool:
@@ -259,6 +278,7 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
             tensor_dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+            embedding_shape = f.get_slice("tok_embeddings.weight").get_shape() if "tok_embeddings.weight" in tensor_dtypes else None
     except (SafetensorError, OSError, ValueError) as exc:
         raise ValueError(f"{path} is not a readable safetensors file ({exc}); re-convert or re-download it") from None
     if "redline_format" not in meta:
@@ -271,6 +291,13 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
     if version > FORMAT_VERSION:
         raise ValueError(f"{path} uses checkpoint format {version}, newer than this Redline ({FORMAT_VERSION}); upgrade")
     _check_tensor_dtypes(path, tensor_dtypes, quantization["scheme"])
+    check_layer_count(tensor_dtypes, args.n_layer, str(path))
+    if args.block_size > MAX_CONTEXT:
+        raise ValueError(f"{path} declares a context of {args.block_size} tokens, above Redline's limit of "
+                         f"{MAX_CONTEXT}; the metadata is damaged, re-convert it")
+    if embedding_shape is not None and tuple(embedding_shape) != (args.vocab_size, args.dim):
+        raise ValueError(f"{path}: tok_embeddings.weight has shape {tuple(embedding_shape)}, but the metadata declares "
+                         f"({args.vocab_size}, {args.dim}); the metadata is damaged, re-convert it")
     return CheckpointInfo(path=path, args=args, dtype=dtype, quantization=quantization, format_version=version)
 
 
@@ -321,6 +348,22 @@ def load_tensors(info: CheckpointInfo, device: torch.device | str = "cpu") -> di
             return {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"cannot read the tensors of {info.path} ({exc}); the file may be truncated, re-convert it") from None
+
+
+# A layer's index in Redline, HF and GGUF tensor names.
+LAYER_INDEX = re.compile(r"(?:model\.)?(?:layers|blk)\.(\d+)\.")
+# The longest context a checkpoint may declare (its rope tables and cache are sized from it).
+MAX_CONTEXT = 1 << 24
+
+
+def check_layer_count(names: Iterable[str], n_layer: int, source: str) -> None:
+    """Refuse a declared layer count that the tensors present do not have, before anything loops over layers or
+    allocates for them (a small config can declare a billion layers)."""
+    present = {int(m.group(1)) for name in names if (m := LAYER_INDEX.match(name))}
+    if len(present) != n_layer or (present and (min(present) != 0 or max(present) != n_layer - 1)):
+        raise ValueError(f"{source} declares {n_layer} layers, but its weights hold {len(present)} "
+                         f"(layers {min(present, default=0)}..{max(present, default=-1)}); the files do not belong "
+                         f"together, re-download or re-convert them")
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

@@ -24,16 +24,19 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from redline.checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
+from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, checkpoint_inputs, dtype_from_name, dtype_name,
+                                read_checkpoint_info)
+from redline.checkpoint import run_cli as cli_main
 from redline.model import Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
-from redline.profiling import ProfileConfig, TraceRecorder
+from redline.outputs import check_output
+from redline.profiling import ProfileConfig, TraceRecorder, is_trace_file
 from redline import speculative
 from redline.quantize import load_model, model_quantization
 from redline.runner import Runner, sync
 from redline.sampling import SamplingParams, nucleus_keep_mask, sample  # noqa: F401
-from redline.streaming import GenerationLock, Stream, TextStream, first_stop, step_seconds  # noqa: F401
+from redline.streaming import GenerationLock, Stream, TextStream, first_stop, print_stream, step_seconds  # noqa: F401
 from redline import tensor_parallel
 from redline.tokenizer import Tokenizer, load_tokenizer
 
@@ -114,14 +117,17 @@ class LLM:
             check_text(prompt, "the prompt")
             if self.tokenizer is None:
                 raise ValueError("this LLM has no tokenizer; pass the prompt as a list of token ids")
-            return self.tokenizer.encode(prompt)
+            return self._in_vocabulary(self.tokenizer.encode(prompt))
         ids = prompt_token_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty; pass some text or token ids")
-        vocab = self.model.args.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return self._in_vocabulary(ids)
+
+    def _in_vocabulary(self, ids: list[int]) -> list[int]:
+        """`ids`, refused when one lies past the model's embedding table (a tokenizer of another model gives such)."""
+        bad = next((t for t in ids if not 0 <= t < self.model.args.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{self.model.args.vocab_size - 1})")
         return ids
 
     def generate_token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
@@ -175,7 +181,8 @@ class LLM:
             if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
             check_text(m["content"], f"message {i}")
-        return list(self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True))
+        return self._in_vocabulary(list(self.tokenizer.apply_chat_template([dict(m) for m in messages],
+                                                                           add_generation_prompt=True)))
 
     def context_left(self, prompt_len: int) -> int:
         return self.model.args.block_size - prompt_len
@@ -242,7 +249,7 @@ class LLM:
                         emitted = safe
                 if finish != "length":
                     break
-            if finish == "length" and text_stream is not None:
+            if finish != "stop" and text_stream is not None:  # at EOS too: the held-back tail is text
                 text += text_stream.flush()
                 cut = first_stop(text, stops)
                 if cut is not None:
@@ -326,6 +333,7 @@ class GenerateArgs:
     draft_checkpoint_path: Path | None = None  # a draft model, loaded by run_cli
     draft_quantize: str | None = None
     speculate_k: int | None = None  # the draft model's k (prompt lookup's is in options)
+    overwrite: bool = False  # --profile may replace an earlier trace
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig) or not isinstance(self.options, GenerationOptions):
@@ -349,13 +357,17 @@ class GenerateArgs:
         for name in ("prompt", "system"):
             if getattr(self, name) is not None:
                 check_text(getattr(self, name), f"--{name}")
+        if self.options.profile is not None:  # before the model loads: never a file this run reads, or one it did not write
+            inputs = [*checkpoint_inputs(self.checkpoint_path), *checkpoint_inputs(self.draft_checkpoint_path or "")]
+            check_output(self.options.profile.path, inputs, "--profile", overwrite=self.overwrite,
+                         replaceable=is_trace_file)
 
-    def sample_options(self, sample: int, draft: Any = None) -> GenerationOptions:
+    def sample_options(self, index: int, draft: Any = None) -> GenerationOptions:
         """Sample i's options: seed + i, the trace for the first sample only, and the loaded draft model if any."""
         options = self.options
         if options.seed is not None:
-            options = dataclasses.replace(options, seed=options.seed + sample)
-        if sample > 0 and options.profile is not None:
+            options = dataclasses.replace(options, seed=options.seed + index)
+        if index > 0 and options.profile is not None:
             options = dataclasses.replace(options, profile=None)
         if draft is not None:
             options = dataclasses.replace(options, draft=draft, speculate_k=self.speculate_k)
@@ -367,35 +379,33 @@ class GenerateArgs:
 
 
 def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
-    p = argparse.ArgumentParser(description="Generate text with a Redline checkpoint.")
+    p, Bool = OneLineArgumentParser(description="Generate text with Redline."), argparse.BooleanOptionalAction
     p.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     p.add_argument("--prompt", default=None, help="input text (with --chat: the user's message)")
-    p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    p.add_argument("--temperature", type=float, default=CLI_TEMPERATURE, help="0 means greedy")
-    p.add_argument("--top_k", type=int, default=CLI_TOP_K)
-    p.add_argument("--top_p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None, help="sample i uses seed + i; default: a fresh seed per run")
+    p.add_argument("--max_new_tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens generated at most")
+    p.add_argument("--temperature", type=float, default=CLI_TEMPERATURE, help="sampling temperature; 0 means greedy")
+    p.add_argument("--top_k", type=int, default=CLI_TOP_K, help="sample among the k most likely tokens")
+    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling; None means off")
+    p.add_argument("--seed", type=int, default=None, help="sample i uses seed + i; None means a fresh seed per run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile decoding to a CUDA graph (default: on for GPU, off for CPU)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N; None means cuda when available")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None means the checkpoint's")
+    p.add_argument("--compile", action=Bool, default=None, help="compile decoding (a CUDA graph); None: on for GPU")
     p.add_argument("--compile_prefill", action="store_true", help="also compile prefill (prompt lengths are bucketed)")
-    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG (G: group size)")
-    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None,
-                   help="Redline's Triton kernels (default: on where they run)")
-    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
-                   help="the fused batch-1 decode step; needs the kernels (default: on with them)")
-    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG; None means as stored")
+    p.add_argument("--kernels", action=Bool, default=None, help="Redline's Triton kernels; None: on where they run")
+    p.add_argument("--fuse", action=Bool, default=None, help="the fused batch-1 decode step; None: on with kernels")
+    p.add_argument("--num_samples", type=int, default=1, help="samples generated one after another")
     p.add_argument("--chat", action="store_true", help="send --prompt as one user message through the chat template")
     p.add_argument("--interactive", action="store_true", help="chat on stdin with the model's chat template")
     p.add_argument("--system", default=None, help="system message for --chat and --interactive")
-    p.add_argument("--profile", type=Path, default=None, help="write a Perfetto trace (.json.gz) here")
+    p.add_argument("--profile", type=Path, default=None, help="write a Perfetto trace (.json.gz or .json) here")
     p.add_argument("--profile_steps", type=int, default=16, help="decode steps recorded in the trace")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier --profile trace")
     p.add_argument("--prompt_lookup", action="store_true", help="speculate: draft by copying from the context")
     p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="speculate with this draft model")
     p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
-    p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step (default 5)")
+    p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step; None means 5")
     ns = p.parse_args(argv)
     engine = EngineConfig(ns.device, ns.dtype, ns.compile, ns.compile_prefill, ns.quantize, ns.kernels, ns.fuse)
     lookup = ns.prompt_lookup
@@ -404,28 +414,24 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
         profile=ProfileConfig(ns.profile, ns.profile_steps) if ns.profile is not None else None,
         draft="prompt_lookup" if lookup else None, speculate_k=ns.speculate_k if lookup else None)
     return GenerateArgs(ns.checkpoint_path, engine, options, ns.prompt, ns.num_samples, ns.chat, ns.interactive,
-                        ns.system, ns.draft_checkpoint_path, ns.draft_quantize, None if lookup else ns.speculate_k)
-
-
-def print_stream(stream: Stream, out: Any) -> GenerationResult:
-    for piece in stream:
-        out.write(piece)
-        out.flush()
-    out.write("\n")
-    return stream.result
+                        ns.system, ns.draft_checkpoint_path, ns.draft_quantize, None if lookup else ns.speculate_k,
+                        ns.overwrite)
 
 
 def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     if cfg.interactive and tensor_parallel.env_ranks() is not None:
         raise ValueError("--interactive reads stdin in one process; run it without torchrun")
+    stdin = stdin or sys.stdin
+    if cfg.interactive and (stdin is None or stdin.closed):
+        raise ValueError("stdin is closed, and --interactive reads the conversation from it")
     llm = LLM.from_config(cfg.checkpoint_path, cfg.engine)
     if not tensor_parallel.is_main_process():  # under torchrun rank 0 alone prints
         out = err = tensor_parallel.NullWriter()
     draft = None if cfg.draft_checkpoint_path is None else LLM.from_config(
         cfg.draft_checkpoint_path, dataclasses.replace(cfg.engine, quantize=cfg.draft_quantize))
     if cfg.interactive:
-        return interactive(llm, cfg, stdin or sys.stdin, out, err, draft)
+        return interactive(llm, cfg, stdin, out, err, draft)
     for i in range(cfg.num_samples):
         if cfg.chat:
             stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.sample_options(i, draft))
@@ -479,14 +485,8 @@ def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any, dra
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        return run_cli(parse_args(argv))
-    except (ValueError, FileNotFoundError) as exc:
-        tensor_parallel.report_error(f"error: {exc}")  # rank 0 alone prints under torchrun
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    try:  # one line and the documented exit status for every failure; rank 0 alone prints under torchrun
+        return cli_main(lambda: run_cli(parse_args(argv)), report=tensor_parallel.report_error)
     finally:
         tensor_parallel.stop()
 

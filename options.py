@@ -37,14 +37,10 @@ def check_text(text: str, what: str) -> None:
 
 
 def check_output_path(path: Path, what: str) -> None:
-    """Fail before any work when `path` cannot be written: an existing folder, or under something not a folder."""
-    if path.is_dir():
-        raise ValueError(f"{what} {str(path)!r} is a folder; name a file inside it")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{what} {str(path)!r} is under {str(parent)!r}, which is not a folder")
-            return
+    """Fail before any work when `path` cannot be written: a folder, under a file, or in a read-only folder."""
+    from redline.outputs import check_writable
+
+    check_writable(path, what)
 
 
 def default_device() -> torch.device:

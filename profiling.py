@@ -255,6 +255,19 @@ def add_redline_annotations(trace: dict, stats: dict, step_seconds: list[float])
     return trace
 
 
+def is_trace_file(path: Path) -> bool:
+    """Whether `path` looks like a trace a profiler wrote (gzip, or JSON with traceEvents in its first kilobytes):
+    the only existing file a trace output may replace, and only with --overwrite."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if Path(path).name.endswith(".json.gz"):
+        return head[:2] == b"\x1f\x8b"
+    return head.lstrip()[:1] in (b"{", b"[") and b"traceEvents" in head
+
+
 def write_trace_atomic(trace: dict, path: str | os.PathLike) -> Path:
     """Write `trace` as JSON (gzipped when the name ends with .gz) via a temp file + rename."""
     from redline.checkpoint import write_atomically

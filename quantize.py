@@ -30,10 +30,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, load_tensors, model_state_dict, read_checkpoint_info,
-                        resolve_checkpoint_path, run_cli, save_checkpoint)
+from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, checkpoint_inputs, load_tensors, model_state_dict,
+                                read_checkpoint_info, resolve_checkpoint_path, run_cli, save_checkpoint)
 from redline.model import ModelArgs, Transformer
-from redline.tokenizer import copy_tokenizer_files
+from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
 QUANT_MODES = ("int8", "int4")
 INT8_MAX = 127
@@ -316,6 +316,7 @@ class QuantizeArgs:
     mode: str
     out: Path | None
     group_size: int | None = None  # int4 only
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in QUANT_MODES:
@@ -326,9 +327,15 @@ class QuantizeArgs:
             check_group_size(self.group_size, self.group_size)
 
 
+def default_quantized_path(path: Path, suffix: str) -> Path:
+    """NAME.MODE.safetensors beside the input (the whole name, so that two inputs never share an output)."""
+    return path.with_name(f"{path.name.removesuffix('.safetensors')}.{suffix}.safetensors")
+
+
 def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path | None = None,
-                        group_size: int | None = None) -> Path:
-    """Write a quantized copy of an unquantized checkpoint; the input is never overwritten."""
+                        group_size: int | None = None, overwrite: bool = False) -> Path:
+    """Write a quantized copy of an unquantized checkpoint; the input is never overwritten, an earlier quantized
+    file only with `overwrite`. The tokenizer files to copy beside an --out elsewhere are checked first too."""
     info = read_checkpoint_info(checkpoint_path)
     if info.scheme != "none":
         raise ValueError(f"{info.path} is already quantized ({info.scheme}); quantize the unquantized checkpoint")
@@ -336,8 +343,9 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
         group_size = auto_group_size(model_input_features(info.args))
     quantization = quantization_metadata(mode, info.args.tie_word_embeddings, group_size)
     suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
-    out_path = Path(out) if out is not None else info.path.with_name(f"{info.path.name.split('.')[0]}.{suffix}.safetensors")
-    check_checkpoint_output(out_path, inputs=[info.path])
+    out_path = Path(out) if out is not None else default_quantized_path(info.path, suffix)
+    check_checkpoint_output(out_path, checkpoint_inputs(info.path), overwrite)
+    tokenizer_files_to_copy(info.path.parent, out_path.parent, overwrite, [info.path])
     tensors = quantize_state_dict(load_tensors(info), info.args.n_layer, info.args.tie_word_embeddings, mode,
                                   quantization.get("group_size", DEFAULT_GROUP_SIZE))
     new_info = CheckpointInfo(path=out_path, args=info.args, dtype=info.dtype, quantization=quantization)
@@ -351,19 +359,24 @@ def parse_args(argv: list[str] | None) -> QuantizeArgs:
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     parser.add_argument("--mode", required=True, help=f"quantization mode: {', '.join(QUANT_MODES)}")
     parser.add_argument("--groupsize", type=int, default=None,
-                        help=f"int4: inputs per (scale, offset) group, a power of two >= 32 (default: the largest "
-                             f"up to {DEFAULT_GROUP_SIZE} that divides every layer's inputs)")
-    parser.add_argument("--out", type=Path, default=None, help="output file (default: beside the input, NAME.MODE.safetensors)")
+                        help=f"int4: inputs per (scale, offset) group, a power of two >= 32; None means the largest "
+                             f"up to {DEFAULT_GROUP_SIZE} that divides every layer's inputs")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output file; None means beside the input, NAME.MODE.safetensors")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier Redline checkpoint at the output (and different tokenizer files beside it)")
     ns = parser.parse_args(argv)
-    return QuantizeArgs(checkpoint_path=ns.checkpoint_path, mode=ns.mode, out=ns.out, group_size=ns.groupsize)
+    return QuantizeArgs(checkpoint_path=ns.checkpoint_path, mode=ns.mode, out=ns.out, group_size=ns.groupsize,
+                        overwrite=ns.overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         cfg = parse_args(argv)
-        before = resolve_checkpoint_path(cfg.checkpoint_path).stat().st_size
-        path = quantize_checkpoint(cfg.checkpoint_path, cfg.mode, cfg.out, cfg.group_size)
-        copy_tokenizer_files(resolve_checkpoint_path(cfg.checkpoint_path).parent, path.parent)
+        source = resolve_checkpoint_path(cfg.checkpoint_path)
+        before = source.stat().st_size
+        path = quantize_checkpoint(source, cfg.mode, cfg.out, cfg.group_size, cfg.overwrite)
+        copy_tokenizer_files(source.parent, path.parent, cfg.overwrite, [source])
         after = path.stat().st_size
         print(f"{path}\nsize: {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({after / before:.1%})")
         return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Generator
-from typing import Callable
+from typing import Any, Callable
 
 from redline.options import GenerationResult
 from redline.tokenizer import Tokenizer
@@ -120,6 +120,15 @@ class Stream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def print_stream(stream: Stream, out: Any) -> GenerationResult:
+    """Write a stream's pieces to `out` as they come (the CLI's output), then a newline; returns its result."""
+    for piece in stream:
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    return stream.result
 
 
 def first_stop(text: str, stops: list[str]) -> int | None:

@@ -33,9 +33,7 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -146,14 +144,10 @@ class Tokenizer:
         _check_messages(messages)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; add chat_template.jinja beside the checkpoint")
-        import jinja2
+        from redline.templates import render_chat_template
 
-        try:
-            template = _compiled_template(self.chat_template)
-            return template.render(messages=messages, tools=None, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **self.special_tokens)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
+        return render_chat_template(self.chat_template, messages=messages, tools=None, documents=None,
+                                    add_generation_prompt=add_generation_prompt, **self.special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Prompt ids for a conversation: the checkpoint's chat template rendered and encoded without adding
@@ -208,33 +202,6 @@ class Tokenizer:
         for m in messages:
             ids += header(m["role"]) + self.encode_text(m["content"].strip()) + [eot]
         return ids + header("assistant") if add_generation_prompt else ids
-
-
-def _compiled_template(source: str) -> Any:
-    """A Jinja template compiled the way transformers compiles chat templates: a sandbox, trim_blocks and
-    lstrip_blocks, loop controls, a `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now`."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-    import jinja2
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as exc:
-        raise ValueError(f"the chat template is not valid Jinja ({exc}); fix or remove it") from exc
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:
@@ -377,6 +344,12 @@ class HFTokenizer(Tokenizer):
     def __init__(self, path: Path):
         import tokenizers
 
+        from redline.tokenizer_checks import check_tokenizer_json
+
+        try:
+            check_tokenizer_json(json.loads(path.read_text(encoding="utf-8")), path)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            pass  # the library's own error below names the problem
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception with a serde message
@@ -454,6 +427,11 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass a checkpoint file or its directory.")
     directory = path if path.is_dir() else path.parent
+    from redline.outputs import check_inside
+
+    for name in TOKENIZER_SIDE_FILES:  # every file read from the folder must lie inside it (no symlink out)
+        if (directory / name).exists():
+            check_inside(directory / name, directory)
     candidates = [path] if path.name in TOKENIZER_FILES else [directory / name for name in TOKENIZER_FILES]
     found = next((p for p in candidates if p.is_file()), None)
     if found is None:
@@ -505,38 +483,47 @@ def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     template = config.get("chat_template", _read_json(directory / "chat_template.json").get("chat_template"))
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
+        if "default" not in named:
+            raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template is a list of named templates "
+                             f"({', '.join(map(str, named))}) without a 'default' one; name one 'default'")
+        template = named["default"]
     if template is not None and not isinstance(template, str):
         raise ValueError(f"{directory / 'tokenizer_config.json'}: chat_template must be a string; fix or remove it")
     return template
 
 
-def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[Path]:
+def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike, overwrite: bool = False,
+                         inputs: Sequence[str | os.PathLike] = ()) -> list[Path]:
     """Copy every tokenizer, chat-template and generation-config file in `src_dir` to `dst_dir`, each written
-    atomically; returns the files written. Nothing is copied when both name the same folder."""
+    atomically; returns the files written. Nothing is copied when both name the same folder. Checked first (see
+    tokenizer_files_to_copy); with `overwrite`, side files of another model left in `dst_dir` are removed."""
+    from redline.checkpoint import write_atomically
+
     src, dst = Path(src_dir), Path(dst_dir)
-    if not src.is_dir():
-        raise FileNotFoundError(f"{src} is not a folder; pass the checkpoint's folder")
-    if dst.exists() and dst.resolve() == src.resolve():
-        return []
-    dst.mkdir(parents=True, exist_ok=True)
+    todo = tokenizer_files_to_copy(src, dst, overwrite, inputs)
     written = []
+    for name, source in todo.items():
+        write_atomically(dst / name, lambda tmp, source=source: shutil.copyfile(source, tmp))
+        written.append(dst / name)
     for name in TOKENIZER_SIDE_FILES:
-        if (src / name).is_file():
-            written.append(_copy_atomically(src / name, dst / name))
+        if overwrite and not (src / name).is_file() and (dst / name).is_file():
+            (dst / name).unlink()
     return written
 
 
-def _copy_atomically(src: Path, dst: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dst
+def tokenizer_files_to_copy(src: Path, dst: Path, overwrite: bool = False,
+                            inputs: Sequence[str | os.PathLike] = ()) -> dict[str, Path]:
+    """The side files copy_tokenizer_files will write (name: source), checked before any work: sources must lie
+    inside `src` (no symlink out of it), and a different file already in `dst` (another model's) is replaced only
+    with `overwrite`."""
+    from redline.outputs import check_inside, side_files_to_write
+
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a folder; pass the checkpoint's folder")
+    if dst.exists() and dst.resolve() == src.resolve():
+        return {}
+    sources = {name: check_inside(src / name, src) for name in TOKENIZER_SIDE_FILES if (src / name).is_file()}
+    return side_files_to_write(sources, dst, [*inputs, *sources.values()], overwrite, exclusive=TOKENIZER_SIDE_FILES)
 
 
 def _load_tokenizer_file(path: Path) -> Tokenizer:

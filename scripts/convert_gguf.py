@@ -1,7 +1,9 @@
-"""Convert a GGUF file (llama.cpp, Ollama) of a Llama-architecture model into one Redline .safetensors file,
-with its tokenizer, chat template and generation config written beside it.
+"""Convert a Llama-architecture GGUF file (llama.cpp, Ollama) into one Redline checkpoint, tokenizer beside it.
+
+The tokenizer, chat template and generation config are written beside the .safetensors file.
 
 python scripts/convert_gguf.py --gguf FILE.gguf [--out FILE] [--dtype bfloat16|float16|float32] [--dequantize]
+                               [--overwrite]
 
 Quantized tensors are read as (codes, scales, mins) blocks first. By default, when the projections inside the
 blocks are Q4_0/Q4_1, the checkpoint is int4 with group size 32 and no loss (quantize.py's layout): GGUF's 32-value
@@ -12,9 +14,9 @@ Everything else, and every tensor with --dequantize, is dequantized to --dtype.
 """
 from __future__ import annotations
 
-import argparse
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from redline.checkpoint import CheckpointInfo, dtype_from_name, expected_shapes, save_checkpoint
+from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_layer_count,
+                                dtype_from_name, expected_shapes, progress, run_cli, save_checkpoint)
 from redline.model import ModelArgs, RopeScaling
+from redline.outputs import side_files_to_write
+from redline.scripts import gguf_metadata
 from redline.scripts.gguf_tokenizer import tokenizer_files, write_tokenizer_files
+from redline.tokenizer import TOKENIZER_SIDE_FILES
 
 # Block sizes (values per block) and bytes per block of the types whose blocks this file unpacks itself.
 BLOCK_VALUES = 32
@@ -60,12 +66,12 @@ class GGUFConvertArgs:
     out: Path
     dtype: torch.dtype
     dequantize: bool = False
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if self.out.suffix != ".safetensors":
             raise ValueError(f"--out {self.out} must end with .safetensors")
-        if self.out.resolve() == self.gguf.resolve():
-            raise ValueError(f"--out {self.out} would overwrite the input; choose another file name")
+        check_checkpoint_output(self.out, [self.gguf], self.overwrite)
 
 
 @dataclass(frozen=True)
@@ -85,14 +91,17 @@ def read_gguf(path: Path) -> Any:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist; download it first")
     try:
-        return gguf.GGUFReader(str(path))
+        with warnings.catch_warnings(), np.errstate(over="ignore"):  # a wrapped offset is reported below, in one line
+            warnings.simplefilter("ignore", RuntimeWarning)
+            reader = gguf.GGUFReader(str(path))
     except Exception as exc:  # the reader raises ValueError, IndexError or struct errors on damaged files
         raise ValueError(f"{path} is truncated or not a GGUF file ({type(exc).__name__}: {exc}); re-download it") from None
+    gguf_metadata.check_tensor_layout(reader, path)
+    return reader
 
 
 def field_value(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return gguf_metadata.field(reader, key, default)
 
 
 def model_args(reader: Any, rope_freqs: np.ndarray | None) -> ModelArgs:
@@ -238,7 +247,7 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
     the targets in `native` (codes, scales) int4 parts (tensor_to_int4)."""
     parts: dict[str, list[Any]] = {}
     out: dict[str, Any] = {}
-    for t in reader.tensors:
+    for t in progress(reader.tensors, len(reader.tensors), "converting"):
         if t.name in IGNORED_TENSORS:
             continue
         if t.name in TOP_LEVEL:
@@ -250,6 +259,7 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
             local = match.group(2)
             name, index = LAYER_PARTS[local]
             target = f"layers.{match.group(1)}.{name}"
+        check_gguf_shape(t, local, args)
         heads = args.n_head if local == "attn_q.weight" else args.n_kv_heads if local == "attn_k.weight" else 0
         if target in native:
             w = tuple(unpermute_rope_rows(a, heads) if heads else a for a in tensor_to_int4(t))
@@ -272,6 +282,26 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
     return out
 
 
+def gguf_shape(local: str, args: ModelArgs) -> tuple[int, ...]:
+    """The (rows, cols) shape the metadata implies for one GGUF tensor (by its name inside a block, or top level)."""
+    return {
+        "token_embd.weight": (args.vocab_size, args.dim), "output.weight": (args.vocab_size, args.dim),
+        "output_norm.weight": (args.dim,), "attn_norm.weight": (args.dim,), "ffn_norm.weight": (args.dim,),
+        "attn_q.weight": (args.q_size, args.dim), "attn_k.weight": (args.kv_size, args.dim),
+        "attn_v.weight": (args.kv_size, args.dim), "attn_output.weight": (args.dim, args.q_size),
+        "ffn_gate.weight": (args.intermediate_size, args.dim), "ffn_up.weight": (args.intermediate_size, args.dim),
+        "ffn_down.weight": (args.dim, args.intermediate_size),
+    }[local]
+
+
+def check_gguf_shape(t: Any, local: str, args: ModelArgs) -> None:
+    """Refuse a tensor whose shape disagrees with the metadata before its data is read or reshaped."""
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    if shape != gguf_shape(local, args):
+        raise ValueError(f"tensor {t.name} has shape {shape}, but the GGUF metadata implies {gguf_shape(local, args)}; "
+                         f"the file is damaged")
+
+
 def check_shapes(tensors: dict[str, Any], args: ModelArgs) -> None:
     expected = expected_shapes(args)
     missing = sorted(set(expected) - set(tensors))
@@ -280,7 +310,7 @@ def check_shapes(tensors: dict[str, Any], args: ModelArgs) -> None:
     for name, shape in expected.items():
         got = tensors[name][0].shape if isinstance(tensors[name], tuple) else tensors[name].shape
         if tuple(got) != shape:
-            raise ValueError(f"tensor {name} has shape {tuple(tensors[name].shape)}, but the metadata implies {shape}")
+            raise ValueError(f"tensor {name} has shape {tuple(got)}, but the metadata implies {shape}")
 
 
 def int4_checkpoint_tensors(tensors: dict[str, Any], args: ModelArgs,
@@ -311,15 +341,23 @@ def int4_checkpoint_tensors(tensors: dict[str, Any], args: ModelArgs,
 
 
 def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: torch.dtype | str = torch.bfloat16,
-                 dequantize: bool = False) -> Path:
-    """Write the Redline checkpoint (and tokenizer files beside it) for a GGUF file; returns the checkpoint."""
+                 dequantize: bool = False, overwrite: bool = False) -> Path:
+    """Write the Redline checkpoint (and tokenizer files beside it) for a GGUF file; returns the checkpoint.
+    Everything is checked before anything is written: an existing checkpoint at `out` is replaced, and another
+    model's tokenizer files beside it are replaced or removed, only with `overwrite`."""
     gguf_path = Path(gguf_path)
     out_path = Path(out) if out is not None else gguf_path.with_suffix(".redline.safetensors")
-    cfg = GGUFConvertArgs(gguf=gguf_path, out=out_path, dtype=dtype_from_name(dtype), dequantize=dequantize)
+    cfg = GGUFConvertArgs(gguf=gguf_path, out=out_path, dtype=dtype_from_name(dtype), dequantize=dequantize,
+                          overwrite=overwrite)
     reader = read_gguf(cfg.gguf)
     rope = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope is not None and len(rope.shape) != 1:
+        raise ValueError(f"rope_freqs.weight has {len(rope.shape)} dimensions, not 1; the file is damaged")
     args = model_args(reader, tensor_to_float(rope) if rope is not None else None)
+    check_layer_count((t.name for t in reader.tensors), args.n_layer, f"{gguf_path}'s metadata")
     tokenizer = tokenizer_files(reader)  # built before anything is written, so a bad tokenizer leaves no files
+    side_files_to_write(tokenizer, cfg.out.parent, [cfg.gguf], cfg.overwrite,
+                        exclusive=TOKENIZER_SIDE_FILES if tokenizer else ())
     native = set() if cfg.dequantize else native_int4_targets(reader, args)
     tensors = redline_tensors(reader, args, native)
     check_shapes(tensors, args)
@@ -327,32 +365,37 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
         {name: t.to(cfg.dtype) for name, t in tensors.items()}, {"scheme": "none"})
     info = CheckpointInfo(path=cfg.out, args=args, dtype=cfg.dtype, quantization=quantization)
     path = save_checkpoint(cfg.out, tensors, info)
-    write_tokenizer_files(tokenizer, cfg.out.parent)
+    write_tokenizer_files(tokenizer, cfg.out.parent, cfg.overwrite)
     return path
 
 
 def parse_args(argv: list[str] | None) -> GGUFConvertArgs:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file")
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file to convert (llama architecture)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output file (default: beside the input, NAME.redline.safetensors)")
-    parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+                        help="output .safetensors file, the tokenizer files are written beside it; None means beside "
+                             "the input, NAME.redline.safetensors")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="bfloat16 | float16 | float32: the dtype of every tensor that is not int4")
     parser.add_argument("--dequantize", action="store_true",
-                        help="dequantize every quantized tensor to --dtype (default: Q4_0/Q4_1 projections stay int4)")
+                        help="dequantize every quantized tensor to --dtype; without it Q4_0/Q4_1 projections stay int4 "
+                             "(group size 32, no loss)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier Redline checkpoint at --out, and another model's tokenizer files "
+                             "beside it")
     ns = parser.parse_args(argv)
     out = ns.out if ns.out is not None else ns.gguf.with_suffix(".redline.safetensors")
-    return GGUFConvertArgs(gguf=ns.gguf, out=out, dtype=dtype_from_name(ns.dtype), dequantize=ns.dequantize)
+    return GGUFConvertArgs(gguf=ns.gguf, out=out, dtype=dtype_from_name(ns.dtype), dequantize=ns.dequantize,
+                           overwrite=ns.overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    def body() -> int:
         cfg = parse_args(argv)
-        path = convert_gguf(cfg.gguf, cfg.out, cfg.dtype, cfg.dequantize)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
+        print(convert_gguf(cfg.gguf, cfg.out, cfg.dtype, cfg.dequantize, cfg.overwrite))
+        return 0
+
+    return run_cli(body, interrupted="interrupted; nothing was written")
 
 
 if __name__ == "__main__":

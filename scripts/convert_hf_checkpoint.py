@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, dtype_from_name, expected_shapes,
-                        is_redline_file, progress, run_cli, save_checkpoint)
+from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_layer_count,
+                                dtype_from_name, expected_shapes, is_redline_file, progress, run_cli, save_checkpoint)
 from redline.model import ModelArgs
-from redline.tokenizer import copy_tokenizer_files
+from redline.outputs import check_inside
+from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
 # HF buffers that are recomputed, not weights.
@@ -44,6 +45,7 @@ class ConvertArgs:
     checkpoint_dir: Path
     out: Path
     dtype: torch.dtype
+    overwrite: bool = False
 
 
 def read_hf_config(checkpoint_dir: Path) -> ModelArgs:
@@ -174,6 +176,7 @@ def hf_names(target: str) -> list[str]:
 
 
 def check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs) -> None:
+    check_layer_count(tensors, args.n_layer, "config.json")
     expected = expected_shapes(args)
     missing = sorted(set(expected) - set(tensors), key=_natural_key)
     if missing:
@@ -202,15 +205,18 @@ def checkpoint_folder(checkpoint_dir: Path) -> Path:
 
 
 def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = None,
-                          dtype: torch.dtype | str = torch.bfloat16) -> Path:
-    """Write one Redline checkpoint from an HF folder. Everything is checked before the output is written, and the
-    output may never be one of the files read."""
+                          dtype: torch.dtype | str = torch.bfloat16, overwrite: bool = False) -> Path:
+    """Write one Redline checkpoint from an HF folder. Everything is checked before the output is written (the
+    tokenizer files to copy beside an --out elsewhere included), and the output may never be one of the files read;
+    an earlier Redline checkpoint there is replaced only with `overwrite`."""
     checkpoint_dir = checkpoint_folder(Path(checkpoint_dir))
     dtype = dtype_from_name(dtype)
     args = read_hf_config(checkpoint_dir)
     files = hf_weight_files(checkpoint_dir)
     out_path = Path(out) if out is not None else checkpoint_dir / DEFAULT_OUT_NAME
-    check_checkpoint_output(out_path, inputs=[checkpoint_dir / "config.json", *files])
+    inputs = [check_inside(p, checkpoint_dir) for p in [checkpoint_dir / "config.json", *files]]  # no symlink out
+    check_checkpoint_output(out_path, inputs, overwrite)
+    tokenizer_files_to_copy(checkpoint_dir, out_path.parent, overwrite, inputs)
     tensors = map_hf_tensors(read_hf_tensors(files), args)
     check_shapes(tensors, args)
     tensors = {name: t.to(dtype) for name, t in progress(tensors.items(), len(tensors), "converting")}
@@ -221,18 +227,21 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
 def parse_args(argv: list[str] | None) -> ConvertArgs:
     parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint_dir", type=Path, required=True, help="HF checkpoint folder (config.json + weights)")
-    parser.add_argument("--out", type=Path, default=None, help=f"output file (default: CHECKPOINT_DIR/{DEFAULT_OUT_NAME})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"output file; None means CHECKPOINT_DIR/{DEFAULT_OUT_NAME}")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier Redline checkpoint at --out (and different tokenizer files beside it)")
     ns = parser.parse_args(argv)
     out = ns.out if ns.out is not None else ns.checkpoint_dir / DEFAULT_OUT_NAME
-    return ConvertArgs(checkpoint_dir=ns.checkpoint_dir, out=out, dtype=dtype_from_name(ns.dtype))
+    return ConvertArgs(checkpoint_dir=ns.checkpoint_dir, out=out, dtype=dtype_from_name(ns.dtype), overwrite=ns.overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         cfg = parse_args(argv)
-        path = convert_hf_checkpoint(cfg.checkpoint_dir, cfg.out, cfg.dtype)
-        copy_tokenizer_files(cfg.checkpoint_dir, path.parent)
+        path = convert_hf_checkpoint(cfg.checkpoint_dir, cfg.out, cfg.dtype, cfg.overwrite)
+        copy_tokenizer_files(cfg.checkpoint_dir, path.parent, cfg.overwrite)
         print(path)
         return 0
 

@@ -8,7 +8,6 @@ Both steps are skipped when their output is already there. Prints the checkpoint
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from redline.checkpoint import write_atomically
+from redline.outputs import OneLineArgumentParser, run_cli
 from redline.scripts.convert_gguf import convert_gguf
 
 DEFAULT_DIR = Path("checkpoints/smollm2")
@@ -80,21 +80,23 @@ def demo_checkpoint(directory: Path = DEFAULT_DIR, dtype: str = DEFAULT_DTYPE, i
     tokenizer_ready = (out.parent / "tokenizer_config.json").is_file()
     if out.is_file() and tokenizer_ready and out.stat().st_mtime >= source.stat().st_mtime:
         return out
-    return convert_gguf(source, out, dtype, dequantize=not int4)
+    return convert_gguf(source, out, dtype, dequantize=not int4, overwrite=True)  # this folder is the demo's own
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="where the download and the checkpoint live")
     parser.add_argument("--dtype", default=DEFAULT_DTYPE, help="bfloat16 | float16 | float32")
-    ns = parser.parse_args(argv)
-    try:
-        path = demo_checkpoint(ns.dir, ns.dtype)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
+
+    def body() -> int:
+        ns = parser.parse_args(argv)
+        try:
+            print(demo_checkpoint(ns.dir, ns.dtype))
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+        return 0
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

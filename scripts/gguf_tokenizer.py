@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from redline.checkpoint import write_atomically
-from redline.tokenizer import LLAMA3_PATTERN
+from redline.outputs import side_files_to_write
+from redline.scripts import gguf_metadata
+from redline.tokenizer import LLAMA3_PATTERN, TOKENIZER_SIDE_FILES
 
 # GGUF token types (llama.cpp's llama_token_type); SentencePiece numbers its piece types the same way.
 TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_BYTE = 3, 4, 6
@@ -32,8 +34,24 @@ EXTRA_EOS_KEYS = ("eot_token_id", "eom_token_id")
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return gguf_metadata.field(reader, key, default)
+
+
+def check_vocabulary(reader: Any, tokens: list[str], types: list[int]) -> None:
+    """Refuse token ids past the vocabulary, per-token arrays of another length, and merges that are not pairs."""
+    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id", *EXTRA_EOS_KEYS):
+        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        if token_id is not None and not 0 <= token_id < len(tokens):
+            raise ValueError(f"the GGUF metadata's tokenizer.ggml.{key} is {token_id}, outside the vocabulary of "
+                             f"{len(tokens)} tokens; the file is damaged")
+    for key, values in (("token_type", types), ("scores", _field(reader, "tokenizer.ggml.scores"))):
+        if values is not None and len(values) != len(tokens):
+            raise ValueError(f"the GGUF metadata's tokenizer.ggml.{key} has {len(values)} entries for {len(tokens)} "
+                             f"tokens; the file is damaged")
+    bad = next((m for m in _field(reader, "tokenizer.ggml.merges") or [] if " " not in m.strip(" ")), None)
+    if bad is not None:
+        raise ValueError(f"the GGUF metadata's tokenizer.ggml.merges holds {bad[:40]!r}, not two tokens separated by "
+                         f"a space; the file is damaged")
 
 
 def tokenizer_files(reader: Any) -> dict[str, bytes]:
@@ -44,8 +62,15 @@ def tokenizer_files(reader: Any) -> dict[str, bytes]:
     if kind is None or not tokens:
         return {}
     types = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    check_vocabulary(reader, tokens, types)
     if kind == "gpt2":
-        files = {"tokenizer.json": byte_level_tokenizer_json(reader, tokens, types).encode("utf-8")}
+        try:
+            files = {"tokenizer.json": byte_level_tokenizer_json(reader, tokens, types).encode("utf-8")}
+        except ValueError:
+            raise
+        except Exception as exc:  # the tokenizers library raises a bare Exception for an inconsistent vocabulary
+            raise ValueError(f"the GGUF file's BPE vocabulary and merges do not form a tokenizer "
+                             f"({' '.join(str(exc).split())[:120]}); the file is damaged") from None
         default_add_bos = False
     elif kind == "llama":
         files = {"tokenizer.model": sentencepiece_model(reader, tokens, types)}
@@ -57,12 +82,13 @@ def tokenizer_files(reader: Any) -> dict[str, bytes]:
     return files
 
 
-def write_tokenizer_files(files: dict[str, bytes], out_dir: Path) -> list[Path]:
-    """Write `files` into `out_dir`, each atomically, removing a tokenizer of the other kind left there (it would
-    be loaded first, or mixed with these files)."""
-    written = [_write(out_dir / name, data) for name, data in files.items()]
-    for other in ("tokenizer.model", "tokenizer.json"):
-        if files and other not in files and (out_dir / other).is_file():
+def write_tokenizer_files(files: dict[str, bytes], out_dir: Path, overwrite: bool = False) -> list[Path]:
+    """Write `files` into `out_dir`, each atomically. Another model's side files there (a tokenizer of the other
+    kind, which would be loaded first or mixed with these) are refused, and with `overwrite` replaced or removed."""
+    todo = side_files_to_write(files, out_dir, (), overwrite, exclusive=TOKENIZER_SIDE_FILES if files else ())
+    written = [_write(out_dir / name, data) for name, data in todo.items()]
+    for other in TOKENIZER_SIDE_FILES:
+        if files and overwrite and other not in files and (out_dir / other).is_file():
             (out_dir / other).unlink()
     return written
 
@@ -192,9 +218,5 @@ def _json(value: dict[str, Any]) -> bytes:
 
 
 def _write(path: Path, data: bytes) -> Path:
-    def write(tmp: Path) -> None:
-        tmp.write_bytes(data)
-        tmp.chmod(0o644)  # readable like any other file in a checkpoint folder
-
-    write_atomically(path, write)
+    write_atomically(path, lambda tmp: tmp.write_bytes(data))  # the umask decides its mode, as for any new file
     return path

@@ -2,7 +2,7 @@
 
 python scripts/perplexity.py --checkpoint_path X --text FILE [FILE ...] [--max_seq_len 512] [--stride 256]
 
-Each file is one document: BOS + text + EOS (as the demo model was trained). A window of max_seq_len tokens
+Each file is one document: the ids the tokenizer gives for its text (BOS by the tokenizer's own rule), then EOS. A window of max_seq_len tokens
 (at most the model's context; default 512 or the context if shorter) moves by `stride`; every token after the
 first is scored exactly once, by the first window that sees it with the most context.
 On the GPU the forward pass is compiled (one fixed window shape, so it compiles once).
@@ -16,11 +16,13 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from redline.checkpoint import OneLineArgumentParser, check_output_path, run_cli, write_atomically
+from redline.checkpoint import OneLineArgumentParser, checkpoint_inputs, run_cli, write_atomically
+from redline.outputs import check_output
 from redline.generate import LLM
 
 
@@ -39,6 +41,7 @@ class PerplexityArgs:
     quantize: str | None = None
     compile: bool | None = None
     json: Path | None = None
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if self.max_seq_len is not None and self.max_seq_len < 2:
@@ -53,7 +56,17 @@ class PerplexityArgs:
             if not path.is_file():
                 raise FileNotFoundError(f"text file {path} does not exist")
         if self.json is not None:
-            check_output_path(self.json, inputs=[*self.text, self.checkpoint_path], flag="--json")
+            check_output(self.json, [*self.text, *checkpoint_inputs(self.checkpoint_path)], "--json",
+                         overwrite=self.overwrite, replaceable=is_perplexity_record, kind="perplexity record")
+
+
+def is_perplexity_record(path: Path) -> bool:
+    """Whether `path` holds a record this script wrote (an earlier --json), which --overwrite may replace."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(record, dict) and {"checkpoint", "perplexity", "files"} <= set(record)
 
 
 def window_and_stride(max_seq_len: int | None, stride: int | None, context: int) -> tuple[int, int]:
@@ -113,6 +126,14 @@ def document_perplexity(ids: list[int], window: int, stride: int,
     return total
 
 
+def document_ids(tok: Any, text: str) -> list[int]:
+    """The ids scored for one document: exactly what the tokenizer gives for the text (BOS by its own rule, as
+    transformers' tokenizer gives them), then EOS unless the tokenizer already ended with it."""
+    ids = tok.encode(text)
+    eos = list(tok.eos_ids[:1])
+    return ids if eos and ids[-1:] == eos else ids + eos
+
+
 def evaluate(llm: LLM, texts: Sequence[str], window: int, stride: int) -> list[Perplexity]:
     model = llm.model
     window, stride = window_and_stride(window, stride, model.args.block_size)
@@ -127,23 +148,26 @@ def evaluate(llm: LLM, texts: Sequence[str], window: int, stride: int) -> list[P
     results = []
     with torch.inference_mode():
         for text in texts:
-            ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + list(tok.eos_ids[:1])
+            ids = document_ids(tok, text)
             results.append(document_perplexity(ids, window, stride, logits_fn, llm.device))
     return results
 
 
 def parse_args(argv: Sequence[str] | None) -> PerplexityArgs:
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint_path", type=Path, required=True)
+    p.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     p.add_argument("--text", type=Path, nargs="+", required=True, help="text files, each scored as one document")
     p.add_argument("--max_seq_len", type=int, default=None,
-                   help=f"window length (default: {DEFAULT_WINDOW}, or the model's context if shorter)")
-    p.add_argument("--stride", type=int, default=None, help="window step (default: window // 2)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--quantize", default=None, help="quantize on load (int8)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--json", type=Path, default=None, help="also write the results here (checked before the run)")
+                   help=f"window length; None means {DEFAULT_WINDOW}, or the model's context if shorter")
+    p.add_argument("--stride", type=int, default=None, help="window step; None means window // 2")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N; None means cuda when available")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None means the checkpoint's")
+    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG; None means as stored")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the forward pass; None means on for GPU, off for CPU")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write the results here (checked before the run); None means no file")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier --json record of this script")
     ns = p.parse_args(argv)
     return PerplexityArgs(**{**vars(ns), "text": tuple(ns.text)})
 

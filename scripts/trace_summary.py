@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gzip
 import json
 import os
 import statistics
@@ -32,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from redline.outputs import OneLineArgumentParser, run_cli
+
 DECODE_STEP = "redline.decode_step"
 TOKENS_PER_SEC = "tokens/sec"
 DEVICE_ACTIVITY_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -40,6 +41,10 @@ GRAPH_LAUNCH_PREFIXES = ("cudaGraphLaunch", "hipGraphLaunch", "cuGraphLaunch")
 NAME_WIDTH = 80
 # Lower-cased kernel-name pieces of an all-reduce: NCCL/RCCL's ncclDevKernel_AllReduce_*, torch's one_shot_all_reduce.
 ALL_REDUCE_MARKERS = ("allreduce", "all_reduce")
+
+
+# The most a trace may hold, on disk and decompressed: a summary reads a bounded amount whatever the file declares.
+MAX_TRACE_BYTES = 512 << 20
 
 
 class TraceError(Exception):
@@ -126,16 +131,17 @@ def load_trace(path: str | os.PathLike) -> dict:
     if p.is_dir():
         raise TraceError(f"{p}: is a directory, not a trace file")
     try:
-        raw = p.read_bytes()
+        with open(p, "rb") as f:
+            raw = f.read(MAX_TRACE_BYTES + 1)
     except OSError as err:
         raise TraceError(f"{p}: cannot read: {err.strerror or err}") from None
     if not raw:
         raise TraceError(f"{p}: empty file")
+    if len(raw) > MAX_TRACE_BYTES:
+        raise TraceError(f"{p}: larger than {MAX_TRACE_BYTES >> 20} MiB, more than a trace summary reads; record "
+                         f"fewer steps")
     if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as err:
-            raise TraceError(f"{p}: corrupt gzip data ({err})") from None
+        raw = gunzip_bounded(raw, p)
         if not raw.strip():
             raise TraceError(f"{p}: empty trace (gzip of an empty file)")
     try:
@@ -144,6 +150,24 @@ def load_trace(path: str | os.PathLike) -> dict:
         msg = " ".join(str(err).split())[:120]
         raise TraceError(f"{p}: not a gzip or JSON trace file ({msg})") from None
     return _normalize(data, str(p))
+
+
+def gunzip_bounded(raw: bytes, p: Path) -> bytes:
+    """The gzip members in `raw`, decompressed to at most MAX_TRACE_BYTES (a small file can expand a thousandfold)."""
+    out = bytearray()
+    while raw:
+        stream = zlib.decompressobj(wbits=31)  # one gzip member
+        try:
+            out += stream.decompress(raw, MAX_TRACE_BYTES + 1 - len(out))
+        except zlib.error as err:
+            raise TraceError(f"{p}: corrupt gzip data ({err})") from None
+        if len(out) > MAX_TRACE_BYTES:
+            raise TraceError(f"{p}: expands to more than {MAX_TRACE_BYTES >> 20} MiB, more than a trace summary "
+                             f"reads; record fewer steps")
+        if not stream.eof:
+            raise TraceError(f"{p}: corrupt gzip data (truncated)")
+        raw = stream.unused_data
+    return bytes(out)
 
 
 def _normalize(data: Any, where: str) -> dict:
@@ -470,25 +494,25 @@ def _nonneg_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Summarize a torch.profiler Chrome trace (.json or .json.gz).")
+    p = OneLineArgumentParser(description="Summarize a torch.profiler Chrome trace (.json or .json.gz).")
     p.add_argument("trace", help="trace file (.json or .json.gz)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--top", type=_nonneg_int, default=10, help="number of top kernels (default 10)")
+    p.add_argument("--top", type=_nonneg_int, default=10, help="number of top kernels")
     p.add_argument("--roles", default=None, metavar="KERNEL=a,b,...",
                    help="label the calls of KERNEL within each decode step cyclically (e.g. "
-                        "_gemv_kernel=wqkv,wo,w13,w2) and report each label's exclusive time")
-    args = p.parse_args(argv)
-    try:
-        roles = parse_roles(args.roles) if args.roles is not None else None
-        summary = summarize_trace(args.trace, top=args.top, roles=roles)
-    except TraceError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(summary.to_dict(), separators=(",", ":")))
-    else:
-        print(format_summary(summary))
-    return 0
+                        "_gemv_kernel=wqkv,wo,w13,w2) and report each label's exclusive time; None means no labels")
+
+    def body() -> int:
+        args = p.parse_args(argv)
+        try:
+            roles = parse_roles(args.roles) if args.roles is not None else None
+            summary = summarize_trace(args.trace, top=args.top, roles=roles)
+        except TraceError as err:
+            raise ValueError(str(err)) from None
+        print(json.dumps(summary.to_dict(), separators=(",", ":")) if args.json else format_summary(summary))
+        return 0
+
+    return run_cli(body)
 
 
 if __name__ == "__main__":

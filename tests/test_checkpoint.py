@@ -57,12 +57,12 @@ def test_interrupt_leaves_neither_output_nor_temp(tmp_path):
 
 def test_a_killed_write_leaves_a_temp_that_the_next_write_removes(tmp_path):
     script = (
-        "import sys, time\nfrom pathlib import Path\nfrom checkpoint import write_atomically\n"
+        "import sys, time\nfrom pathlib import Path\nfrom redline.checkpoint import write_atomically\n"
         "def write(tmp):\n    tmp.write_bytes(b'x' * 1000)\n    time.sleep(60)\n"
         "write_atomically(Path(sys.argv[1]), write)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "big.safetensors")],
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+                            env=os.environ.copy())
     deadline = time.monotonic() + 30
     while not [p for p in temp_files(tmp_path) if p.stat().st_size] and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,9 +45,11 @@ def test_cli_writes_one_file_with_metadata(hf_dir, capsys):
     assert not [p for p in hf_dir.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_reconverting_ignores_the_earlier_output(hf_dir, capsys):
+def test_reconverting_ignores_the_earlier_output_and_replaces_it_only_with_overwrite(hf_dir, capsys):
     assert run_cli(capsys, "--checkpoint_dir", str(hf_dir))[0] == 0
-    code, out, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--dtype", "float32")
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--dtype", "float32")
+    assert code == 2 and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    code, out, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--dtype", "float32", "--overwrite")
     assert code == 0, err
     assert read_checkpoint_info(out.strip()).dtype == torch.float32
 
@@ -64,7 +67,7 @@ def test_interrupted_write_leaves_no_file(hf_dir, tmp_path, monkeypatch):
     def explode(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "save_file", explode)
+    monkeypatch.setattr(checkpoint, "write_safetensors", explode)
     out_file = tmp_path / "never.safetensors"
     with pytest.raises(KeyboardInterrupt):
         convert_hf_checkpoint(hf_dir, out_file)
@@ -269,7 +272,7 @@ def test_ctrl_c_is_one_line_and_status_130(hf_dir, tmp_path, capsys, monkeypatch
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint, "save_file", interrupted)
+    monkeypatch.setattr(checkpoint, "write_safetensors", interrupted)
     code, out, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(tmp_path / "m.safetensors"))
     assert code == 130 and out == "" and err.count("\n") == 1 and "interrupted" in err
     assert list(tmp_path.glob("*m.safetensors*")) == []
@@ -310,3 +313,32 @@ def test_random_arguments_give_a_result_or_one_line(hf_dir_shared, tmp_path, cap
     assert (hf_dir_shared / "model.safetensors").read_bytes() == weights
     for folder in (hf_dir_shared, tmp_path):
         assert not [p for p in folder.iterdir() if TEMP_FILE.fullmatch(p.name)]
+
+
+def test_a_file_that_leads_out_of_the_folder_is_never_read_or_copied(tmp_path, capsys):
+    import shutil
+
+    hf_dir = save_tiny_hf_checkpoint(tmp_path / "hf", "gqa")[0]
+    capsys.readouterr()  # drop the HF writer's own progress output
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"private": "data"}')
+    (hf_dir / "tokenizer_config.json").unlink(missing_ok=True)
+    (hf_dir / "tokenizer_config.json").symlink_to(secret)
+    out = tmp_path / "out" / "m.safetensors"
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(out))
+    assert code == 2 and "outside the checkpoint folder" in err and err.count("\n") == 1
+    assert not out.parent.exists() or not any(out.parent.iterdir())
+    (hf_dir / "tokenizer_config.json").unlink()
+    shutil.move(hf_dir / "config.json", tmp_path / "config.json")
+    (hf_dir / "config.json").symlink_to(tmp_path / "config.json")
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(out))
+    assert code == 2 and "outside the checkpoint folder" in err
+
+
+def test_a_small_config_that_declares_a_billion_layers_is_refused_at_once(hf_dir, tmp_path, capsys):
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10 ** 9}))
+    start = time.monotonic()
+    code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(tmp_path / "m.safetensors"))
+    assert code == 2 and "declares 1000000000 layers" in err and err.count("\n") == 1
+    assert time.monotonic() - start < 30

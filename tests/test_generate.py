@@ -158,7 +158,7 @@ def test_bad_prompts(llm):
         llm.generate([])
     with pytest.raises(ValueError, match="context"):
         llm.generate(list(range(3, 3 + llm.model.args.block_size)))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="outside the model.s vocabulary"):
         llm.generate([10**7])
 
 

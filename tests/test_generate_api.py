@@ -227,9 +227,9 @@ def test_ctrl_c_prints_one_line(tiny_llm_checkpoint, capsys, monkeypatch):
 
     argv = ["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt", "a", "--device", "cpu"]
     monkeypatch.setattr(generate, "print_stream", interrupt)
-    assert cli(capsys, *argv)[::2] == (130, "interrupted\n")
+    assert cli(capsys, *argv)[::2] == (130, "error: interrupted\n")
     monkeypatch.setattr(LLM, "from_config", interrupt)  # during loading
-    assert cli(capsys, *argv)[::2] == (130, "interrupted\n")
+    assert cli(capsys, *argv)[::2] == (130, "error: interrupted\n")
 
 
 def test_chat_and_cli_chat_use_the_template(tiny_llm_checkpoint, chat_tokenizer, monkeypatch, capsys):

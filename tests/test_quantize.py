@@ -208,3 +208,56 @@ def test_cli_random_arguments_give_a_result_or_one_line(bf16_checkpoint, int8_ch
     assert bf16_checkpoint.read_bytes() == before
     for folder in (bf16_checkpoint.parent, tmp_path):
         assert not [p for p in folder.iterdir() if TEMP_FILE.fullmatch(p.name)]
+
+
+def test_quantizing_a_folder_keeps_the_folder_usable(bf16_checkpoint, sp_tokenizer_dir, tmp_path, capsys):
+    import shutil
+
+    from redline.checkpoint import resolve_checkpoint_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(bf16_checkpoint.parent, folder)
+    shutil.copyfile(sp_tokenizer_dir / "tokenizer.model", folder / "tokenizer.model")
+    assert main(["--checkpoint_path", str(folder), "--mode", "int8"]) == 0
+    capsys.readouterr()
+    assert resolve_checkpoint_path(folder) == folder / "model.safetensors"  # the unquantized one, said on stderr
+    assert "using the unquantized model.safetensors" in capsys.readouterr().err
+    assert main(["--checkpoint_path", str(folder), "--mode", "int4"]) == 0  # a later command on the folder works
+    assert LLM.load(folder, device="cpu", compile=False).info.scheme == "none"
+    code = main(["--checkpoint_path", str(folder), "--mode", "int8"])
+    assert code == 2 and "--overwrite" in capsys.readouterr().err
+    assert main(["--checkpoint_path", str(folder), "--mode", "int8", "--overwrite"]) == 0
+
+
+def test_default_names_of_two_checkpoints_sharing_a_prefix_differ(bf16_checkpoint, tmp_path):
+    import shutil
+
+    a, b = tmp_path / "llama.v1.safetensors", tmp_path / "llama.v2.safetensors"
+    shutil.copyfile(bf16_checkpoint, a)
+    shutil.copyfile(bf16_checkpoint, b)
+    out_a, out_b = quantize_checkpoint(a, "int8"), quantize_checkpoint(b, "int8")
+    assert out_a != out_b and out_a.name == "llama.v1.int8.safetensors"
+    assert read_checkpoint_info(out_a).scheme == read_checkpoint_info(out_b).scheme == "int8"
+
+
+def test_quantize_out_into_another_models_folder_keeps_its_tokenizer(bf16_checkpoint, tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_text('{"another": "model"}')
+    code = main(["--checkpoint_path", str(bf16_checkpoint), "--mode", "int8", "--out", str(other / "q.safetensors")])
+    err = capsys.readouterr().err
+    assert code == 2 and "tokenizer.json of another model" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in other.iterdir()) == ["tokenizer.json"]
+
+
+def test_copied_tokenizer_files_follow_the_umask(tiny_llm_checkpoint, tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        assert main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--mode", "int8",
+                     "--out", str(tmp_path / "q" / "m.safetensors")]) == 0
+    finally:
+        os.umask(old)
+    copied = [p for p in (tmp_path / "q").iterdir() if p.name != "m.safetensors"]
+    assert copied and all(p.stat().st_mode & 0o777 == 0o644 for p in copied)

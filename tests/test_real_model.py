@@ -104,10 +104,11 @@ def test_greedy_generation_matches_hf(smollm2_checkpoint, smollm2_hf):
 
 
 def test_perplexity_script_matches_hf(smollm2_checkpoint, smollm2_hf, tmp_path):
-    """scripts/perplexity.py on real text, in one window, equals HF's perplexity of BOS + text + EOS."""
+    """scripts/perplexity.py on real text, in one window, equals transformers' loss on the ids transformers' own
+    tokenizer gives for the text (its BOS rule: none for SmolLM2) plus EOS."""
     import math
 
-    import torch.nn.functional as F
+    from transformers import AutoTokenizer
 
     from redline.scripts.perplexity import main as perplexity_main
 
@@ -117,10 +118,10 @@ def test_perplexity_script_matches_hf(smollm2_checkpoint, smollm2_hf, tmp_path):
     out = tmp_path / "ppl.json"
     assert perplexity_main(["--checkpoint_path", str(smollm2_checkpoint), "--text", str(doc), "--max_seq_len", "1024",
                             "--device", "cpu", "--dtype", "float32", "--json", str(out)]) == 0
-    tok = load_tokenizer(smollm2_checkpoint)
-    ids = torch.tensor([[tok.bos_id, *tok.encode(doc.read_text(), add_special_tokens=False), tok.eos_ids[0]]])
+    hf_tok = AutoTokenizer.from_pretrained(smollm2_checkpoint.parent)
+    ids = torch.tensor([hf_tok(doc.read_text())["input_ids"] + [load_tokenizer(smollm2_checkpoint).eos_ids[0]]])
     with torch.no_grad():
-        expected = math.exp(F.cross_entropy(hf_model(ids).logits[0, :-1], ids[0, 1:]).item())
+        expected = math.exp(hf_model(ids, labels=ids).loss.item())
     record = json.loads(out.read_text())
     assert record["tokens"] == ids.shape[1] - 1
     assert record["perplexity"] == pytest.approx(expected, rel=1e-4)

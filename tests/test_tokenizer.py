@@ -565,3 +565,11 @@ def test_converter_and_quantizer_clis_copy_the_tokenizer_beside_out(tiny_llm_che
     for folder in (converted.parent, quantized.parent):
         assert (folder / "tokenizer.model").read_bytes() == (source / "tokenizer.model").read_bytes()
         assert load_tokenizer(folder).encode("hello") == load_tokenizer(source).encode("hello")
+
+
+def test_a_tokenizer_file_that_leads_out_of_the_folder_is_not_read(sp_tokenizer_dir, tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.model").symlink_to(sp_tokenizer_dir / "tokenizer.model")
+    with pytest.raises(ValueError, match="outside the checkpoint folder"):
+        tk.load_tokenizer(folder)

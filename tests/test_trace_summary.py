@@ -326,3 +326,21 @@ def test_all_reduce_kernels_per_decode_step():
     assert s.all_reduce_us_per_step == 14.0 and s.all_reduce_exclusive_us_per_step == 11.0  # 8 + (21 - 18)
     assert "all-reduce: 2.0 kernels per step, 14.0 us/step (11.0 us/step added" in ts.format_summary(s)
     assert ts.summarize_trace(synthetic_trace()).all_reduce_us_per_step is None  # one process: no all-reduce
+
+
+def test_a_gzip_that_expands_past_the_limit_is_one_line(tmp_path, capsys, monkeypatch):
+    import gzip as gz
+
+    from redline.scripts import trace_summary
+
+    monkeypatch.setattr(trace_summary, "MAX_TRACE_BYTES", 1 << 20)
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gz.compress(b'{"traceEvents": [' + b" " * (64 << 20) + b"]}"))  # 64 KB -> 64 MB
+    assert bomb.stat().st_size < 1 << 20
+    assert trace_summary.main([str(bomb)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "expands to more than 1 MiB" in err and err.count("\n") == 1
+    big = tmp_path / "big.json"
+    big.write_bytes(b'{"traceEvents": [' + b" " * (2 << 20) + b"]}")
+    assert trace_summary.main([str(big)]) == 2
+    assert "larger than 1 MiB" in capsys.readouterr().err
