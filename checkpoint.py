@@ -232,11 +232,13 @@ def say_once(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def checkpoint_inputs(path: str | os.PathLike) -> list[Path]:
+def checkpoint_inputs(path: str | os.PathLike | None) -> list[Path]:
     """Every file a command that loads the checkpoint at `path` reads: the checkpoint itself and the tokenizer,
-    chat-template and config files beside it (what an output flag of that command must never name)."""
+    chat-template and config files beside it (what an output flag of that command must never name); [] for None."""
     from redline.tokenizer import TOKENIZER_SIDE_FILES
 
+    if path is None:
+        return []
     try:
         file = resolve_checkpoint_path(path)
     except (ValueError, FileNotFoundError):

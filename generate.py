@@ -358,7 +358,7 @@ class GenerateArgs:
             if getattr(self, name) is not None:
                 check_text(getattr(self, name), f"--{name}")
         if self.options.profile is not None:  # before the model loads: never a file this run reads, or one it did not write
-            inputs = [*checkpoint_inputs(self.checkpoint_path), *checkpoint_inputs(self.draft_checkpoint_path or "")]
+            inputs = [*checkpoint_inputs(self.checkpoint_path), *checkpoint_inputs(self.draft_checkpoint_path)]
             check_output(self.options.profile.path, inputs, "--profile", overwrite=self.overwrite,
                          replaceable=is_trace_file)
 

@@ -4,6 +4,9 @@ An output may not be one of the files the command reads (compared as files: thro
 st_dev/st_ino), may not be a folder or sit where nothing can be written, and may not replace an existing file the
 command did not write. A file of the kind the command writes (a Redline checkpoint, a perplexity record, a trace) is
 replaced only when the user passed --overwrite.
+
+Beside it: the files written next to an output (tokenizer files), the rule that files of a checkpoint folder are
+read only from inside it, and the wrapper that gives every command-line tool one error line and its exit status.
 """
 from __future__ import annotations
 

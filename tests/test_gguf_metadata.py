@@ -197,3 +197,33 @@ def test_checked_values_have_the_type_their_key_needs(value):
         assert isinstance(checked, kind) and not (kind is int and isinstance(checked, bool))
         if kind is float:
             assert np.isfinite(checked) and checked > 0
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory, tiny_hf, hf_tokenizer_dir):
+    path = tmp_path_factory.mktemp("fuzz") / "m.gguf"
+    write_gguf(path, tiny_hf, tokenizer=gpt2_tokenizer_from(hf_tokenizer_dir))
+    return path.read_bytes(), int(cg.read_gguf(path).data_offset)
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_gguf_headers_convert_or_give_one_line(small_gguf, tmp_path, capsys, data):
+    """Bytes of the header (counts, keys, types, lengths, values, tensor infos) overwritten at random."""
+    import uuid
+
+    raw, header_end = small_gguf
+    mutated = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(8, header_end - 1))
+        patch = data.draw(st.binary(min_size=1, max_size=8))
+        mutated[at:at + len(patch)] = patch
+    run = tmp_path / uuid.uuid4().hex
+    run.mkdir()
+    (run / "m.gguf").write_bytes(bytes(mutated))
+    code = cg.main(["--gguf", str(run / "m.gguf"), "--out", str(run / "o" / "m.safetensors")])
+    err = capsys.readouterr().err
+    assert code in (0, 2), err
+    if code == 2:
+        assert err.startswith("error: ") and err.count("\n") == 1, err
