@@ -1,0 +1,107 @@
+"""The model calls of an engine step: a flattened batch of prefill chunks and decode rows, the logits it needs,
+and one token per sampling row with that row's own settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from redline.engine.scheduler import Chunk
+from redline.model import PagedContext, PagedKVCache, Transformer
+from redline.sampling import sample_rows
+
+
+@dataclass
+class StepBatch:
+    """What one step feeds the model, and which rows of its logits mean what."""
+
+    ids: Tensor  # (1, N) token ids of every chunk, in order
+    context: PagedContext
+    logits_at: Tensor  # (L,) row indices whose logits are computed
+    sample_rows: list[int]  # for each chunk that samples, in order: its index into logits_at's rows
+    prompt_rows: dict[int, tuple[int, int]]  # chunk index -> [begin, end) rows of logits_at for prompt logprobs
+
+
+def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
+               prompt_logprobs: set[int] = frozenset()) -> StepBatch:
+    """The flattened batch of chunks; `prompt_logprobs` names chunks (by index) that need logits at every token."""
+    size = kv.page_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    logits_at: list[int] = []
+    sampling: list[int] = []
+    prompt_rows: dict[int, tuple[int, int]] = {}
+    for i, chunk in enumerate(chunks):
+        seq, begin = chunk.seq, len(ids)
+        span = range(chunk.start, chunk.start + chunk.length)
+        ids += seq.tokens[chunk.start:chunk.start + chunk.length]
+        positions += span
+        slots += [seq.pages[p // size] * size + p % size for p in span]
+        cu.append(len(ids))
+        if i in prompt_logprobs:
+            prompt_rows[i] = (len(logits_at), len(logits_at) + chunk.length)
+            logits_at += range(begin, len(ids))
+            if chunk.samples:
+                sampling.append(len(logits_at) - 1)
+        elif chunk.samples:
+            sampling.append(len(logits_at))
+            logits_at.append(len(ids) - 1)
+    width = max(len(c.seq.pages) for c in chunks)
+    tables = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]
+    context = PagedContext(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([c.start + c.length for c in chunks], dtype=torch.int32, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        kv=kv,
+        decode=all(c.length == 1 for c in chunks),
+    )
+    return StepBatch(torch.tensor([ids], dtype=torch.long, device=device), context,
+                     torch.tensor(logits_at, dtype=torch.long, device=device), sampling, prompt_rows)
+
+
+def step_logits(model: Transformer, batch: StepBatch, vocab_bias: Tensor | None) -> Tensor:
+    """Logits (L, V) of the rows batch.logits_at, fp32, with the vocabulary bias added. The model runs even when
+    L is 0 (a prefill chunk that samples nothing): it writes the chunk's keys and values."""
+    logits = model(batch.ids, batch.context.positions, logits_at=batch.logits_at, context=batch.context)[0]
+    logits = logits.float()  # (L, V)
+    return logits + vocab_bias if vocab_bias is not None else logits
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """Per-row sampling settings as tensors (B,), so one step serves any mix of greedy and sampled rows."""
+
+    temperature: Tensor  # float32
+    top_k: Tensor  # int64
+    top_p: Tensor  # float32
+    seed: Tensor  # int64
+    position: Tensor  # int64, the new token's position
+
+    @classmethod
+    def of(cls, rows: list[tuple[float, int, float, int, int]], device: torch.device) -> RowSettings:
+        temperature, top_k, top_p, seed, position = zip(*rows)
+        return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
+                   torch.tensor(top_k, dtype=torch.long, device=device),
+                   torch.tensor(top_p, dtype=torch.float32, device=device),
+                   torch.tensor(seed, dtype=torch.long, device=device),
+                   torch.tensor(position, dtype=torch.long, device=device))
+
+
+def sample_tokens(logits: Tensor, settings: RowSettings) -> Tensor:
+    """logits (B, V) -> tokens (B,), each row with its own settings."""
+    return sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.seed, settings.position)
+
+
+def chosen_logprobs(logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """log_softmax(logits (B, V)) at tokens (B,) -> (B,), and the `top` most likely (values, ids) (B, top) each."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    chosen = logprobs.gather(-1, tokens.view(-1, 1)).squeeze(1)  # (B,)
+    if top <= 0:
+        return chosen, None, None
+    values, ids = logprobs.topk(top, dim=-1)  # (B, top)
+    return chosen, values, ids
