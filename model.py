@@ -360,9 +360,17 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                            scale: float) -> Tensor:
     """One query per sequence, q (B, H, D), at position seq_lens[b] - 1; the reference of
-    redline::paged_decode_attention. Returns (B, H, D)."""
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)  # (B + 1,)
-    return paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    redline::paged_decode_attention. Every row's pages are gathered into one padded batch and masked past its
+    length: no host synchronisation, so a CUDA graph can hold it. Returns (B, H, D)."""
+    batch, max_pages = block_tables.shape
+    page_size = k_cache.shape[1]
+    pages = block_tables.long()  # (B, P)
+    keys = k_cache[pages].flatten(1, 2).transpose(1, 2)  # (B, Hkv, P * page_size, D)
+    values = v_cache[pages].flatten(1, 2).transpose(1, 2)
+    visible = torch.arange(max_pages * page_size, device=q.device) < seq_lens.view(-1, 1)  # (B, P * page_size)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible.view(batch, 1, 1, -1),
+                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[1])  # (B, H, 1, D)
+    return out.squeeze(2)
 
 
 @dataclass

@@ -307,7 +307,12 @@ class Engine:
     def _loop(self) -> None:
         with torch.inference_mode():
             while self._next_round():
-                self._step()
+                try:
+                    self._step()
+                except Exception as exc:  # a bug outside the model call: end every request, keep serving
+                    message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                    for seq in list(self._seqs.values()):
+                        self._end(seq, "error", message)
 
     def _next_round(self) -> bool:
         """Take new requests and aborts in; wait while idle. False when the thread should end."""

@@ -247,3 +247,27 @@ def test_max_queue_and_shutdown(llm):
     next(iter(handle))
     slow.shutdown(timeout=0)
     assert handle.result().finish_reason == "abort" and slow.pool.num_free == slow.pool.num_pages
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_serves_on(llm, monkeypatch):
+    engine = Engine(llm)
+    calls = {"n": 0}
+    real = engine._run
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost\nsecond line")
+        return real(chunks)
+
+    monkeypatch.setattr(engine, "_run", flaky)
+    handle = engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=8, ignore_eos=True))
+    outputs = list(handle)
+    assert outputs[-1].finish_reason == "error" and outputs[-1].error == "RuntimeError: device lost"
+    with pytest.raises(RuntimeError, match="device lost"):
+        handle.result()
+    again = engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=8, ignore_eos=True))
+    assert again.result(timeout=60).token_ids == llm.generate(PROMPTS[0], max_new_tokens=8,
+                                                              ignore_eos=True).token_ids
+    assert engine.pool.num_free == engine.pool.num_pages
+    engine.shutdown()
