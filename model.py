@@ -334,16 +334,31 @@ class PagedKVCache:
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
-                            seq_lens: Tensor, scale: float) -> Tensor:
+                            seq_lens: Tensor, scale: float,
+                            host_lens: tuple[list[int], list[int]] | None = None) -> Tensor:
     """Attention of the flattened queries q (T, H, D) of S sequences over their pages; the reference of
     redline::paged_prefill_attention. k_cache, v_cache (num_pages, page_size, Hkv, D); block_tables (S, max_pages),
     cu_seqlens_q (S + 1,) and seq_lens (S,) int32. Query j of sequence s sits at position seq_lens[s] - q_len + j
-    and attends to keys 0..that position. Returns (T, H, D)."""
+    and attends to keys 0..that position. Returns (T, H, D).
+
+    host_lens: the query and key counts per sequence as lists, when the caller has them (else read from the
+    device). Sequences with one query (decode rows) go through paged_decode_attention together; the others one by
+    one."""
+    q_lens, k_lens = host_lens if host_lens is not None else (cu_seqlens_q.diff().tolist(), seq_lens.tolist())
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
-    starts, lengths = cu_seqlens_q.tolist(), seq_lens.tolist()
-    for s, n_keys in enumerate(lengths):
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    single = [s for s, n in enumerate(q_lens) if n == 1]
+    if single:
+        rows = torch.tensor(single, device=q.device)  # (B,)
+        tokens = torch.tensor([starts[s] for s in single], device=q.device)  # (B,)
+        out[tokens] = paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+    for s, n_keys in enumerate(k_lens):
         begin, end = starts[s], starts[s + 1]
+        if end - begin == 1:
+            continue
         pages = block_tables[s, :-(-n_keys // page_size)].long()  # (P,)
         keys = k_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)  # (Hkv, K, D)
         values = v_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)
@@ -385,6 +400,7 @@ class PagedContext:
     cu_seqlens_q: Tensor  # (S + 1,) int32, where each sequence's tokens start in the row
     kv: PagedKVCache
     decode: bool = False  # every sequence has exactly one token in this step
+    host_lens: tuple[list[int], list[int]] | None = None  # query and key counts per sequence, on the host
     layer: int = 0  # the layer whose pages attend() uses; Transformer.forward sets it
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -396,7 +412,7 @@ class PagedContext:
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-                                       scale)
+                                       scale, self.host_lens)
 
 
 class Attention(nn.Module):

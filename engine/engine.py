@@ -368,7 +368,7 @@ class Engine:
             return [], []
         rows = logits[batch.sample_rows]  # (B, V)
         settings = RowSettings.of([(*c.seq.state.settings, c.seq.num_tokens) for c in sampling], self.device)
-        tokens = sample_tokens(rows, settings)  # (B,)
+        tokens = sample_tokens(rows, settings, all(c.seq.state.settings[0] == 0 for c in sampling))  # (B,)
         extras: list[dict[str, Any]] = [{} for _ in sampling]
         top = max(c.seq.state.options.top_logprobs for c in sampling)
         if any(c.seq.state.options.logprobs or c.seq.state.options.top_logprobs for c in sampling):

@@ -59,6 +59,7 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         kv=kv,
         decode=all(c.length == 1 for c in chunks),
+        host_lens=([c.length for c in chunks], [c.start + c.length for c in chunks]),
     )
     return StepBatch(torch.tensor([ids], dtype=torch.long, device=device), context,
                      torch.tensor(logits_at, dtype=torch.long, device=device), sampling, prompt_rows)
@@ -92,8 +93,10 @@ class RowSettings:
                    torch.tensor(position, dtype=torch.long, device=device))
 
 
-def sample_tokens(logits: Tensor, settings: RowSettings) -> Tensor:
-    """logits (B, V) -> tokens (B,), each row with its own settings."""
+def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = False) -> Tensor:
+    """logits (B, V) -> tokens (B,), each row with its own settings; all_greedy skips the sampler's sort."""
+    if all_greedy:
+        return logits.argmax(dim=-1)
     return sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.seed, settings.position)
 
 
