@@ -19,7 +19,7 @@ import torch
 from redline.engine.kv_pages import PagePool, pool_pages
 from redline.engine.scheduler import Chunk, Scheduler
 from redline.engine.scheduler import Sequence as Seq
-from redline.engine.steps import RowSettings, chosen_logprobs, sample_tokens, step_batch, step_logits
+from redline.engine.steps import RowSettings, chosen_logprobs, sample_tokens, step_batch, step_logits, vocab_bias
 from redline.model import PagedKVCache
 from redline.options import GenerationOptions, GenerationResult, GenerationStats, resolve_options
 from redline.sampling import SEED_LIMIT, TOP_P_DISABLED
@@ -212,7 +212,7 @@ class Engine:
         self.pool = PagePool(num_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_running, prefill_chunk)
         self.kv = PagedKVCache(args, num_pages, page_size, dtype, self.device)
-        self.vocab_bias = llm._vocab_bias
+        self.vocab_bias = vocab_bias(self.vocab_size, self.tokenizer, self.device)
         self.max_queue = max_queue
         self._ids = itertools.count()
         self._lock = threading.Condition()  # guards the inbox, aborts and the flags below

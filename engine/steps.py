@@ -3,6 +3,7 @@ and one token per sampling row with that row's own settings."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -63,6 +64,15 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
     )
     return StepBatch(torch.tensor([ids], dtype=torch.long, device=device), context,
                      torch.tensor(logits_at, dtype=torch.long, device=device), sampling, prompt_rows)
+
+
+def vocab_bias(model_vocab: int, tokenizer: Any, device: torch.device) -> Tensor | None:
+    """(V,) fp32: 0 for ids the tokenizer decodes, -inf for the model's padding rows beyond them; None if none."""
+    if tokenizer is None or tokenizer.vocab_size >= model_vocab:
+        return None
+    bias = torch.zeros(model_vocab, dtype=torch.float32, device=device)
+    bias[tokenizer.vocab_size:] = float("-inf")
+    return bias
 
 
 def step_logits(model: Transformer, batch: StepBatch, vocab_bias: Tensor | None) -> Tensor:
