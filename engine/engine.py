@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from redline.engine.graphs import DecodeGraphs
 from redline.engine.kv_pages import PagePool, pool_pages
 from redline.engine.scheduler import Chunk, Scheduler
 from redline.engine.scheduler import Sequence as Seq
@@ -213,6 +214,9 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_running, prefill_chunk)
         self.kv = PagedKVCache(args, num_pages, page_size, dtype, self.device)
         self.vocab_bias = vocab_bias(self.vocab_size, self.tokenizer, self.device)
+        # Decode steps as CUDA graphs (compiled on the CPU) when the LLM compiles; padding rows write a scratch page.
+        self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device,
+                                   self.pool.allocate(1)[0]) if llm.compile else None
         self.max_queue = max_queue
         self._ids = itertools.count()
         self._lock = threading.Condition()  # guards the inbox, aborts and the flags below
@@ -357,6 +361,10 @@ class Engine:
 
     def _run(self, chunks: list[Chunk]) -> tuple[list[int], list[dict[str, Any]]]:
         """Run the model on chunks; the sampled token of each sampling chunk and its logprob extras."""
+        if self._graph_step(chunks):
+            return self.graphs.run([c.seq.tokens[c.start] for c in chunks], [c.start for c in chunks],
+                                   [c.seq.pages for c in chunks], [c.seq.state.settings for c in chunks]), \
+                [{} for _ in chunks]
         wants_prompt = {i for i, c in enumerate(chunks)
                         if c.seq.state.prompt_logprobs is not None and c.start < c.seq.prompt_len}
         batch = step_batch(chunks, self.kv, self.device, wants_prompt)
@@ -380,6 +388,13 @@ class Engine:
                 if n:
                     extras[r]["top"] = dict(zip(ids[r, :n].tolist(), values[r, :n].tolist()))
         return tokens.tolist(), extras
+
+    def _graph_step(self, chunks: list[Chunk]) -> bool:
+        """Whether this step runs as a captured decode graph: decode rows only, no logprobs asked for."""
+        if self.graphs is None or not self.graphs.fits(len(chunks)):
+            return False
+        return all(c.length == 1 and c.samples and not (c.seq.state.options.logprobs
+                                                        or c.seq.state.options.top_logprobs) for c in chunks)
 
     def _prompt_logprobs(self, chunk: Chunk, logits: torch.Tensor) -> None:
         """Logits (chunk.length, V) at the chunk's tokens give the logprob of each next prompt token."""

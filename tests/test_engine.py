@@ -271,3 +271,22 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_serves_on(
                                                               ignore_eos=True).token_ids
     assert engine.pool.num_free == engine.pool.num_pages
     engine.shutdown()
+
+
+def test_compiled_decode_steps_give_the_eager_tokens(tiny_llm_checkpoint, llm):
+    compiled = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
+    engine = Engine(compiled)
+    assert engine.graphs is not None and llm.engine.graphs is None
+    prompts = token_prompts(llm, 3, 6)
+    options = [GenerationOptions(max_new_tokens=6, ignore_eos=True),
+               GenerationOptions(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=3),
+               GenerationOptions(max_new_tokens=6, ignore_eos=True)]
+    want = [llm.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    steps = []
+    real = engine.graphs.run
+    engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
+    handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=300).token_ids for h in handles] == want
+    assert steps and set(steps) == {3}  # three rows padded to the bucket of 4, a scratch page for the fourth
+    engine.shutdown()
+    assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
