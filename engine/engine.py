@@ -397,13 +397,15 @@ class Engine:
                                                         or c.seq.state.options.top_logprobs) for c in chunks)
 
     def _prompt_logprobs(self, chunk: Chunk, logits: torch.Tensor) -> None:
-        """Logits (chunk.length, V) at the chunk's tokens give the logprob of each next prompt token."""
+        """Logits (chunk.length, V) at the chunk's tokens give the logprob of each next prompt token; positions
+        already scored (before a preemption's recompute) are skipped."""
         seq, state = chunk.seq, chunk.seq.state
-        end = min(chunk.start + chunk.length, seq.prompt_len - 1)  # logits at position p score token p + 1
-        if len(state.prompt_logprobs) != chunk.start + 1 or end <= chunk.start:
-            return  # recomputed after a preemption: already known
-        logprobs = torch.log_softmax(logits[:end - chunk.start].float(), dim=-1)
-        targets = torch.tensor(seq.tokens[chunk.start + 1:end + 1], device=logits.device).view(-1, 1)
+        first = max(chunk.start, len(state.prompt_logprobs) - 1)  # logits at position p score token p + 1
+        last = min(chunk.start + chunk.length, seq.prompt_len - 1)
+        if last <= first:
+            return
+        logprobs = torch.log_softmax(logits[first - chunk.start:last - chunk.start].float(), dim=-1)
+        targets = torch.tensor(seq.tokens[first + 1:last + 1], device=logits.device).view(-1, 1)
         state.prompt_logprobs += logprobs.gather(-1, targets).squeeze(1).tolist()
 
     def _emit(self, seq: Seq, token: int, extra: dict[str, Any]) -> None:

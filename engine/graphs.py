@@ -139,6 +139,7 @@ class DecodeGraphs:
             decode_step(*step, *args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another thread's generation on the same GPU does not break the capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = decode_step(*step, *args)
         return graph, out

@@ -178,6 +178,10 @@ def test_logprobs_match_the_model(llm):
     assert first[1:] == pytest.approx([logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)], abs=1e-4)
     assert all(o.prompt_logprobs is None for o in outputs[1:])
     engine.shutdown()
+    chunked = Engine(llm, prefill_chunk=3, page_size=4)  # the prompt scored over several chunks
+    again = list(chunked.add_request(prompt, options))
+    assert again[0].prompt_logprobs == pytest.approx(first, abs=1e-5)
+    chunked.shutdown()
     with pytest.raises(ValueError, match="top_logprobs"):
         GenerationOptions(top_logprobs=21)
 
