@@ -7,7 +7,9 @@
 
 Workloads (EOS ignored, so every request makes exactly its output length):
 - fixed: N requests of 128 prompt tokens and 128 output tokens each;
-- mixed: 256 requests (or N), prompt and output lengths uniform in 100..1024.
+- mixed: 256 requests (or N), prompt and output lengths uniform in 100..1024;
+- single: one request of 128 prompt and 256 output tokens through the engine, against LLM.generate (the static
+  path, compiled and fused as the LLM is) in the same process: decode tok/s after the first token, median of 3.
 All requests are queued at once. Reported: output tok/s and total tok/s (prompt + output) over the wall time from
 the first add_request to the last result; the step time distribution; peak KV pages in use; preemptions; and the
 roofline of the run: the sum over its steps of max(bytes read / measured read bandwidth, FLOPs / measured bf16
@@ -40,7 +42,7 @@ from redline.generate import LLM
 from redline.model import ModelArgs
 from redline.options import GenerationOptions
 
-WORKLOADS = ("fixed", "mixed")
+WORKLOADS = ("fixed", "mixed", "single")
 MIXED_RANGE = (100, 1024)
 MIXED_DEFAULT_REQUESTS = 256
 
@@ -117,7 +119,7 @@ def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
     results = [h.result() for h in handles]
     wall = time.perf_counter() - start
     made = sum(len(r.token_ids) for r in results)
-    expected = sum(r.output_len for r in requests)
+    expected = sum(min(r.output_len, engine.block_size - len(r.prompt)) for r in requests)  # capped by the context
     if made != expected:
         raise RuntimeError(f"the engine made {made} tokens, {expected} were asked for")
     log = engine.log
@@ -197,6 +199,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps as CUDA graphs (default: on for a GPU)")
     p.add_argument("--compare", choices=("hf",), default=None)
     p.add_argument("--hf-requests", type=int, default=None, help="time both engines on the first N requests")
     p.add_argument("--seed", type=int, default=0)
@@ -209,25 +213,45 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return ns
 
 
+def run_single(llm: LLM, engine: Engine, vocab: int, seed: int) -> dict[str, Any]:
+    """Batch 1: decode tok/s of one request through the engine and through LLM.generate, median of 3 each."""
+    prompt = make_requests("fixed", 1, vocab, seed)[0].prompt
+    options = GenerationOptions(max_new_tokens=256, ignore_eos=True)
+    engine.add_request(prompt, options).result()  # warm-up (graph capture)
+    llm.generate(prompt, options)
+    engine_rates, static_rates = [], []
+    for _ in range(3):
+        engine_rates.append(engine.add_request(prompt, options).result().stats.decode_tok_s)
+        static_rates.append(llm.generate(prompt, options).stats.decode_tok_s)
+    e, st = statistics.median(engine_rates), statistics.median(static_rates)
+    return {"engine_decode_tok_s": e, "static_decode_tok_s": st, "ratio": e / st}
+
+
 def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype_from_name(ns.dtype)
     args = ModelArgs.from_name(ns.model)
     model = build_random_model(args, device, dtype, "none", seed=ns.seed)
-    llm = LLM(model, None, device, compile=False, kernels=ns.kernels)
+    llm = LLM(model, None, device, compile=ns.compile if ns.compile is not None else device.type == "cuda",
+              kernels=ns.kernels)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
                          prefill_chunk=ns.prefill_chunk)
+    engine.log = StepLog()
     if device.type == "cuda":
         from redline.profiling import read_bandwidth_gb_s
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
         engine.costs = StepCosts(args, llm.bytes_per_token, model.cache_dtype.itemsize, bandwidth,
                                  matmul_peak_flops(device, dtype))
-    requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed)
-    run_redline(engine, make_requests("fixed", 8, args.vocab_size, ns.seed + 1)[:8])  # warm-up
     report: dict[str, Any] = {"env": environment(device, argv), "model": ns.model, "workload": ns.workload,
                               "settings": {k: v for k, v in vars(ns).items() if k != "json"}}
     report["env"]["command"] = "python benchmarks/bench_serving.py " + " ".join(argv)
+    if ns.workload == "single":
+        report["single"] = run_single(llm, engine, args.vocab_size, ns.seed)
+        engine.shutdown()
+        return report
+    requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed)
+    run_redline(engine, make_requests("fixed", 8, args.vocab_size, ns.seed + 1)[:8])  # warm-up
     if engine.costs is not None:
         report["measured"] = {"read_gb_s": engine.costs.bandwidth / 1e9, "matmul_tflops": engine.costs.peak_flops / 1e12}
     report["redline"] = run_redline(engine, requests)
@@ -244,6 +268,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    if "single" in report:
+        one = report["single"]
+        return (f"{report['model']} batch 1: engine {one['engine_decode_tok_s']:.1f} decode tok/s, static path "
+                f"{one['static_decode_tok_s']:.1f} ({100 * one['ratio']:.1f}%)")
     r = report["redline"]
     s = r["step_ms"]
     roof = f", {r['roofline_pct']:.1f}% of the run's roofline" if r["roofline_pct"] is not None else ""
