@@ -294,3 +294,35 @@ def test_compiled_decode_steps_give_the_eager_tokens(tiny_llm_checkpoint, llm):
     assert steps and set(steps) == {3}  # three rows padded to the bucket of 4, a scratch page for the fourth
     engine.shutdown()
     assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
+
+
+def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
+    from redline.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return LLM(model.to("cuda"), None, "cuda", compile=compile, kernels=kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [False, True])
+def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
+    eager, graphed = random_gpu_llm(False, kernels), random_gpu_llm(True, kernels)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 2, 90)]
+    options = [GenerationOptions(max_new_tokens=30, ignore_eos=True),
+               GenerationOptions(max_new_tokens=30, ignore_eos=True, temperature=0.9, seed=7)] * 2 + \
+              [GenerationOptions(max_new_tokens=30, ignore_eos=True)]
+    want = [eager.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    assert [r.token_ids for r in eager.generate_batch(prompts, options)] == want
+    engine = Engine(graphed)
+    steps = []
+    real = engine.graphs.run
+    engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
+    assert [engine.add_request(p, o).result(timeout=120).token_ids for p, o in zip(prompts, options)] == want
+    handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=120).token_ids for h in handles] == want
+    assert 1 in steps and 5 in steps and len(engine.graphs.graphs) >= 2  # buckets 1 and 8 were captured
+    engine.shutdown()
