@@ -216,7 +216,7 @@ class Engine:
         self.vocab_bias = vocab_bias(self.vocab_size, self.tokenizer, self.device)
         # Decode steps as CUDA graphs (compiled on the CPU) when the LLM compiles; padding rows write a scratch page.
         self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device,
-                                   self.pool.allocate(1)[0]) if llm.compile else None
+                                   self.pool.reserve()) if llm.compile else None
         self.max_queue = max_queue
         self._ids = itertools.count()
         self._lock = threading.Condition()  # guards the inbox, aborts and the flags below

@@ -66,6 +66,7 @@ class PagePool:
         self.cached: OrderedDict[int, None] = OrderedDict()  # unheld pages with a key, least recently used first
         self.key_of: dict[int, bytes] = {}
         self.page_of: dict[bytes, int] = {}
+        self.reserved = 0  # pages held for good (a scratch page), never a sequence's
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of those, tokens served from it
 
@@ -80,7 +81,14 @@ class PagePool:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.num_pages * self.page_size
+        """Tokens that sequences can hold when every page is theirs."""
+        return (self.num_pages - self.reserved) * self.page_size
+
+    def reserve(self) -> int:
+        """One page held for good, outside every sequence (the decode graphs' scratch page)."""
+        page = self.allocate(1)[0]
+        self.reserved += 1
+        return page
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

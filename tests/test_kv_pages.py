@@ -85,3 +85,10 @@ def test_pool_size_from_max_kv_tokens():
     assert pool_pages(args, 16, torch.float32, torch.device("cpu"), None) == 4 * args.block_size // 16
     with pytest.raises(ValueError, match="max_kv_tokens"):
         pool_pages(args, 16, torch.float32, torch.device("cpu"), 0)
+
+
+def test_a_reserved_page_is_never_handed_out():
+    pool = PagePool(3, 4)
+    scratch = pool.reserve()
+    assert pool.capacity_tokens == 8 and pool.num_free == 2
+    assert scratch not in pool.allocate(2)
