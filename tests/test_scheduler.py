@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from redline.engine.kv_pages import PagePool
 from redline.engine.scheduler import Scheduler, Sequence
@@ -98,3 +100,52 @@ def test_bad_settings_and_oversized_sequences_are_refused():
         Scheduler(PagePool(4, 4), prefill_chunk=0)
     with pytest.raises(ValueError, match="cannot fit"):
         Scheduler(PagePool(2, 4)).add(seq("big", 9))
+
+
+def check_pool(scheduler: Scheduler) -> None:
+    """Every page is free, cached or held, and held exactly as often as sequences list it."""
+    pool = scheduler.pool
+    holders = [0] * pool.num_pages
+    for s in scheduler.running:
+        assert len(s.pages) >= pool.pages_for(s.num_computed) and len(set(s.pages)) == len(s.pages)
+        for page in s.pages:
+            holders[page] += 1
+    for s in scheduler.waiting:
+        assert s.pages == [] and s.num_computed == 0
+    assert holders == pool.ref_counts
+    free, cached = set(pool.free), set(pool.cached)
+    assert not free & cached and len(free) == len(pool.free)
+    assert all((pool.ref_counts[p] == 0) == (p in free or p in cached) for p in range(pool.num_pages))
+    assert all(p in pool.key_of for p in cached) and not any(p in pool.key_of for p in free)
+    shared = [p for p in range(pool.num_pages) if holders[p] > 1]
+    assert all(p in pool.key_of for p in shared)  # only full, keyed prefix pages are shared
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_random_traffic_keeps_the_pool_consistent(data):
+    pool = PagePool(data.draw(st.integers(6, 24)), data.draw(st.sampled_from([2, 4])))
+    scheduler = Scheduler(pool, max_running=data.draw(st.integers(1, 5)), prefill_chunk=data.draw(st.integers(1, 9)))
+    limit = {}
+    for step in range(60):
+        if data.draw(st.booleans()):
+            prompt = data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=12))  # few symbols: prefix hits
+            new = data.draw(st.integers(1, 8))
+            if len(prompt) + new - 1 <= pool.capacity_tokens:
+                s = Sequence(f"r{step}", prompt, len(prompt), new)
+                scheduler.add(s)
+                limit[s.request_id] = new
+        chunks = scheduler.schedule()
+        scheduler.commit(chunks)
+        for c in chunks:
+            if c.samples:
+                c.seq.tokens.append(data.draw(st.integers(0, 2)))
+                if c.seq.num_new >= limit[c.seq.request_id]:
+                    scheduler.finish(c.seq, "length")
+        if scheduler.running and data.draw(st.booleans()):
+            scheduler.finish(data.draw(st.sampled_from(scheduler.running)), "abort")
+        assert not scheduler.failed
+        check_pool(scheduler)
+    for s in list(scheduler.running) + list(scheduler.waiting):
+        scheduler.finish(s, "abort")
+    assert pool.num_free == pool.num_pages
