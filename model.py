@@ -335,25 +335,27 @@ class PagedKVCache:
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                             seq_lens: Tensor, scale: float,
-                            host_lens: tuple[list[int], list[int]] | None = None) -> Tensor:
+                            host_lens: tuple[list[int], list[int]] | None = None,
+                            singles: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Attention of the flattened queries q (T, H, D) of S sequences over their pages; the reference of
     redline::paged_prefill_attention. k_cache, v_cache (num_pages, page_size, Hkv, D); block_tables (S, max_pages),
     cu_seqlens_q (S + 1,) and seq_lens (S,) int32. Query j of sequence s sits at position seq_lens[s] - q_len + j
     and attends to keys 0..that position. Returns (T, H, D).
 
     host_lens: the query and key counts per sequence as lists, when the caller has them (else read from the
-    device). Sequences with one query (decode rows) go through paged_decode_attention together; the others one by
-    one."""
+    device). Sequences with one query (decode rows) go through paged_decode_attention together, the others one by
+    one; singles: those sequences' indices and their query rows (B,) each, when the caller has them on the device."""
     q_lens, k_lens = host_lens if host_lens is not None else (cu_seqlens_q.diff().tolist(), seq_lens.tolist())
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
-    single = [s for s, n in enumerate(q_lens) if n == 1]
-    if single:
-        rows = torch.tensor(single, device=q.device)  # (B,)
-        tokens = torch.tensor([starts[s] for s in single], device=q.device)  # (B,)
+    if singles is None:
+        single = [s for s, n in enumerate(q_lens) if n == 1]
+        singles = (torch.tensor(single, device=q.device), torch.tensor([starts[s] for s in single], device=q.device))
+    rows, tokens = singles  # (B,) each
+    if rows.numel():
         out[tokens] = paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
     for s, n_keys in enumerate(k_lens):
         begin, end = starts[s], starts[s + 1]
@@ -401,6 +403,7 @@ class PagedContext:
     kv: PagedKVCache
     decode: bool = False  # every sequence has exactly one token in this step
     host_lens: tuple[list[int], list[int]] | None = None  # query and key counts per sequence, on the host
+    singles: tuple[Tensor, Tensor] | None = None  # the one-query sequences and their rows (B,), on the device
     layer: int = 0  # the layer whose pages attend() uses; Transformer.forward sets it
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -412,7 +415,7 @@ class PagedContext:
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-                                       scale, self.host_lens)
+                                       scale, self.host_lens, self.singles)
 
 
 class Attention(nn.Module):

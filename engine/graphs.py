@@ -118,16 +118,16 @@ class DecodeGraphs:
         slots = [p[pos // size] * size + pos % size for p, pos in zip(pages, positions)]
         temperature, top_k, top_p, seed = (list(col) for col in zip(*settings))
         b = self.buffers
-        b["ids"][0, :bucket].copy_(torch.tensor(tokens + [0] * pad))
-        b["positions"][:bucket].copy_(torch.tensor(positions + [0] * pad))
-        b["slots"][:bucket].copy_(torch.tensor(slots + [self.scratch_page * size] * pad))
-        table = [p + [self.scratch_page] * (width - len(p)) for p in pages] + [[self.scratch_page] * width] * pad
-        b["tables"][:bucket, :width].copy_(torch.tensor(table, dtype=torch.int32))
-        b["seq_lens"][:bucket].copy_(torch.tensor([pos + 1 for pos in positions] + [1] * pad, dtype=torch.int32))
-        b["temperature"][:bucket].copy_(torch.tensor(temperature + [0.0] * pad))
-        b["top_k"][:bucket].copy_(torch.tensor(top_k + [1] * pad))
-        b["top_p"][:bucket].copy_(torch.tensor(top_p + [1.0] * pad))
-        b["seed"][:bucket].copy_(torch.tensor(seed + [0] * pad))
+        put(b["ids"][0, :bucket], tokens + [0] * pad)
+        put(b["positions"][:bucket], positions + [0] * pad)
+        put(b["slots"][:bucket], slots + [self.scratch_page * size] * pad)
+        put(b["tables"][:bucket, :width], [p + [self.scratch_page] * (width - len(p)) for p in pages]
+            + [[self.scratch_page] * width] * pad)
+        put(b["seq_lens"][:bucket], [pos + 1 for pos in positions] + [1] * pad)
+        put(b["temperature"][:bucket], temperature + [0.0] * pad)
+        put(b["top_k"][:bucket], top_k + [1] * pad)
+        put(b["top_p"][:bucket], top_p + [1.0] * pad)
+        put(b["seed"][:bucket], seed + [0] * pad)
 
     def _capture(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:
         """Warm up on a side stream (the real rows: decode is idempotent for them, it rewrites the same k and v),
@@ -143,3 +143,12 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = decode_step(*step, *args)
         return graph, out
+
+
+def put(buffer: Tensor, values: list) -> None:
+    """Copy a host list into a slice of a static device buffer, from pinned memory, without a device sync."""
+    host = torch.tensor(values, dtype=buffer.dtype)
+    if buffer.is_cuda:
+        buffer.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        buffer.copy_(host)

@@ -20,7 +20,7 @@ class StepBatch:
     ids: Tensor  # (1, N) token ids of every chunk, in order
     context: PagedContext
     logits_at: Tensor  # (L,) row indices whose logits are computed
-    sample_rows: list[int]  # for each chunk that samples, in order: its index into logits_at's rows
+    sample_rows: Tensor  # (B,) for each chunk that samples, in order: its row in the logits
     prompt_rows: dict[int, tuple[int, int]]  # chunk index -> [begin, end) rows of logits_at for prompt logprobs
 
 
@@ -52,18 +52,29 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
             logits_at.append(len(ids) - 1)
     width = max(len(c.seq.pages) for c in chunks)
     tables = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]
+    single = [i for i, c in enumerate(chunks) if c.length == 1]
+    long_, i32 = torch.long, torch.int32
     context = PagedContext(
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([c.start + c.length for c in chunks], dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        positions=on_device(positions, long_, device),
+        slot_mapping=on_device(slots, long_, device),
+        block_tables=on_device(tables, i32, device),
+        seq_lens=on_device([c.start + c.length for c in chunks], i32, device),
+        cu_seqlens_q=on_device(cu, i32, device),
         kv=kv,
-        decode=all(c.length == 1 for c in chunks),
+        decode=len(single) == len(chunks),
         host_lens=([c.length for c in chunks], [c.start + c.length for c in chunks]),
+        singles=(on_device(single, long_, device), on_device([cu[i] for i in single], long_, device)),
     )
-    return StepBatch(torch.tensor([ids], dtype=torch.long, device=device), context,
-                     torch.tensor(logits_at, dtype=torch.long, device=device), sampling, prompt_rows)
+    return StepBatch(on_device([ids], long_, device), context, on_device(logits_at, long_, device),
+                     on_device(sampling, long_, device), prompt_rows)
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a device tensor, copied from pinned memory without waiting for the device to catch up."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def vocab_bias(model_vocab: int, tokenizer: Any, device: torch.device) -> Tensor | None:
@@ -96,11 +107,9 @@ class RowSettings:
     @classmethod
     def of(cls, rows: list[tuple[float, int, float, int, int]], device: torch.device) -> RowSettings:
         temperature, top_k, top_p, seed, position = zip(*rows)
-        return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
-                   torch.tensor(top_k, dtype=torch.long, device=device),
-                   torch.tensor(top_p, dtype=torch.float32, device=device),
-                   torch.tensor(seed, dtype=torch.long, device=device),
-                   torch.tensor(position, dtype=torch.long, device=device))
+        return cls(on_device(list(temperature), torch.float32, device), on_device(list(top_k), torch.long, device),
+                   on_device(list(top_p), torch.float32, device), on_device(list(seed), torch.long, device),
+                   on_device(list(position), torch.long, device))
 
 
 def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = False) -> Tensor:
