@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +253,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed)
     run_redline(engine, make_requests("fixed", 8, args.vocab_size, ns.seed + 1)[:8])  # warm-up
     if engine.costs is not None:
-        report["measured"] = {"read_gb_s": engine.costs.bandwidth / 1e9, "matmul_tflops": engine.costs.peak_flops / 1e12}
+        costs = engine.costs
+        report["measured"] = {"read_gb_s": costs.bandwidth / 1e9, "matmul_tflops": costs.peak_flops / 1e12}
     report["redline"] = run_redline(engine, requests)
     if ns.compare == "hf":
         subset = requests[:ns.hf_requests] if ns.hf_requests else requests
@@ -284,8 +285,8 @@ def format_report(report: dict[str, Any]) -> str:
     if "hf" in report:
         h = report["hf"]
         mine = report.get("redline_subset", r)
-        lines.append(f"  transformers generate_batch on {h['requests']} requests: {h['output_tok_s']:.0f} output tok/s; "
-                     f"Redline on the same: {mine['output_tok_s']:.0f} ({report['speedup_vs_hf']:.1f}x)")
+        lines.append(f"  transformers generate_batch on {h['requests']} requests: {h['output_tok_s']:.0f} output "
+                     f"tok/s; Redline on the same: {mine['output_tok_s']:.0f} ({report['speedup_vs_hf']:.1f}x)")
     return "\n".join(lines)
 
 

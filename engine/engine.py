@@ -460,7 +460,9 @@ class Engine:
         return GenerationStats(
             prompt_tokens=seq.prompt_len, new_tokens=len(state.new_ids), ttft_s=ttft,
             prefill_tok_s=seq.prompt_len / ttft if ttft > 0 else 0.0, decode_tok_s=decode,
-            model_bytes_per_token=self.llm.bytes_per_token, bandwidth_gb_s=0.0, peak_memory_gb=peak)
+            model_bytes_per_token=self.llm.bytes_per_token,
+            bandwidth_gb_s=decode * self.llm.bytes_per_token / 1e9,  # each of its steps read the weights once
+            peak_memory_gb=peak)
 
 
 def generate_all(engine: Engine, prompts: Sequence[str | Sequence[int]],
