@@ -320,10 +320,13 @@ class KVCache(nn.Module):
 
 class PagedKVCache:
     """A pool of fixed-size pages that many sequences share: k and v (n_layer, num_pages, page_size, Hkv, D), and
-    the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns it."""
+    the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns it.
+
+    ops: (prefill, decode) attention functions with the signatures of paged_prefill_attention and
+    paged_decode_attention (the GPU's torch.ops.redline kernels); None: those plain PyTorch references."""
 
     def __init__(self, args: ModelArgs, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | None) -> None:
+                 device: torch.device | None, ops: tuple[Any, Any] | None = None) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"a paged KV cache needs positive num_pages and page_size, got {num_pages}, {page_size}")
         shape = (args.n_layer, num_pages, page_size, args.n_kv_heads, args.head_dim)
@@ -331,6 +334,7 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.rope = rope_table(args, args.block_size, device)  # (block_size, 2, D/2)
         self.num_pages, self.page_size = num_pages, page_size
+        self.ops = ops
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
@@ -412,6 +416,11 @@ class PagedContext:
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
         scale = 1.0 / math.sqrt(q.shape[-1])
+        if self.kv.ops is not None:
+            prefill, decode = self.kv.ops
+            if self.decode:
+                return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
+            return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale)
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,

@@ -212,7 +212,7 @@ class Engine:
         num_pages = pool_pages(args, page_size, dtype, self.device, max_kv_tokens)
         self.pool = PagePool(num_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_running, prefill_chunk)
-        self.kv = PagedKVCache(args, num_pages, page_size, dtype, self.device)
+        self.kv = PagedKVCache(args, num_pages, page_size, dtype, self.device, paged_attention_ops(llm))
         self.vocab_bias = vocab_bias(self.vocab_size, self.tokenizer, self.device)
         # Decode steps as CUDA graphs (compiled on the CPU) when the LLM compiles; padding rows write a scratch page.
         self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device,
@@ -463,6 +463,18 @@ class Engine:
             model_bytes_per_token=self.llm.bytes_per_token,
             bandwidth_gb_s=decode * self.llm.bytes_per_token / 1e9,  # each of its steps read the weights once
             peak_memory_gb=peak)
+
+
+def paged_attention_ops(llm: LLM) -> tuple[Any, Any] | None:
+    """The GPU's paged attention kernels (torch.ops.redline.paged_prefill_attention, paged_decode_attention) when
+    the LLM runs Redline's kernels and they are registered; None: model.py's references."""
+    if not llm.kernels:
+        return None
+    namespace = torch.ops.redline
+    names = ("paged_prefill_attention", "paged_decode_attention")
+    if not all(hasattr(namespace, name) for name in names):
+        return None
+    return tuple(getattr(namespace, name) for name in names)
 
 
 def generate_all(engine: Engine, prompts: Sequence[str | Sequence[int]],

@@ -326,3 +326,28 @@ def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
     assert [h.result(timeout=120).token_ids for h in handles] == want
     assert 1 in steps and 5 in steps and len(engine.graphs.graphs) >= 2  # buckets 1 and 8 were captured
     engine.shutdown()
+
+
+def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
+    from redline.model import paged_decode_attention, paged_prefill_attention
+
+    calls = {"prefill": 0, "decode": 0}
+
+    def prefill(*args):
+        assert len(args) == 7 and args[3].dtype == torch.int32 and args[4].dtype == torch.int32
+        calls["prefill"] += 1
+        return paged_prefill_attention(*args)
+
+    def decode(*args):
+        assert len(args) == 6 and args[0].dim() == 3 and args[4].dtype == torch.int32
+        calls["decode"] += 1
+        return paged_decode_attention(*args)
+
+    prompts = token_prompts(llm, 3, 9)
+    want = alone(llm, prompts, max_new_tokens=8, ignore_eos=True)
+    engine = Engine(llm, prefill_chunk=8)
+    engine.kv.ops = (prefill, decode)  # what the GPU's kernels take over, with the same contract
+    handles = [engine.add_request(p, GenerationOptions(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    assert [h.result(timeout=60).token_ids for h in handles] == want
+    assert calls["prefill"] > 0 and calls["decode"] > 0
+    engine.shutdown()
