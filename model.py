@@ -323,7 +323,7 @@ class PagedKVCache:
     the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns it.
 
     ops: (prefill, decode) attention functions with the signatures of paged_prefill_attention and
-    paged_decode_attention (the GPU's torch.ops.redline kernels); None: those plain PyTorch references."""
+    paged_decode_attention (the GPU's redline:: kernels, set from outside); None: those plain PyTorch references."""
 
     def __init__(self, args: ModelArgs, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | None, ops: tuple[Any, Any] | None = None) -> None:
