@@ -289,7 +289,8 @@ def test_compiled_decode_steps_give_the_eager_tokens(tiny_llm_checkpoint, llm):
     steps = []
     real = engine.graphs.run
     engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
-    handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    with engine._lock:  # all three arrive before the first step
+        handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=300).token_ids for h in handles] == want
     assert steps and set(steps) == {3}  # three rows padded to the bucket of 4, a scratch page for the fourth
     engine.shutdown()
@@ -322,7 +323,8 @@ def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
     real = engine.graphs.run
     engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
     assert [engine.add_request(p, o).result(timeout=120).token_ids for p, o in zip(prompts, options)] == want
-    handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    with engine._lock:  # all five arrive before the first step
+        handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=120).token_ids for h in handles] == want
     assert 1 in steps and 5 in steps and len(engine.graphs.graphs) >= 2  # buckets 1 and 8 were captured
     engine.shutdown()
