@@ -15,11 +15,12 @@ import contextlib
 import dataclasses
 import os
 import sys
+import threading
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
@@ -40,8 +41,13 @@ from redline.streaming import GenerationLock, Stream, TextStream, first_stop, pr
 from redline import tensor_parallel
 from redline.tokenizer import Tokenizer, load_tokenizer
 
+if TYPE_CHECKING:
+    from redline.engine import Engine
+
 # A chat keeps this share of the context (or max_new_tokens, if fewer) free for the reply.
 CHAT_REPLY_SHARE = 0.25
+# Guards making each LLM's batching engine once.
+_ENGINE_LOCK = threading.Lock()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -79,10 +85,12 @@ class LLM:
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
              compile: bool | None = None, compile_prefill: bool = False, quantize: str | None = None,
-             kernels: bool | None = None, fuse: bool | None = None, name: str | None = None) -> LLM:
-        """Load a Redline checkpoint (file or folder); its tokenizer is found beside it."""
+             kernels: bool | None = None, fuse: bool | None = None, name: str | None = None,
+             max_kv_tokens: int | None = None) -> LLM:
+        """Load a Redline checkpoint (file or folder); its tokenizer is found beside it. max_kv_tokens caps the
+        batching engine's page pool (LLM.engine, generate_batch)."""
         return cls.from_config(path, EngineConfig(device, dtype, compile, compile_prefill, quantize, kernels, fuse,
-                                                  name))
+                                                  name, max_kv_tokens))
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, config: EngineConfig) -> LLM:
@@ -104,8 +112,10 @@ class LLM:
         if world is not None:
             tensor_parallel.apply_tensor_parallel(model, world)
         compile = config.compile if config.compile is not None else device.type == "cuda" or config.compile_prefill
-        return cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
-                   config.fuse)
+        llm = cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
+                  config.fuse)
+        llm.max_kv_tokens = config.max_kv_tokens
+        return llm
 
     # -- generation ----------------------------------------------------------------------------------------------------
 
@@ -306,6 +316,29 @@ class LLM:
             compiled=self.compile,
         )
         return out
+
+    # -- batching ------------------------------------------------------------------------------------------------------
+
+    max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: sized from free memory
+
+    @property
+    def engine(self) -> Engine:
+        """This LLM's continuous-batching engine (engine.Engine), made on first use."""
+        from redline.engine import Engine
+
+        with _ENGINE_LOCK:
+            if self.__dict__.get("_engine") is None:
+                self._engine = Engine(self, max_kv_tokens=self.max_kv_tokens)
+            return self._engine
+
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]],
+                       options: GenerationOptions | Sequence[GenerationOptions] | None = None,
+                       **settings: Any) -> list[GenerationResult]:
+        """Generate for many prompts at once through the engine; results in input order. `options` is one
+        GenerationOptions for all or a list with one per prompt; keywords override fields as in generate."""
+        from redline.engine.engine import generate_all
+
+        return generate_all(self.engine, prompts, options, settings)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The whole Llama-family transformer in one file.
 
-Static KV cache, rotary embeddings (with Llama 3.1 scaling), grouped-query attention, SwiGLU.
+Static KV cache (batch 1, copies of one prompt) or a paged one passed in per call (PagedContext: many sequences of
+different lengths flattened into one row), rotary embeddings (with Llama 3.1 scaling), grouped-query attention, SwiGLU.
 Weights use Hugging Face's rotary layout (rotate-half), so converted checkpoints need no permutation.
 """
 from __future__ import annotations
@@ -317,6 +318,115 @@ class KVCache(nn.Module):
         self.v[:batch, :, :length] = v
 
 
+class PagedKVCache:
+    """A pool of fixed-size pages that many sequences share: k and v (n_layer, num_pages, page_size, Hkv, D), and
+    the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns it.
+
+    ops: (prefill, decode) attention functions with the signatures of paged_prefill_attention and
+    paged_decode_attention (the GPU's redline:: kernels, set from outside); None: those plain PyTorch references."""
+
+    def __init__(self, args: ModelArgs, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device | None, ops: tuple[Any, Any] | None = None) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError(f"a paged KV cache needs positive num_pages and page_size, got {num_pages}, {page_size}")
+        shape = (args.n_layer, num_pages, page_size, args.n_kv_heads, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.rope = rope_table(args, args.block_size, device)  # (block_size, 2, D/2)
+        self.num_pages, self.page_size = num_pages, page_size
+        self.ops = ops
+
+
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
+                            seq_lens: Tensor, scale: float,
+                            host_lens: tuple[list[int], list[int]] | None = None,
+                            singles: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """Attention of the flattened queries q (T, H, D) of S sequences over their pages; the reference of
+    redline::paged_prefill_attention. k_cache, v_cache (num_pages, page_size, Hkv, D); block_tables (S, max_pages),
+    cu_seqlens_q (S + 1,) and seq_lens (S,) int32. Query j of sequence s sits at position seq_lens[s] - q_len + j
+    and attends to keys 0..that position. Returns (T, H, D).
+
+    host_lens: the query and key counts per sequence as lists, when the caller has them (else read from the
+    device). Sequences with one query (decode rows) go through paged_decode_attention together, the others one by
+    one; singles: those sequences' indices and their query rows (B,) each, when the caller has them on the device."""
+    q_lens, k_lens = host_lens if host_lens is not None else (cu_seqlens_q.diff().tolist(), seq_lens.tolist())
+    page_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    if singles is None:
+        single = [s for s, n in enumerate(q_lens) if n == 1]
+        singles = (torch.tensor(single, device=q.device), torch.tensor([starts[s] for s in single], device=q.device))
+    rows, tokens = singles  # (B,) each
+    if rows.numel():
+        out[tokens] = paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+    for s, n_keys in enumerate(k_lens):
+        begin, end = starts[s], starts[s + 1]
+        if end - begin == 1:
+            continue
+        pages = block_tables[s, :-(-n_keys // page_size)].long()  # (P,)
+        keys = k_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)  # (Hkv, K, D)
+        values = v_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)
+        q_pos = torch.arange(n_keys - (end - begin), n_keys, device=q.device)  # (Q,)
+        mask = torch.arange(n_keys, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # (Q, K)
+        queries = q[begin:end].transpose(0, 1)  # (H, Q, D)
+        attended = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                                  attn_mask=mask, scale=scale,
+                                                  enable_gqa=queries.shape[0] != keys.shape[0])  # (1, H, Q, D)
+        out[begin:end] = attended[0].transpose(0, 1)
+    return out
+
+
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                           scale: float) -> Tensor:
+    """One query per sequence, q (B, H, D), at position seq_lens[b] - 1; the reference of
+    redline::paged_decode_attention. Every row's pages are gathered into one padded batch and masked past its
+    length: no host synchronisation, so a CUDA graph can hold it. Returns (B, H, D)."""
+    batch, max_pages = block_tables.shape
+    page_size = k_cache.shape[1]
+    pages = block_tables.long()  # (B, P)
+    keys = k_cache[pages].flatten(1, 2).transpose(1, 2)  # (B, Hkv, P * page_size, D)
+    values = v_cache[pages].flatten(1, 2).transpose(1, 2)
+    visible = torch.arange(max_pages * page_size, device=q.device) < seq_lens.view(-1, 1)  # (B, P * page_size)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible.view(batch, 1, 1, -1),
+                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[1])  # (B, H, 1, D)
+    return out.squeeze(2)
+
+
+@dataclass
+class PagedContext:
+    """One step of a paged batch: N tokens of S sequences flattened into one row (prefill chunks and decode rows
+    mixed), and where their keys and values live in the pool."""
+
+    positions: Tensor  # (N,) each token's position in its own sequence
+    slot_mapping: Tensor  # (N,) page * page_size + offset where each token's k and v are written
+    block_tables: Tensor  # (S, max_pages) int32, each sequence's pages in order
+    seq_lens: Tensor  # (S,) int32, keys of each sequence after this step
+    cu_seqlens_q: Tensor  # (S + 1,) int32, where each sequence's tokens start in the row
+    kv: PagedKVCache
+    decode: bool = False  # every sequence has exactly one token in this step
+    host_lens: tuple[list[int], list[int]] | None = None  # query and key counts per sequence, on the host
+    singles: tuple[Tensor, Tensor] | None = None  # the one-query sequences and their rows (B,), on the device
+    layer: int = 0  # the layer whose pages attend() uses; Transformer.forward sets it
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Write k, v (N, Hkv, D) into this layer's pages, then attend with q (N, H, D); returns (N, H, D)."""
+        k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]  # (num_pages, page_size, Hkv, D)
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        if self.kv.ops is not None:
+            prefill, decode = self.kv.ops
+            if self.decode:
+                return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
+            return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale)
+        if self.decode:
+            return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
+        return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
+                                       scale, self.host_lens, self.singles)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -330,13 +440,16 @@ class Attention(nn.Module):
             raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
         return self.kv_cache
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
+                context: PagedContext | None = None) -> Tensor:
         a = self.args
         bsz, seqlen, _ = x.shape
         qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
-        cache = self.cache()
         gqa = a.n_kv_heads != a.n_head
         q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
+        if context is not None:  # paged: x is one row (1, N) of many sequences' tokens
+            return self.wo(context.attend(q[0], k[0], v[0]).reshape(bsz, seqlen, a.q_size))  # (1, N, dim)
+        cache = self.cache()
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, T, D); k, v (B, Hkv, T, D)
         if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
             cache.write_prefix(k, v)
@@ -369,8 +482,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start)
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
+                context: PagedContext | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start, context)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -412,12 +526,16 @@ class Transformer(nn.Module):
         return self.norm.weight.dtype
 
     def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
-                from_start: bool = False) -> Tensor:
+                from_start: bool = False, context: PagedContext | None = None) -> Tensor:
         """idx (B, T) token ids at positions input_pos (T,). Returns logits (B, T, vocab).
 
         logits_at (L,) picks the sequence indices whose logits are computed (B, L, vocab); prefill only needs one.
         from_start promises input_pos == arange(T) (a prefill), so attention needs only those T cache entries.
+        context: the paged path instead of the static cache; idx (1, N) holds many sequences' tokens, input_pos is
+        context.positions (N,), and each layer writes and reads its pages in context.kv.
         """
+        if context is not None:
+            return self.forward_paged(idx, context, logits_at)
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         x = self.tok_embeddings(idx)  # (B, T, dim)
@@ -430,3 +548,14 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (B, L, dim)
         return self.output(self.norm(x))  # (B, T, vocab)
+
+    def forward_paged(self, idx: Tensor, context: PagedContext, logits_at: Tensor | None = None) -> Tensor:
+        """idx (1, N) at context.positions (N,) -> logits (1, N or L, vocab); the static cache is not touched."""
+        x = self.tok_embeddings(idx)  # (1, N, dim)
+        rope = context.kv.rope[context.positions]  # (N, 2, D/2)
+        for i, layer in enumerate(self.layers):
+            context.layer = i
+            x = layer(x, rope, None, context.positions, False, context)
+        if logits_at is not None:
+            x = x.index_select(1, logits_at)  # (1, L, dim)
+        return self.output(self.norm(x))  # (1, N, vocab)

@@ -124,3 +124,18 @@ class SamplingParams:
         seed = self.seed if self.seed is not None else int(torch.randint(0, SEED_LIMIT - 1, ()).item())
         return (torch.tensor(float(self.temperature), device=device), torch.tensor(int(top_k), device=device),
                 torch.tensor(float(top_p), device=device), torch.tensor(int(seed), device=device))
+
+
+def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+                position: Tensor) -> Tensor:
+    """One token per row of logits (B, V), each row with its own settings: temperature, top_p (B,) float32, top_k,
+    seed and position (B,) int64. Row r draws exactly what `sample` draws for it alone (its noise is
+    exponential_noise(seed[r], position[r], 1, V)), and a row with temperature 0 is greedy. Returns (B,)."""
+    scaled = logits.float() / temperature.clamp_min(1e-5).unsqueeze(1)  # (B, V)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (B, V)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    probs = probs * nucleus_keep_mask(probs, top_k.unsqueeze(1), top_p.unsqueeze(1))
+    noise = exponential_noise(seed.view(-1, 1), position, 1, probs.shape[-1])  # (B, V), row r from seed r
+    choice = torch.argmax(probs / noise, dim=-1, keepdim=True)  # (B, 1)
+    sampled = order.gather(-1, choice).squeeze(1)  # (B,)
+    return torch.where(temperature == 0, greedy(logits).squeeze(1), sampled)

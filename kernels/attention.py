@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -283,10 +284,11 @@ class KernelAttention(Attention):
     positions) and whose prefills from position 0 run redline::prefill_rope_cache (rope and cache write in one
     pass); every other call is the plain math."""
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
+                context: Any = None) -> Tensor:
         bsz, seqlen, _ = x.shape
-        if not from_start and seqlen != 1:
-            return super().forward(x, rope, mask, input_pos, from_start)
+        if context is not None or (not from_start and seqlen != 1):  # the paged path is model.py's
+            return super().forward(x, rope, mask, input_pos, from_start, context)
         a = self.args
         qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
         cache = self.cache()

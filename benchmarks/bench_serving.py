@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Serving throughput of the batching engine (engine/) on a random-weight model, offline.
+
+    python benchmarks/bench_serving.py --model Llama-3-8B --workload fixed --num-requests 1024 [--compare hf]
+    python benchmarks/bench_serving.py --model Llama-3-8B --workload mixed [--compare hf --hf-requests 64]
+    python benchmarks/bench_serving.py --model debug-tiny --device cpu --dtype float32 --num-requests 16
+
+Workloads (EOS ignored, so every request makes exactly its output length):
+- fixed: N requests of 128 prompt tokens and 128 output tokens each;
+- mixed: 256 requests (or N), prompt and output lengths uniform in 100..1024;
+- single: one request of 128 prompt and 256 output tokens through the engine, against LLM.generate (the static
+  path, compiled and fused as the LLM is) in the same process: decode tok/s after the first token, median of 3.
+All requests are queued at once. Reported: output tok/s and total tok/s (prompt + output) over the wall time from
+the first add_request to the last result; the step time distribution; peak KV pages in use; preemptions; and the
+roofline of the run: the sum over its steps of max(bytes read / measured read bandwidth, FLOPs / measured bf16
+matmul peak), over the measured time of those steps. A step's bytes: the weights once, the keys and values its
+attention reads and writes; its FLOPs: 2 x block matmul params x tokens, 2 x head params x logits rows, and
+attention (4 x n_layer x n_head x head_dim x visible keys per query). --compare hf times transformers'
+continuous batching (generate_batch's manager, per-request max_new_tokens) on the first --hf-requests requests,
+and Redline on the same subset in the same process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from redline.benchmarks.bench_env import environment
+from redline.benchmarks.bench_model import build_random_model, param_counts
+from redline.checkpoint import dtype_from_name, write_atomically
+from redline.engine import Engine
+from redline.engine.scheduler import Chunk
+from redline.generate import LLM
+from redline.model import ModelArgs
+from redline.options import GenerationOptions
+
+WORKLOADS = ("fixed", "mixed", "single")
+MIXED_RANGE = (100, 1024)
+MIXED_DEFAULT_REQUESTS = 256
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    output_len: int
+
+
+def make_requests(workload: str, count: int, vocab: int, seed: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        if workload == "fixed":
+            prompt_len, output_len = 128, 128
+        else:
+            prompt_len, output_len = torch.randint(MIXED_RANGE[0], MIXED_RANGE[1] + 1, (2,), generator=gen).tolist()
+        out.append(Request(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), output_len))
+    return out
+
+
+@dataclass
+class StepLog:
+    """What each step computed and how long it took."""
+
+    seconds: list[float] = field(default_factory=list)
+    min_seconds: list[float] = field(default_factory=list)  # the roofline of each step
+    pages_used: list[int] = field(default_factory=list)
+
+
+class StepCosts:
+    """Bytes and FLOPs of one step of a model (the roofline's inputs)."""
+
+    def __init__(self, args: ModelArgs, weight_bytes: int, element: int, bandwidth: float, peak_flops: float) -> None:
+        counts = param_counts(args)
+        self.block, self.head = counts["block_matmuls"], counts["head"]
+        self.kv_token_bytes = 2 * args.n_layer * args.n_kv_heads * args.head_dim * element
+        self.attn_unit = 4 * args.n_layer * args.n_head * args.head_dim
+        self.weight_bytes, self.bandwidth, self.peak_flops = weight_bytes, bandwidth, peak_flops
+
+    def min_seconds(self, chunks: list[Chunk]) -> float:
+        tokens = sum(c.length for c in chunks)
+        rows = sum(1 for c in chunks if c.samples)
+        keys_read = sum(c.start + c.length for c in chunks)
+        visible = sum(c.length * c.start + c.length * (c.length + 1) // 2 for c in chunks)
+        nbytes = self.weight_bytes + (keys_read + tokens) * self.kv_token_bytes
+        flops = 2 * self.block * tokens + 2 * self.head * rows + self.attn_unit * visible
+        return max(nbytes / self.bandwidth, flops / self.peak_flops)
+
+
+class TimedEngine(Engine):
+    """The engine with each step timed (the model call, sampling and reading the tokens back)."""
+
+    log: StepLog
+    costs: StepCosts | None = None
+
+    def _run(self, chunks: list[Chunk]) -> Any:
+        start = time.perf_counter()
+        out = super()._run(chunks)  # ends by reading the sampled tokens, so the device has finished the step
+        if self.device.type == "cuda" and not out[0]:
+            torch.cuda.synchronize(self.device)
+        self.log.seconds.append(time.perf_counter() - start)
+        self.log.min_seconds.append(self.costs.min_seconds(chunks) if self.costs is not None else 0.0)
+        self.log.pages_used.append(self.pool.num_used)
+        return out
+
+
+def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
+    engine.log = StepLog()
+    start = time.perf_counter()
+    handles = [engine.add_request(r.prompt, GenerationOptions(max_new_tokens=r.output_len, ignore_eos=True))
+               for r in requests]
+    results = [h.result() for h in handles]
+    wall = time.perf_counter() - start
+    made = sum(len(r.token_ids) for r in results)
+    expected = sum(min(r.output_len, engine.block_size - len(r.prompt)) for r in requests)  # capped by the context
+    if made != expected:
+        raise RuntimeError(f"the engine made {made} tokens, {expected} were asked for")
+    log = engine.log
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    ms = sorted(s * 1e3 for s in log.seconds)
+    stepped = sum(log.seconds)
+
+    def pct(p: float) -> float:
+        return ms[min(len(ms) - 1, int(p * len(ms)))]
+
+    return {
+        "requests": len(requests), "prompt_tokens": prompt_tokens, "output_tokens": made, "wall_s": wall,
+        "output_tok_s": made / wall, "total_tok_s": (made + prompt_tokens) / wall, "steps": len(ms),
+        "step_ms": {"mean": statistics.fmean(ms), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": ms[-1]},
+        "peak_kv_pages": max(log.pages_used), "kv_pages_total": engine.pool.num_pages,
+        "preemptions": engine.stats().preemptions,
+        "roofline_pct": 100 * sum(log.min_seconds) / stepped if stepped and engine.costs else None,
+        "step_time_share_of_wall": stepped / wall,
+    }
+
+
+def run_hf(args: ModelArgs, device: torch.device, dtype: torch.dtype, requests: list[Request]) -> dict[str, Any]:
+    """transformers' continuous batching on the same requests: one manager, each request its own max_new_tokens."""
+    from transformers import GenerationConfig
+
+    from redline.benchmarks.bench_hf import build_hf_model
+
+    model = build_hf_model(args, device, dtype)
+    config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests), do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        ids = [manager.add_request(r.prompt, max_new_tokens=r.output_len) for r in requests]
+        made, done = 0, 0
+        while done < len(ids):
+            out = manager.get_result(timeout=600)
+            if out is None:
+                raise RuntimeError("transformers' batching manager stopped before every request finished")
+            if out.is_finished():
+                made += len(out.generated_tokens)
+                done += 1
+        wall = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    del model
+    return {"requests": len(requests), "output_tokens": made, "wall_s": wall, "output_tok_s": made / wall}
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul (median of 10), the roofline's compute ceiling."""
+    n = 8192
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / statistics.median(times)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Serving throughput of Redline's batching engine on random weights.")
+    p.add_argument("--model", default="Llama-3-8B", help="a registry name (model.MODEL_REGISTRY)")
+    p.add_argument("--workload", choices=WORKLOADS, default="fixed")
+    p.add_argument("--num-requests", type=int, default=None, help="default: 1024 (fixed), 256 (mixed)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-kv-tokens", type=int, default=None, help="default: from free GPU memory")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps as CUDA graphs (default: on for a GPU)")
+    p.add_argument("--compare", choices=("hf",), default=None)
+    p.add_argument("--hf-requests", type=int, default=None, help="time both engines on the first N requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    ns = p.parse_args(argv)
+    if ns.num_requests is None:
+        ns.num_requests = 1024 if ns.workload == "fixed" else MIXED_DEFAULT_REQUESTS
+    if ns.num_requests < 1 or (ns.hf_requests is not None and ns.hf_requests < 1):
+        raise ValueError("--num-requests and --hf-requests must be positive")
+    return ns
+
+
+def run_single(llm: LLM, engine: Engine, vocab: int, seed: int) -> dict[str, Any]:
+    """Batch 1: decode tok/s of one request through the engine and through LLM.generate, median of 3 each."""
+    prompt = make_requests("fixed", 1, vocab, seed)[0].prompt
+    options = GenerationOptions(max_new_tokens=256, ignore_eos=True)
+    engine.add_request(prompt, options).result()  # warm-up (graph capture)
+    llm.generate(prompt, options)
+    engine_rates, static_rates = [], []
+    for _ in range(3):
+        engine_rates.append(engine.add_request(prompt, options).result().stats.decode_tok_s)
+        static_rates.append(llm.generate(prompt, options).stats.decode_tok_s)
+    e, st = statistics.median(engine_rates), statistics.median(static_rates)
+    return {"engine_decode_tok_s": e, "static_decode_tok_s": st, "ratio": e / st}
+
+
+def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype_from_name(ns.dtype)
+    args = ModelArgs.from_name(ns.model)
+    model = build_random_model(args, device, dtype, "none", seed=ns.seed)
+    llm = LLM(model, None, device, compile=ns.compile if ns.compile is not None else device.type == "cuda",
+              kernels=ns.kernels)
+    engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
+                         prefill_chunk=ns.prefill_chunk)
+    engine.log = StepLog()
+    if device.type == "cuda":
+        from redline.profiling import read_bandwidth_gb_s
+
+        bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
+        engine.costs = StepCosts(args, llm.bytes_per_token, model.cache_dtype.itemsize, bandwidth,
+                                 matmul_peak_flops(device, dtype))
+    report: dict[str, Any] = {"env": environment(device, argv), "model": ns.model, "workload": ns.workload,
+                              "settings": {k: v for k, v in vars(ns).items() if k != "json"}}
+    report["env"]["command"] = "python benchmarks/bench_serving.py " + " ".join(argv)
+    if ns.workload == "single":
+        report["single"] = run_single(llm, engine, args.vocab_size, ns.seed)
+        engine.shutdown()
+        return report
+    requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed)
+    run_redline(engine, make_requests("fixed", 8, args.vocab_size, ns.seed + 1)[:8])  # warm-up
+    if engine.costs is not None:
+        costs = engine.costs
+        report["measured"] = {"read_gb_s": costs.bandwidth / 1e9, "matmul_tflops": costs.peak_flops / 1e12}
+    report["redline"] = run_redline(engine, requests)
+    if ns.compare == "hf":
+        subset = requests[:ns.hf_requests] if ns.hf_requests else requests
+        if ns.hf_requests:
+            report["redline_subset"] = run_redline(engine, subset)
+        engine.shutdown()
+        report["hf"] = run_hf(args, device, dtype, subset)
+        base = report.get("redline_subset", report["redline"])
+        report["speedup_vs_hf"] = base["output_tok_s"] / report["hf"]["output_tok_s"]
+    engine.shutdown()
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    if "single" in report:
+        one = report["single"]
+        return (f"{report['model']} batch 1: engine {one['engine_decode_tok_s']:.1f} decode tok/s, static path "
+                f"{one['static_decode_tok_s']:.1f} ({100 * one['ratio']:.1f}%)")
+    r = report["redline"]
+    s = r["step_ms"]
+    roof = f", {r['roofline_pct']:.1f}% of the run's roofline" if r["roofline_pct"] is not None else ""
+    lines = [f"{report['model']} {report['workload']}: {r['requests']} requests, {r['output_tokens']} output tokens "
+             f"in {r['wall_s']:.2f} s",
+             f"  output {r['output_tok_s']:.0f} tok/s, total {r['total_tok_s']:.0f} tok/s{roof}",
+             f"  {r['steps']} steps, ms: mean {s['mean']:.2f}, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, "
+             f"p99 {s['p99']:.2f}, max {s['max']:.2f}",
+             f"  peak KV pages {r['peak_kv_pages']} of {r['kv_pages_total']}, preemptions {r['preemptions']}"]
+    if "hf" in report:
+        h = report["hf"]
+        mine = report.get("redline_subset", r)
+        lines.append(f"  transformers generate_batch on {h['requests']} requests: {h['output_tok_s']:.0f} output "
+                     f"tok/s; Redline on the same: {mine['output_tok_s']:.0f} ({report['speedup_vs_hf']:.1f}x)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = parse_args(argv)
+        report = run(ns, argv)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    if ns.json is not None:
+        write_atomically(ns.json, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))
+        print(f"JSON written to {ns.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    from redline.benchmarks.bench_serving import main as package_main
+
+    sys.exit(package_main())

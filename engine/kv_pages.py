@@ -1,0 +1,155 @@
+"""The page pool of the paged KV cache: which pages are free, who holds each page, and the prefix cache.
+
+A sequence's keys and values live in fixed-size pages listed in its block table. A full page is keyed by a hash
+of its tokens and of the key of the page before it (so a key names the whole prefix up to the page's end); a later
+request whose prompt starts with the same tokens takes those pages instead of computing them. Pages that no
+sequence holds any more keep their contents and key in a least-recently-used list until a new page is needed.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import torch
+
+from redline.model import ModelArgs
+from redline.sampling import is_int
+
+# Share of the GPU memory free at start-up that the pool takes; the rest is left for activations and graphs.
+GPU_MEMORY_SHARE = 0.85
+# Without max_kv_tokens on the CPU the pool holds this many full contexts.
+CPU_DEFAULT_CONTEXTS = 4
+
+
+def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a full page: a hash of the key of the page before it (b"" for the first) and its tokens."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    return digest.digest()
+
+
+def page_bytes(args: ModelArgs, page_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one page across all layers, k and v."""
+    return 2 * args.n_layer * page_size * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_pages(args: ModelArgs, page_size: int, dtype: torch.dtype, device: torch.device,
+               max_kv_tokens: int | None) -> int:
+    """How many pages the pool holds: max_kv_tokens rounded up to whole pages; else from free GPU memory, or a few
+    full contexts on the CPU."""
+    if max_kv_tokens is not None:
+        if not is_int(max_kv_tokens) or max_kv_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be a positive integer, got {max_kv_tokens!r}")
+        return -(-max_kv_tokens // page_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        pages = int(free * GPU_MEMORY_SHARE) // page_bytes(args, page_size, dtype)
+        if pages < 1:
+            raise ValueError(f"only {free / 1e9:.2f} GB of GPU memory is free, too little for one KV page; free "
+                             "memory or pass a smaller max_kv_tokens")
+        return pages
+    return -(-CPU_DEFAULT_CONTEXTS * args.block_size // page_size)
+
+
+class PagePool:
+    """Page ids 0..num_pages-1 with reference counts, a free list and the prefix cache. Not thread-safe: the
+    engine's thread alone calls it."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if not is_int(num_pages) or num_pages < 1 or not is_int(page_size) or page_size < 1:
+            raise ValueError(f"a page pool needs a positive number of pages and page size, got {num_pages}, "
+                             f"{page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.ref_counts = [0] * num_pages
+        self.free: deque[int] = deque(range(num_pages))  # unheld pages with no key
+        self.cached: OrderedDict[int, None] = OrderedDict()  # unheld pages with a key, least recently used first
+        self.key_of: dict[int, bytes] = {}
+        self.page_of: dict[bytes, int] = {}
+        self.reserved = 0  # pages held for good (a scratch page), never a sequence's
+        self.queries = 0  # prompt tokens looked up in the prefix cache
+        self.hits = 0  # of those, tokens served from it
+
+    @property
+    def num_free(self) -> int:
+        """Pages a sequence can take now: free ones and cached ones nobody holds."""
+        return len(self.free) + len(self.cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - self.num_free
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens that sequences can hold when every page is theirs."""
+        return (self.num_pages - self.reserved) * self.page_size
+
+    def reserve(self) -> int:
+        """One page held for good, outside every sequence (the decode graphs' scratch page)."""
+        page = self.allocate(1)[0]
+        self.reserved += 1
+        return page
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def allocate(self, count: int) -> list[int]:
+        """count fresh pages, each held once; evicts the least recently used cached pages when the free list is
+        empty. RuntimeError when fewer than count are available (check num_free first)."""
+        if count > self.num_free:
+            raise RuntimeError(f"asked for {count} KV pages with {self.num_free} free")
+        pages = []
+        for _ in range(count):
+            if self.free:
+                page = self.free.popleft()
+            else:
+                page, _ = self.cached.popitem(last=False)
+                del self.page_of[self.key_of.pop(page)]
+            self.ref_counts[page] = 1
+            pages.append(page)
+        return pages
+
+    def release(self, pages: Sequence[int]) -> None:
+        """Drop one hold on each page; a page nobody holds goes back to the free list, or to the cached list when
+        it is keyed. Released last page first, so a sequence's last pages (the least likely to be shared) are
+        evicted before its first ones."""
+        for page in reversed(pages):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] < 0:
+                raise RuntimeError(f"KV page {page} was released more often than it was held")
+            if self.ref_counts[page] == 0:
+                if page in self.key_of:
+                    self.cached[page] = None
+                else:
+                    self.free.append(page)
+
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
+        """The cached pages that hold the longest keyed prefix of tokens, each now held once more, and their keys.
+        At least the last token is left out, so its logits are computed."""
+        pages: list[int] = []
+        keys: list[bytes] = []
+        parent = b""
+        for i in range((len(tokens) - 1) // self.page_size):
+            key = page_key(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            if self.ref_counts[page] == 0:
+                del self.cached[page]
+            self.ref_counts[page] += 1
+            pages.append(page)
+            keys.append(key)
+            parent = key
+        return pages, keys
+
+    def record_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.queries += prompt_tokens
+        self.hits += hit_tokens
+
+    def register(self, page: int, key: bytes) -> None:
+        """Key a page whose tokens are all computed, so later prompts can share it (the first page with a key keeps
+        it; a page holds one key)."""
+        if key in self.page_of or page in self.key_of:
+            return
+        self.page_of[key] = page
+        self.key_of[page] = key

@@ -1,0 +1,129 @@
+"""The model calls of an engine step: a flattened batch of prefill chunks and decode rows, the logits it needs,
+and one token per sampling row with that row's own settings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from redline.engine.scheduler import Chunk
+from redline.model import PagedContext, PagedKVCache, Transformer
+from redline.sampling import sample_rows
+
+
+@dataclass
+class StepBatch:
+    """What one step feeds the model, and which rows of its logits mean what."""
+
+    ids: Tensor  # (1, N) token ids of every chunk, in order
+    context: PagedContext
+    logits_at: Tensor  # (L,) row indices whose logits are computed
+    sample_rows: Tensor  # (B,) for each chunk that samples, in order: its row in the logits
+    prompt_rows: dict[int, tuple[int, int]]  # chunk index -> [begin, end) rows of logits_at for prompt logprobs
+
+
+def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
+               prompt_logprobs: set[int] = frozenset()) -> StepBatch:
+    """The flattened batch of chunks; `prompt_logprobs` names chunks (by index) that need logits at every token."""
+    size = kv.page_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    logits_at: list[int] = []
+    sampling: list[int] = []
+    prompt_rows: dict[int, tuple[int, int]] = {}
+    for i, chunk in enumerate(chunks):
+        seq, begin = chunk.seq, len(ids)
+        span = range(chunk.start, chunk.start + chunk.length)
+        ids += seq.tokens[chunk.start:chunk.start + chunk.length]
+        positions += span
+        slots += [seq.pages[p // size] * size + p % size for p in span]
+        cu.append(len(ids))
+        if i in prompt_logprobs:
+            prompt_rows[i] = (len(logits_at), len(logits_at) + chunk.length)
+            logits_at += range(begin, len(ids))
+            if chunk.samples:
+                sampling.append(len(logits_at) - 1)
+        elif chunk.samples:
+            sampling.append(len(logits_at))
+            logits_at.append(len(ids) - 1)
+    width = max(len(c.seq.pages) for c in chunks)
+    tables = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]
+    single = [i for i, c in enumerate(chunks) if c.length == 1]
+    long_, i32 = torch.long, torch.int32
+    context = PagedContext(
+        positions=on_device(positions, long_, device),
+        slot_mapping=on_device(slots, long_, device),
+        block_tables=on_device(tables, i32, device),
+        seq_lens=on_device([c.start + c.length for c in chunks], i32, device),
+        cu_seqlens_q=on_device(cu, i32, device),
+        kv=kv,
+        decode=len(single) == len(chunks),
+        host_lens=([c.length for c in chunks], [c.start + c.length for c in chunks]),
+        singles=(on_device(single, long_, device), on_device([cu[i] for i in single], long_, device)),
+    )
+    return StepBatch(on_device([ids], long_, device), context, on_device(logits_at, long_, device),
+                     on_device(sampling, long_, device), prompt_rows)
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a device tensor, copied from pinned memory without waiting for the device to catch up."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def vocab_bias(model_vocab: int, tokenizer: Any, device: torch.device) -> Tensor | None:
+    """(V,) fp32: 0 for ids the tokenizer decodes, -inf for the model's padding rows beyond them; None if none."""
+    if tokenizer is None or tokenizer.vocab_size >= model_vocab:
+        return None
+    bias = torch.zeros(model_vocab, dtype=torch.float32, device=device)
+    bias[tokenizer.vocab_size:] = float("-inf")
+    return bias
+
+
+def step_logits(model: Transformer, batch: StepBatch, vocab_bias: Tensor | None) -> Tensor:
+    """Logits (L, V) of the rows batch.logits_at, fp32, with the vocabulary bias added. The model runs even when
+    L is 0 (a prefill chunk that samples nothing): it writes the chunk's keys and values."""
+    logits = model(batch.ids, batch.context.positions, logits_at=batch.logits_at, context=batch.context)[0]
+    logits = logits.float()  # (L, V)
+    return logits + vocab_bias if vocab_bias is not None else logits
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """Per-row sampling settings as tensors (B,), so one step serves any mix of greedy and sampled rows."""
+
+    temperature: Tensor  # float32
+    top_k: Tensor  # int64
+    top_p: Tensor  # float32
+    seed: Tensor  # int64
+    position: Tensor  # int64, the new token's position
+
+    @classmethod
+    def of(cls, rows: list[tuple[float, int, float, int, int]], device: torch.device) -> RowSettings:
+        temperature, top_k, top_p, seed, position = zip(*rows)
+        return cls(on_device(list(temperature), torch.float32, device), on_device(list(top_k), torch.long, device),
+                   on_device(list(top_p), torch.float32, device), on_device(list(seed), torch.long, device),
+                   on_device(list(position), torch.long, device))
+
+
+def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = False) -> Tensor:
+    """logits (B, V) -> tokens (B,), each row with its own settings; all_greedy skips the sampler's sort."""
+    if all_greedy:
+        return logits.argmax(dim=-1)
+    return sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.seed, settings.position)
+
+
+def chosen_logprobs(logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """log_softmax(logits (B, V)) at tokens (B,) -> (B,), and the `top` most likely (values, ids) (B, top) each."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    chosen = logprobs.gather(-1, tokens.view(-1, 1)).squeeze(1)  # (B,)
+    if top <= 0:
+        return chosen, None, None
+    values, ids = logprobs.topk(top, dim=-1)  # (B, top)
+    return chosen, values, ids

@@ -1,0 +1,29 @@
+"""benchmarks/bench_serving.py on the CPU: the workloads run, count what they should, and bad flags are one line."""
+from __future__ import annotations
+
+import json
+
+from redline.benchmarks import bench_serving
+
+
+def test_fixed_workload_report_and_json(tmp_path, capsys):
+    path = tmp_path / "serving.json"
+    code = bench_serving.main(["--model", "debug-tiny", "--device", "cpu", "--dtype", "float32", "--num-requests",
+                               "4", "--max-kv-tokens", "512", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "debug-tiny fixed: 4 requests, 512 output tokens" in out
+    report = json.loads(path.read_text())
+    r = report["redline"]
+    assert r["output_tokens"] == 512 and r["prompt_tokens"] == 512 and r["peak_kv_pages"] <= 32
+    assert r["steps"] >= 128 and r["step_ms"]["p50"] <= r["step_ms"]["max"] and r["roofline_pct"] is None
+
+
+def test_mixed_lengths_stay_in_range():
+    requests = bench_serving.make_requests("mixed", 50, 1000, 0)
+    lengths = [len(r.prompt) for r in requests] + [r.output_len for r in requests]
+    assert min(lengths) >= 100 and max(lengths) <= 1024 and len(set(lengths)) > 20
+
+
+def test_bad_flags_are_one_line(capsys):
+    assert bench_serving.main(["--num-requests", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --num-requests and --hf-requests must be positive"

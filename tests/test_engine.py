@@ -1,0 +1,355 @@
+"""engine/engine.py through LLM.generate_batch and the Engine API: every request gets exactly what LLM.generate
+gives it alone, whatever the batch, the page pool, the prefill chunk or the prefix cache do."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from redline.engine import Engine, EngineFull, RequestOutput
+from redline.generate import LLM, GenerationOptions
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "A", "Llama models read tokens, predict the next one, and stop "
+           "at the end of a turn. A tokenizer turns text into ids, and ids back into the same text."]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llm_checkpoint):
+    return LLM.load(tiny_llm_checkpoint[0], device="cpu", max_kv_tokens=2048)
+
+
+def alone(llm: LLM, prompts, **settings) -> list[list[int]]:
+    return [llm.generate(p, **settings).token_ids for p in prompts]
+
+
+def token_prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
+    """Distinct prompts of token ids, of different lengths."""
+    g = torch.Generator().manual_seed(length)
+    vocab = llm.tokenizer.vocab_size
+    return [torch.randint(3, vocab, (length + 7 * i,), generator=g).tolist() for i in range(count)]
+
+
+def test_generate_batch_gives_each_prompt_its_tokens_alone(llm):
+    want = [llm.generate(p, max_new_tokens=24, ignore_eos=True) for p in PROMPTS]
+    got = llm.generate_batch(PROMPTS, max_new_tokens=24, ignore_eos=True)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 24 for r in got)
+    stats = llm.engine.stats()
+    assert stats.requests_finished >= 4 and stats.running == 0 and stats.kv_pages_used == 0
+
+
+def test_a_pool_too_small_for_all_preempts_and_recomputes_the_same_tokens(llm):
+    prompts = token_prompts(llm, 6, 20)
+    want = alone(llm, prompts, max_new_tokens=30, ignore_eos=True)
+    engine = Engine(llm, max_kv_tokens=160, page_size=4)  # 6 x ~75 tokens would need 450
+    handles = [engine.add_request(p, GenerationOptions(max_new_tokens=30, ignore_eos=True)) for p in prompts]
+    assert [h.result(timeout=120).token_ids for h in handles] == want
+    assert engine.stats().preemptions > 0
+    assert engine.pool.num_free == engine.pool.num_pages
+    engine.shutdown()
+
+
+def test_chunked_prefill_gives_the_same_tokens(llm):
+    prompts = token_prompts(llm, 3, 50)
+    want = alone(llm, prompts, max_new_tokens=12, ignore_eos=True)
+    engine = Engine(llm, prefill_chunk=16, page_size=8)
+    results = [h.result(timeout=120) for h in [engine.add_request(p, GenerationOptions(max_new_tokens=12,
+                                                                                     ignore_eos=True))
+                                               for p in prompts]]
+    assert [r.token_ids for r in results] == want
+    engine.shutdown()
+
+
+def test_greedy_and_seeded_rows_in_one_batch_each_get_their_own_result(llm):
+    options = [GenerationOptions(max_new_tokens=20, ignore_eos=True),
+               GenerationOptions(max_new_tokens=20, ignore_eos=True, temperature=0.9, seed=11),
+               GenerationOptions(max_new_tokens=20, ignore_eos=True, temperature=1.3, top_k=50, top_p=0.9, seed=5),
+               GenerationOptions(max_new_tokens=20, ignore_eos=True, temperature=0.9, seed=12)]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    want = [llm.generate(p, o) for p, o in zip(prompts, options)]
+    got = llm.generate_batch(prompts, options)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.text for r in got] == [r.text for r in want]
+    assert len({tuple(r.token_ids) for r in got[:2] + got[3:]}) == 3  # greedy, seed 11 and seed 12 differ
+    # In a different batch (other neighbours, other order) the seeded request still draws the same text.
+    again = llm.generate_batch([PROMPTS[3], PROMPTS[1], PROMPTS[0]], [options[0], options[2], options[1]])
+    assert again[2].text == want[1].text and again[1].token_ids == want[2].token_ids
+
+
+def test_abort_frees_the_pages_and_ends_the_stream(llm):
+    engine = Engine(llm, page_size=4)
+    start = engine.pool.num_free
+    keep = engine.add_request(PROMPTS[1], GenerationOptions(max_new_tokens=10, ignore_eos=True))
+    handle = engine.add_request(PROMPTS[3], GenerationOptions(max_new_tokens=200, ignore_eos=True))
+    outputs = iter(handle)
+    first = next(outputs)
+    assert first.finish_reason is None and first.prompt_tokens == len(handle.prompt_token_ids)
+    engine.abort(handle)
+    rest = list(outputs)
+    assert rest[-1].finish_reason == "abort"
+    assert 1 <= len(first.token_ids) + sum(len(o.token_ids) for o in rest) < 200
+    assert handle.result().finish_reason == "abort"
+    assert keep.result(timeout=60).token_ids == llm.generate(PROMPTS[1], max_new_tokens=10, ignore_eos=True).token_ids
+    engine.shutdown()
+    assert engine.pool.num_free == start
+    engine.abort(handle)  # aborting a finished request does nothing
+
+
+def test_prefix_cache_hits_give_the_same_tokens_as_misses(llm):
+    shared = token_prompts(llm, 1, 70)[0]
+    prompts = [shared + [5, 6, 7], shared + [9], shared[:66]]
+    options = GenerationOptions(max_new_tokens=15, ignore_eos=True)
+    first_reply = llm.generate(prompts[0], options).token_ids
+    prompts.append(prompts[0] + first_reply + [11, 12])  # a second turn: the first reply's pages are cached too
+    want = [first_reply] + alone(llm, prompts[1:], max_new_tokens=15, ignore_eos=True)
+    engine = Engine(llm, page_size=8)
+    first = engine.add_request(prompts[0], options)
+    assert first.result(timeout=60).token_ids == want[0]
+    handles = [engine.add_request(p, options) for p in prompts[1:]]
+    assert [h.result(timeout=60).token_ids for h in handles] == want[1:]
+    # Whole pages only (8 of the shared 70 tokens' pages), never a prompt's last token; the second turn also hits
+    # the pages of the first reply's tokens (73 + 14 computed: 10 full pages).
+    assert [list(h)[0].cached_tokens for h in handles] == [64, 64, 80]
+    stats = engine.stats()
+    assert stats.prefix_cache_hits == 208 and stats.prefix_cache_queries == sum(len(p) for p in prompts)
+    engine.shutdown()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_and_others_run_on(llm):
+    engine = Engine(llm)
+    running = engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=16, ignore_eos=True))
+    with pytest.raises(ValueError, match="context is 256") as info:
+        engine.add_request(list(range(3, 3 + 300)))
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("")
+    with pytest.raises(ValueError, match="speculate"):
+        engine.add_request("x", GenerationOptions(draft="prompt_lookup"))
+    assert running.result(timeout=60).token_ids == llm.generate(PROMPTS[0], max_new_tokens=16,
+                                                                ignore_eos=True).token_ids
+    with pytest.raises(ValueError, match="context"):
+        llm.generate_batch([PROMPTS[0], list(range(3, 300))])  # checked before any request starts
+    engine.shutdown()
+
+
+def test_a_request_the_pool_cannot_hold_is_refused(llm):
+    engine = Engine(llm, max_kv_tokens=32, page_size=8)
+    with pytest.raises(ValueError, match="raise max_kv_tokens"):
+        engine.add_request(PROMPTS[3], GenerationOptions(max_new_tokens=30))
+    engine.shutdown()
+
+
+def test_stop_strings_eos_and_the_stream_pieces_match_generate(llm):
+    text = llm.generate(PROMPTS[0], max_new_tokens=40, ignore_eos=True).text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    want = llm.generate(PROMPTS[0], max_new_tokens=40, stop=[stop], ignore_eos=True)
+    engine = Engine(llm)
+    handle = engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=40, stop=(stop,), ignore_eos=True))
+    pieces = list(handle)
+    assert "".join(p.text for p in pieces) == want.text and pieces[-1].finish_reason == want.finish_reason == "stop"
+    assert handle.result().token_ids == want.token_ids
+    assert all(p.finish_reason is None for p in pieces[:-1]) and all(isinstance(p, RequestOutput) for p in pieces)
+    # With EOS on, the run ends where generate's does.
+    plain = llm.generate(PROMPTS[2], max_new_tokens=60)
+    assert engine.add_request(PROMPTS[2], GenerationOptions(max_new_tokens=60)).result().token_ids == plain.token_ids
+    engine.shutdown()
+
+
+def test_logprobs_match_the_model(llm):
+    prompt = llm.encode_prompt(PROMPTS[1])
+    engine = Engine(llm)
+    options = GenerationOptions(max_new_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=3,
+                                prompt_logprobs=True)
+    outputs = list(engine.add_request(prompt, options))
+    tokens = [t for o in outputs for t in o.token_ids]
+    ids = torch.tensor([prompt + tokens])
+    llm.model.setup_caches(1, 64)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(llm.model(ids, torch.arange(ids.shape[1])).float()[0], dim=-1)  # (T, V)
+    want = [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+    assert [x for o in outputs for x in o.logprobs] == pytest.approx(want, abs=1e-4)
+    tops = [x for o in outputs for x in o.top_logprobs]
+    assert all(len(top) == 3 and max(top, key=top.get) == t for top, t in zip(tops, tokens))  # greedy: the best
+    first = outputs[0].prompt_logprobs
+    assert first[0] is None and len(first) == len(prompt)
+    assert first[1:] == pytest.approx([logprobs[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)], abs=1e-4)
+    assert all(o.prompt_logprobs is None for o in outputs[1:])
+    engine.shutdown()
+    chunked = Engine(llm, prefill_chunk=3, page_size=4)  # the prompt scored over several chunks
+    again = list(chunked.add_request(prompt, options))
+    assert again[0].prompt_logprobs == pytest.approx(first, abs=1e-5)
+    chunked.shutdown()
+    with pytest.raises(ValueError, match="top_logprobs"):
+        GenerationOptions(top_logprobs=21)
+
+
+def test_add_request_from_eight_threads(llm):
+    prompts = token_prompts(llm, 8, 5)
+    want = alone(llm, prompts, max_new_tokens=10, ignore_eos=True)
+    engine = Engine(llm)
+    got: dict[int, list[int]] = {}
+    barrier = threading.Barrier(8)
+
+    def client(i: int) -> None:
+        barrier.wait()
+        handle = engine.add_request(prompts[i], GenerationOptions(max_new_tokens=10, ignore_eos=True))
+        got[i] = [t for o in handle for t in o.token_ids]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i] for i in range(8)] == want
+    assert engine.stats().requests_finished == 8
+    engine.shutdown()
+
+
+def test_add_request_from_an_asyncio_loop(llm):
+    prompts = token_prompts(llm, 4, 9)
+    want = alone(llm, prompts, max_new_tokens=10, ignore_eos=True)
+    engine = Engine(llm)
+
+    async def one(prompt):
+        handle = engine.add_request(prompt, GenerationOptions(max_new_tokens=10, ignore_eos=True))
+        return [t async for o in handle for t in o.token_ids]
+
+    async def main():
+        ticks = 0
+
+        async def ticker():  # the loop keeps running while requests stream
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        tick = asyncio.ensure_future(ticker())
+        results = await asyncio.gather(*(one(p) for p in prompts))
+        tick.cancel()
+        return results, ticks
+
+    results, ticks = asyncio.run(main())
+    assert results == want and ticks > 1
+    engine.shutdown()
+
+
+def test_max_queue_and_shutdown(llm):
+    engine = Engine(llm, max_queue=1, max_running=1)
+    with engine._lock:  # hold the engine thread off, so both requests are still queued
+        first = engine.add_request("A", GenerationOptions(max_new_tokens=2))
+        with pytest.raises(EngineFull, match="max_queue"):
+            engine.add_request("B", GenerationOptions(max_new_tokens=2))
+    engine.shutdown()
+    assert first.result(timeout=10).finish_reason in ("length", "eos")
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request("C")
+    slow = Engine(llm)
+    handle = slow.add_request(PROMPTS[3], GenerationOptions(max_new_tokens=200, ignore_eos=True))
+    next(iter(handle))
+    slow.shutdown(timeout=0)
+    assert handle.result().finish_reason == "abort" and slow.pool.num_free == slow.pool.num_pages
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_serves_on(llm, monkeypatch):
+    engine = Engine(llm)
+    calls = {"n": 0}
+    real = engine._run
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("device lost\nsecond line")
+        return real(chunks)
+
+    monkeypatch.setattr(engine, "_run", flaky)
+    handle = engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=8, ignore_eos=True))
+    outputs = list(handle)
+    assert outputs[-1].finish_reason == "error" and outputs[-1].error == "RuntimeError: device lost"
+    with pytest.raises(RuntimeError, match="device lost"):
+        handle.result()
+    again = engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=8, ignore_eos=True))
+    assert again.result(timeout=60).token_ids == llm.generate(PROMPTS[0], max_new_tokens=8,
+                                                              ignore_eos=True).token_ids
+    assert engine.pool.num_free == engine.pool.num_pages
+    engine.shutdown()
+
+
+def test_compiled_decode_steps_give_the_eager_tokens(tiny_llm_checkpoint, llm):
+    compiled = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
+    engine = Engine(compiled)
+    assert engine.graphs is not None and llm.engine.graphs is None
+    prompts = token_prompts(llm, 3, 6)
+    options = [GenerationOptions(max_new_tokens=6, ignore_eos=True),
+               GenerationOptions(max_new_tokens=6, ignore_eos=True, temperature=0.8, seed=3),
+               GenerationOptions(max_new_tokens=6, ignore_eos=True)]
+    want = [llm.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    steps = []
+    real = engine.graphs.run
+    engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
+    with engine._lock:  # all three arrive before the first step
+        handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=300).token_ids for h in handles] == want
+    assert steps and set(steps) == {3}  # three rows padded to the bucket of 4, a scratch page for the fourth
+    engine.shutdown()
+    assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
+
+
+def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
+    from redline.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return LLM(model.to("cuda"), None, "cuda", compile=compile, kernels=kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [False, True])
+def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
+    eager, graphed = random_gpu_llm(False, kernels), random_gpu_llm(True, kernels)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 2, 90)]
+    options = [GenerationOptions(max_new_tokens=30, ignore_eos=True),
+               GenerationOptions(max_new_tokens=30, ignore_eos=True, temperature=0.9, seed=7)] * 2 + \
+              [GenerationOptions(max_new_tokens=30, ignore_eos=True)]
+    want = [eager.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    assert [r.token_ids for r in eager.generate_batch(prompts, options)] == want
+    engine = Engine(graphed)
+    steps = []
+    real = engine.graphs.run
+    engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
+    assert [engine.add_request(p, o).result(timeout=120).token_ids for p, o in zip(prompts, options)] == want
+    with engine._lock:  # all five arrive before the first step
+        handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=120).token_ids for h in handles] == want
+    assert 1 in steps and 5 in steps and len(engine.graphs.graphs) >= 2  # buckets 1 and 8 were captured
+    engine.shutdown()
+
+
+def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
+    from redline.model import paged_decode_attention, paged_prefill_attention
+
+    calls = {"prefill": 0, "decode": 0}
+
+    def prefill(*args):
+        assert len(args) == 7 and args[3].dtype == torch.int32 and args[4].dtype == torch.int32
+        calls["prefill"] += 1
+        return paged_prefill_attention(*args)
+
+    def decode(*args):
+        assert len(args) == 6 and args[0].dim() == 3 and args[4].dtype == torch.int32
+        calls["decode"] += 1
+        return paged_decode_attention(*args)
+
+    prompts = token_prompts(llm, 3, 9)
+    want = alone(llm, prompts, max_new_tokens=8, ignore_eos=True)
+    engine = Engine(llm, prefill_chunk=8)
+    engine.kv.ops = (prefill, decode)  # what the GPU's kernels take over, with the same contract
+    handles = [engine.add_request(p, GenerationOptions(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    assert [h.result(timeout=60).token_ids for h in handles] == want
+    assert calls["prefill"] > 0 and calls["decode"] > 0
+    engine.shutdown()
