@@ -113,7 +113,8 @@ class PagedPrefillConfig:
         for name in ("block_m", "block_n"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
-                raise ValueError(f"PagedPrefillConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+                raise ValueError(f"PagedPrefillConfig.{name} must be a power of two >= 16 (tl.dot tiles), "
+                                 f"got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
 
