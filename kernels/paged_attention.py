@@ -56,10 +56,10 @@ def triton_paged_attention():
 
 
 def _kernel_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """The Triton kernels can run on these tensors: a CUDA/HIP device, a float dtype, head_dim 64/128, a power-of-two
-    page size in 8..128, unit stride along D, Triton importable."""
+    """The Triton kernels take these shapes: a float dtype, head_dim 64/128, a power-of-two page size in 8..128,
+    unit stride along D, and Triton is importable (the ops also need the tensors on a CUDA/HIP device)."""
     page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-    if not q.is_cuda or q.dtype not in FLOAT_DTYPES or head_dim not in PAGED_HEAD_DIMS:
+    if q.dtype not in FLOAT_DTYPES or head_dim not in PAGED_HEAD_DIMS:
         return False
     if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
         return False
@@ -68,7 +68,7 @@ def _kernel_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
 
 def paged_decode_config(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor) -> AttentionConfig | None:
     """The decode kernel's config on this GPU (the split count from the table's key capacity, never from the
-    lengths), or None where the kernel does not run: the op then runs the reference."""
+    lengths), or None where the kernel does not take these shapes: the op then runs the reference."""
     if not _kernel_supported(q, k_cache, v_cache):
         return None
     batch, n_heads, head_dim = q.shape
@@ -78,7 +78,8 @@ def paged_decode_config(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
 
 
 def paged_prefill_config(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> PagedPrefillConfig | None:
-    """The prefill kernel's config on this GPU, or None where the kernel does not run (the op runs the reference)."""
+    """The prefill kernel's config on this GPU, or None where the kernel does not take these shapes (the op then
+    runs the reference)."""
     if not _kernel_supported(q, k_cache, v_cache):
         return None
     return fitted_paged_prefill_config(q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.element_size(),
@@ -203,7 +204,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
                            scale: float) -> Tensor:
     """softmax(scale q k^T) v over each row's keys 0..seq_lens[b]-1 of its pages; q (B, H, D) -> (B, H, D)."""
     _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
-    config = paged_decode_config(q, k_cache, v_cache, block_tables)
+    config = paged_decode_config(q, k_cache, v_cache, block_tables) if q.is_cuda else None
     if config is not None:
         return triton_paged_attention().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                                                 config)
@@ -222,7 +223,7 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
                             seq_lens: Tensor, scale: float) -> Tensor:
     """Causal attention of flattened query chunks over their sequences' pages; q (T, H, D) -> (T, H, D)."""
     _check_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
-    config = paged_prefill_config(q, k_cache, v_cache)
+    config = paged_prefill_config(q, k_cache, v_cache) if q.is_cuda else None
     if config is not None:
         return triton_paged_attention().paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                                  seq_lens, scale, config)

@@ -20,9 +20,11 @@ size serves any tile size.
 `paged_prefill_attention`: the queries of S sequences flattened into T rows, sequence s owning rows
 cu_seqlens_q[s]..cu_seqlens_q[s+1]-1; query j of sequence s sits at position seq_lens[s] - q_len + j and attends
 causally to keys 0..that position. A program takes a tile of BLOCK_T tokens x the GROUP query heads of one KV head
-(BLOCK_M rows, a tensor-core tile) and walks the key blocks up to its last token's position. The grid is fixed by
-T and S (cdiv(T, BLOCK_T) + S tiles bound every split of T into S chunks): each program finds its sequence and
-query block on the device from a prefix sum of the chunks' tile counts, and programs past the last tile exit.
+(BLOCK_M rows, a tensor-core tile) and walks the key blocks up to its last token's position, without masks below
+its first token's position. The grid is fixed by T and S: sequence s's tiles are numbered from
+cu_seqlens_q[s] // BLOCK_T + s, which leaves room for each chunk's tiles whatever the split of T into S chunks, so
+T // BLOCK_T + S + 1 tiles cover them all; each program finds its sequence by a binary search of cu_seqlens_q on
+the device, and the few numbers that fall between chunks exit.
 
 Both read lengths and tables on the device only (no host sync), so both are CUDA-graph capturable. A query row with
 no keys (seq_lens 0: a padding row of a batch bucket) gets zeros, as in the references. Configs come from
@@ -51,17 +53,23 @@ def _row_blocks(length, num_splits, BLOCK_S: tl.constexpr):
 
 @triton.jit
 def _page_rows(table_row, s_idx, s_ok, stride_p, stride_s, PAGE_SIZE: tl.constexpr):
-    """Element offsets (BLOCK_S,) of keys s_idx in the pool: page table_row[s // PAGE_SIZE], slot s % PAGE_SIZE."""
-    page = tl.load(table_row + s_idx // PAGE_SIZE, mask=s_ok, other=0).to(tl.int64)
+    """Element offsets (BLOCK_S,) of keys s_idx in the pool: page table_row[s // PAGE_SIZE], slot s % PAGE_SIZE
+    (s_ok None: every key is in range)."""
+    if s_ok is None:
+        page = tl.load(table_row + s_idx // PAGE_SIZE).to(tl.int64)
+    else:
+        page = tl.load(table_row + s_idx // PAGE_SIZE, mask=s_ok, other=0).to(tl.int64)
     return page * stride_p + (s_idx % PAGE_SIZE) * stride_s
 
 
 @triton.jit
 def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """One key block into the online softmax of q's rows; keep (rows, BLOCK_S) marks the keys each row attends to.
-    A row without any key so far keeps m_i = -inf, l_i = 0 and acc = 0 (nothing here computes -inf - -inf)."""
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (rows, BLOCK_S)
-    scores = tl.where(keep, scores * qk_scale, float("-inf"))
+    A row without any key so far keeps m_i = -inf, l_i = 0 and acc = 0 (nothing here computes -inf - -inf); keep
+    None: every key counts."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (rows, BLOCK_S)
+    if keep is not None:
+        scores = tl.where(keep, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -157,30 +165,35 @@ def _paged_combine_kernel(
 
 
 @triton.jit
+def _chunk_of_tile(cu_ptr, pid, n_seqs, n_steps, BLOCK_T: tl.constexpr):
+    """(sequence, tile within its chunk) of tile pid. Sequence s's tiles start at cu_seqlens_q[s] // BLOCK_T + s:
+    strictly increasing, and at least ceil(q_len_s / BLOCK_T) apart, so no two chunks' tiles overlap; a binary
+    search of n_steps (>= log2(n_seqs)) halvings finds the last sequence starting at or before pid."""
+    lo = n_seqs * 0  # an int32 scalar, like hi
+    hi = n_seqs
+    for _ in range(n_steps):
+        mid = (lo + hi) // 2
+        before = tl.load(cu_ptr + mid) // BLOCK_T + mid <= pid
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid)
+    return lo, pid - (tl.load(cu_ptr + lo) // BLOCK_T + lo)
+
+
+@triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
-    stride_ot, stride_oh, n_seqs, max_keys, qk_scale,
-    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, SEQS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_ot, stride_oh, n_seqs, n_steps, max_keys, qk_scale,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_P2  # query tokens per tile
-    pid = tl.program_id(0)  # one tile of some sequence's chunk
     kvh = tl.program_id(1).to(tl.int64)
-    # Which sequence and which of its query blocks: tiles are numbered sequence after sequence.
-    offs_seq = tl.arange(0, SEQS_P2)
-    seq_ok = offs_seq < n_seqs
-    starts = tl.load(cu_ptr + offs_seq, mask=seq_ok, other=0)
-    ends = tl.load(cu_ptr + offs_seq + 1, mask=seq_ok, other=0)
-    tiles = tl.where(seq_ok, tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_T), 0)  # (SEQS_P2,)
-    tiles_end = tl.cumsum(tiles, axis=0)  # tiles of sequences 0..s
-    s = tl.sum((tiles_end <= pid).to(tl.int32), axis=0)  # the sequence whose tiles hold pid (n_seqs: none)
-    if s < n_seqs:
-        tile = pid - tl.sum(tl.where(offs_seq == s, tiles_end - tiles, 0), axis=0)
-        q_start = tl.load(cu_ptr + s).to(tl.int64)
-        q_len = tl.load(cu_ptr + s + 1).to(tl.int32) - q_start.to(tl.int32)
+    s, tile = _chunk_of_tile(cu_ptr, tl.program_id(0), n_seqs, n_steps, BLOCK_T)
+    q_start = tl.load(cu_ptr + s).to(tl.int64)
+    q_len = tl.load(cu_ptr + s + 1).to(tl.int32) - q_start.to(tl.int32)
+    if tile * BLOCK_T < q_len:  # else a gap between chunks' tiles, or past the last: nothing to do
         length = tl.minimum(tl.maximum(tl.load(lens_ptr + s).to(tl.int32), 0), max_keys)
-
         offs_m = tl.arange(0, BLOCK_M)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -191,9 +204,12 @@ def _paged_prefill_kernel(
         heads = kvh * GROUP + g
         q_rows = (q_start + tok.to(tl.int64)) * stride_qt + heads * stride_qh
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # (BLOCK_M, D)
-        # keys up to the tile's last query position (clamped into the row's valid keys)
+        # Keys below the tile's first query position are visible to every row: those blocks need no mask. The
+        # blocks after, up to the tile's last query position (clamped into the row's valid keys), are masked.
+        first_pos = tl.maximum(length - q_len + tile * BLOCK_T, 0)
         last_tok = tl.minimum((tile + 1) * BLOCK_T, q_len) - 1
         hi = tl.minimum(length - q_len + last_tok + 1, length)
+        full_blocks = tl.minimum(first_pos, hi) // BLOCK_N
         table_row = table_ptr + s.to(tl.int64) * stride_tb
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
@@ -201,12 +217,19 @@ def _paged_prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for blk in range(0, tl.cdiv(hi, BLOCK_N)):
-            s_idx = blk * BLOCK_N + offs_n  # (BLOCK_N,)
+        for blk in range(0, full_blocks):
+            s_idx = blk * BLOCK_N + offs_n  # (BLOCK_N,) all valid, all visible
+            k_rows = _page_rows(table_row, s_idx, None, stride_kp, stride_ks, PAGE_SIZE)
+            v_rows = _page_rows(table_row, s_idx, None, stride_vp, stride_vs, PAGE_SIZE)
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])  # (BLOCK_N, D)
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+            m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        for blk in range(full_blocks, tl.cdiv(hi, BLOCK_N)):
+            s_idx = blk * BLOCK_N + offs_n
             s_ok = s_idx < hi
             k_rows = _page_rows(table_row, s_idx, s_ok, stride_kp, stride_ks, PAGE_SIZE)
             v_rows = _page_rows(table_row, s_idx, s_ok, stride_vp, stride_vs, PAGE_SIZE)
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)  # (BLOCK_N, D)
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
             v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
             keep = (s_idx[None, :] <= q_pos[:, None]) & s_ok[None, :]  # causal, within the valid keys
             m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION)
@@ -299,12 +322,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     block_t = config.block_m // group_p2
     with _device_context(q):
-        _paged_prefill_kernel[(triton.cdiv(n_tokens, block_t) + n_seqs, n_kv_heads)](
+        # sequence s's tiles start at cu_seqlens_q[s] // block_t + s (_chunk_of_tile): this grid covers them all
+        _paged_prefill_kernel[(n_tokens // block_t + n_seqs + 1, n_kv_heads)](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            out.stride(0), out.stride(1), n_seqs, block_tables.shape[1] * page_size, scale * LOG2E,
-            GROUP=group, GROUP_P2=group_p2, SEQS_P2=triton.next_power_of_2(n_seqs), BLOCK_M=config.block_m,
+            out.stride(0), out.stride(1), n_seqs, n_seqs.bit_length(), block_tables.shape[1] * page_size,
+            scale * LOG2E, GROUP=group, GROUP_P2=group_p2, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
             DOT_PRECISION=_dot_precision(q.dtype, caps), num_warps=config.num_warps, num_stages=config.num_stages,
         )

@@ -270,7 +270,7 @@ def test_prefill_config_validation():
 
 # (name, dtype): every case the child runs. The interpreter's tl.dot is wrong for bf16: fp16 and fp32 only.
 INTERPRETER_CASES = [(f"{op}_{v}", d) for op, variants in (("decode", ("split", "single", "gqa8", "page128")),
-                                                            ("prefill", ("mha", "gqa4", "group3")))
+                                                            ("prefill", ("mha", "gqa4", "group3", "many")))
                      for v in variants for d in ("float32", "float16")]
 
 
@@ -294,6 +294,8 @@ def run_interpreted_case(name: str, dtype_name: str) -> float:
         got = tpa.paged_decode_attention(*args, config=cfg)
         return rel_err(got, pa.paged_decode_attention_reference(*args))
     lengths, q_lens = [40, 9, 70], [40, 3, 21]  # whole, short tail, chunk after a cached prefix
+    if variant == "many":  # the binary search over 7 chunks, one of them empty
+        lengths, q_lens = [3, 20, 1, 50, 9, 33, 16], [3, 0, 1, 17, 9, 2, 16]
     batch = paged_batch(lengths, n_kv_heads, 64, page_size, dtype=dtype)
     q, cu = prefill_inputs(lengths, q_lens, n_heads, batch, dtype=dtype, extra_rows=2)
     args = (q, batch.k_cache, batch.v_cache, batch.block_tables, cu, batch.seq_lens, 0.125)
