@@ -16,6 +16,7 @@ prefill also reports TFLOP/s of the causal attention. The relative error against
 
     python benchmarks/bench_paged_attention.py --json out/bench_paged_attention.json
     python benchmarks/bench_paged_attention.py --batches 1,16 --contexts 512,8192
+    python benchmarks/bench_paged_attention.py --sweep --batches 1,16,64 --contexts 2048,8192  # also try configs
 """
 from __future__ import annotations
 
@@ -147,6 +148,51 @@ def _row(op: str, impl: str, calls: list, batch: int, context: int, q_tokens: in
                     err)
 
 
+def sweep_rows(layers: Layers, batch: int, context: int, reps: int, decode_only: bool) -> list[dict]:
+    """Time both kernels under configs around the dispatcher's choice (the launchers take a config)."""
+    from redline.kernels import paged_attention as pa
+    from redline.kernels import triton_paged_attention as tpa
+
+    scale = HEAD_DIM ** -0.5
+    q = torch.randn(batch, N_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    base = pa.paged_decode_config(q, layers.k_pool[0], layers.v_pool[0], layers.tables)
+    decode = {"default": base, **{f"stages={n}": dataclasses.replace(base, num_stages=n) for n in (1, 3, 4)},
+              **{f"block_s={b},warps={w}": dataclasses.replace(base, block_s=b, num_warps=w)
+                 for b, w in ((32, 4), (128, 4), (128, 8), (64, 8), (64, 2))},
+              **{f"splits={s}": dataclasses.replace(base, num_splits=s)
+                 for s in sorted({1, max(1, base.num_splits // 2), base.num_splits * 2} - {base.num_splits})}}
+    chunk = min(context, CHUNK)
+    qp = torch.randn(batch * chunk, N_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    cu = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * chunk
+    pbase = pa.paged_prefill_config(qp, layers.k_pool[0], layers.v_pool[0])
+    prefill = {"default": pbase, **{f"stages={n}": dataclasses.replace(pbase, num_stages=n) for n in (2, 4)},
+               **{f"block_m={m},block_n={n},warps={w}": dataclasses.replace(pbase, block_m=m, block_n=n, num_warps=w)
+                  for m, n, w in ((128, 32, 8), (128, 128, 8), (64, 64, 4), (128, 64, 4), (64, 128, 4))}}
+    out = []
+    for op, table in (("decode", decode), ("prefill", prefill)):
+        if op == "prefill" and (decode_only or batch * chunk > MAX_PREFILL_TOKENS):
+            continue
+        for label, cfg in table.items():
+            if op == "decode":
+                calls = [lambda i=i, c=cfg: tpa.paged_decode_attention(q, layers.k_pool[i], layers.v_pool[i],
+                                                                       layers.tables, layers.lens, scale, c)
+                         for i in range(len(layers))]
+            else:
+                calls = [lambda i=i, c=cfg: tpa.paged_prefill_attention(qp, layers.k_pool[i], layers.v_pool[i],
+                                                                        layers.tables, cu, layers.lens, scale, c)
+                         for i in range(len(layers))]
+            try:
+                us = cuda_graph_us_per_call(calls, reps)
+            except Exception as e:  # a config past the chip's limits (shared memory, registers): note it, go on
+                out.append(dict(op=op, batch=batch, context=context, config=label, error=repr(e)[:300]))
+                print(f"  sweep {op} B={batch} L={context} {label}: failed: {repr(e)[:200]}", flush=True)
+                continue
+            out.append(dict(op=op, batch=batch, context=context, config=label, **dataclasses.asdict(cfg),
+                            us_per_call=us))
+            print(f"  sweep {op} B={batch} L={context} {label}: {us:.1f} us", flush=True)
+    return out
+
+
 def markdown_table(rows: list[BenchRow], read_gbs: float) -> str:
     lines = [f"read bandwidth (bf16 .sum()): {read_gbs:.0f} GB/s; H=32, Hkv=8, D=128, bf16, {PAGE_SIZE}-token "
              "pages; median µs per call of a CUDA graph", "",
@@ -186,6 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes B, comma-separated")
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="context lengths, comma-separated")
     p.add_argument("--decode-only", action="store_true", help="skip the prefill op")
+    p.add_argument("--sweep", action="store_true", help="also time kernel configs around the dispatcher's choice")
     args = p.parse_args(argv)
     try:
         batches = parse_ints("--batches", args.batches, 1)
@@ -199,7 +246,8 @@ def main(argv=None) -> int:
         return 2
 
     read_gbs = statistics.median(read_bandwidth_gb_s())
-    report = {"device": torch.cuda.get_device_name(0), "read_gbs": read_gbs, "torch": torch.__version__, "rows": []}
+    report = {"device": torch.cuda.get_device_name(0), "read_gbs": read_gbs, "torch": torch.__version__, "rows": [],
+              "sweep": []}
     rows: list[BenchRow] = []
     for batch in batches:
         for context in contexts:
@@ -213,6 +261,8 @@ def main(argv=None) -> int:
                       f"({r.pct_read_bw:.0f}% of read), {r.tflops:.0f} TFLOP/s, rel err {r.rel_err:.1e}", flush=True)
             rows += new
             report["rows"] += [dataclasses.asdict(r) for r in new]
+            if args.sweep:
+                report["sweep"] += sweep_rows(layers, batch, context, args.reps, args.decode_only)
             write_json(args.json, report)  # after each step, so a cut-off run keeps what it measured
             del layers
             torch.cuda.empty_cache()

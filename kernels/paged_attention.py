@@ -33,7 +33,8 @@ import functools
 import torch
 from torch import Tensor
 
-from .configs import AttentionConfig, PagedPrefillConfig, fitted_attention_config, fitted_paged_prefill_config
+from .configs import (PAGED_DECODE_STAGES, AttentionConfig, PagedPrefillConfig, fitted_attention_config,
+                      fitted_paged_prefill_config)
 from .device import device_caps, triton_importable
 from .linear import FLOAT_DTYPES
 
@@ -74,7 +75,7 @@ def paged_decode_config(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     batch, n_heads, head_dim = q.shape
     max_keys = block_tables.shape[1] * k_cache.shape[1]
     return fitted_attention_config(batch, n_heads, k_cache.shape[2], max(max_keys, 1), head_dim,
-                                   k_cache.element_size(), device_caps(q.device))
+                                   k_cache.element_size(), device_caps(q.device), PAGED_DECODE_STAGES)
 
 
 def paged_prefill_config(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> PagedPrefillConfig | None:
