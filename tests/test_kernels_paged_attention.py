@@ -381,6 +381,50 @@ def test_gpu_cuda_graph_replay_with_changing_lengths_and_tables():
         assert rel_err(out, want) <= 2e-2
 
 
+@pytest.mark.gpu
+def test_gpu_prefill_cuda_graph_replay_with_changing_chunks():
+    lengths = [300, 900, 64, 5]
+    batch = paged_batch(lengths, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(256, 32, 128, device="cuda", dtype=torch.bfloat16)  # (T, H, D), a padded bucket of 256 rows
+    cu = torch.zeros(5, dtype=torch.int32, device="cuda")
+    lens = batch.seq_lens.clone()
+
+    def call():
+        return torch.ops.redline.paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, cu,
+                                                         lens, 0.088)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    chunks = (([100, 50, 64, 5], lengths), ([1, 1, 1, 1], [1, 2, 3, 4]), ([0, 200, 0, 3], [7, 900, 0, 3]))
+    for q_lens, new_lens in chunks:
+        cu.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32))
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        graph.replay()
+        want = pa.paged_prefill_attention_reference(q, batch.k_cache, batch.v_cache, batch.block_tables, cu, lens,
+                                                    0.088)
+        assert rel_err(out, want) <= 2e-2
+        assert (out[sum(q_lens):] == 0).all()
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_reduce_overhead():
+    batch = paged_batch([100, 2000], 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(2, 32, 128, device="cuda", dtype=torch.bfloat16)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(q, k, v, tables, lens):
+        return torch.ops.redline.paged_decode_attention(q * 2, k, v, tables, lens, 0.088) + 1
+
+    for _ in range(3):  # warm-up, recording, replay
+        got = step(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    want = pa.paged_decode_attention_reference(q * 2, batch.k_cache, batch.v_cache, batch.block_tables,
+                                               batch.seq_lens, 0.088) + 1
+    assert rel_err(got, want) <= 2e-2
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 (the kernels run in Triton's interpreter)")
