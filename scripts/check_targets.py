@@ -9,9 +9,10 @@ project's own launchers run on meta tensors under that target's capability descr
 decode batch, cache length and prompt length up to 2048, paged-attention page size and prefill layout
 (scripts/attention_target_calls.py), for the shapes of the demo model (SmolLM2-135M), Llama-2-7B, Llama-3-8B and
 Llama-3-70B (--kernels limits the check to some kernel groups: linear, attention, paged). A Triton JIT hook
-records each launch instead of compiling it (nothing runs). Each configuration is then compiled for the target (Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU
-backend for AMD) and its shared memory (LDS on AMD) and registers are checked against the target's limits, and its
-shared memory against the dispatcher's estimate (which is what keeps configurations within the limit at run time).
+records each launch instead of compiling it (nothing runs). Each configuration is then compiled for the target
+(Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU backend for AMD) and its shared memory (LDS on AMD) and
+registers are checked against the target's limits, and its shared memory against the dispatcher's estimate (which
+is what keeps configurations within the limit at run time).
 
 A configuration is what Triton compiles: the kernel, its argument dtypes and specialization (integers and pointers
 divisible by 16 or not; on AMD, tensors within 32-bit offsets or not), its constexprs, num_warps, num_stages and
