@@ -253,6 +253,11 @@ def _dot_precision(dtype: torch.dtype, caps) -> str:
     return "tf32" if dtype != torch.float32 and caps.supports_tf32 else "ieee"
 
 
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its last dim has unit stride (the kernels index rows by their strides), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _device_context(t: torch.Tensor):
     """Launch on t's GPU (Triton uses the current device); the nullcontext serves Triton's CPU interpreter."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -272,8 +277,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         config = fitted_attention_config(batch, n_heads, n_kv_heads, max_keys, head_dim, k_cache.element_size(), caps)
     if config is None:  # kernels.paged_attention checks first and takes the reference
         raise ValueError(f"no paged decode-attention config fits this GPU's shared memory for head_dim {head_dim}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, block_tables, seq_lens = _unit_stride(q), _unit_stride(block_tables), seq_lens.contiguous()
     out = torch.empty((batch, n_heads, head_dim), device=q.device, dtype=q.dtype)  # (B, H, D)
     if out.numel() == 0:
         return out
@@ -323,8 +327,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group_p2 = triton.next_power_of_2(group)
     if config.block_m < group_p2:
         raise ValueError(f"PagedPrefillConfig.block_m {config.block_m} must hold a KV group's {group_p2} rows")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q, block_tables = _unit_stride(q), _unit_stride(block_tables)
+    cu_seqlens_q, seq_lens = cu_seqlens_q.contiguous(), seq_lens.contiguous()
     out = torch.zeros((n_tokens, n_heads, head_dim), device=q.device, dtype=q.dtype)  # (T, H, D)
     if out.numel() == 0 or n_seqs == 0:
         return out

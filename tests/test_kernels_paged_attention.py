@@ -359,6 +359,27 @@ def test_gpu_prefill_matches_reference(page_size, layout, head_dim, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_strided_inputs():
+    """q, the block table and the lengths as strided views (a slice of wider buffers) give the contiguous result."""
+    batch = paged_batch([40, 300, 7], 2, 64, 16, dtype=torch.float16, device="cuda")
+    q = torch.randn(3, 8, 2, 64, device="cuda", dtype=torch.float16)[:, :, 0]  # (B, H, D), stride 128 along H
+    tables = torch.cat([batch.block_tables, batch.block_tables], dim=0).t().contiguous().t()[:3]  # column-major
+    lens = torch.stack([batch.seq_lens, batch.seq_lens], dim=1)[:, 0]  # stride 2
+    got = torch.ops.redline.paged_decode_attention(q, batch.k_cache, batch.v_cache, tables, lens, 0.125)
+    want = pa.paged_decode_attention_reference(q.contiguous(), batch.k_cache, batch.v_cache, batch.block_tables,
+                                               batch.seq_lens, 0.125)
+    assert rel_err(got, want) <= 3e-3
+    cu = torch.tensor([0, 0, 2, 2, 5, 5], dtype=torch.int32, device="cuda")[::2]  # [0, 2, 5], stride 2
+    qp = torch.randn(5, 8, 2, 64, device="cuda", dtype=torch.float16)[:, :, 1]
+    tables2 = tables[:2]  # still column-major
+    lens2 = lens[:2]
+    got = torch.ops.redline.paged_prefill_attention(qp, batch.k_cache, batch.v_cache, tables2, cu, lens2, 0.125)
+    want = pa.paged_prefill_attention_reference(qp.contiguous(), batch.k_cache, batch.v_cache,
+                                                batch.block_tables[:2], cu.contiguous(), batch.seq_lens[:2], 0.125)
+    assert rel_err(got, want) <= 3e-3
+
+
+@pytest.mark.gpu
 def test_gpu_cuda_graph_replay_with_changing_lengths_and_tables():
     batch = paged_batch([300, 900, 64, 5], 8, 128, 16, dtype=torch.bfloat16, device="cuda")
     q = torch.randn(4, 32, 128, device="cuda", dtype=torch.bfloat16)
