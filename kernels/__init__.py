@@ -16,9 +16,10 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
     linear.py          redline::linear, int8_linear, int4_linear, fused_linear; KernelLinear, KernelInt8Linear,
                        KernelInt4Linear
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
+    paged_attention.py redline::paged_decode_attention, paged_prefill_attention (a paged KV cache)
     fused_decode.py    FusedDecode
-    triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_attention.py, triton_common.py: the Triton
-                       sources and launchers
+    triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_attention.py, triton_paged_attention.py,
+                       triton_common.py: the Triton sources and launchers
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from redline.model import Attention, Transformer
 
+from . import paged_attention  # noqa: F401  (registers torch.ops.redline.paged_*)
 from .attention import KernelAttention
 from .device import DeviceCaps, device_caps, triton_importable
 from .fused_decode import FusedDecode

@@ -8,6 +8,8 @@ reasoning behind each row is next to it. Plain Python: importing this module nee
     dot_config(n, k, w_bytes, m)           2 or more rows: the tensor-core kernel (triton_linear.small_m_dot)
     int4_dot_config(n, k, group_size, m)   2 or more rows, int4 weights: triton_int4_dot.int4_dot
     attention_config(batch, ..., sms)      one decode token: the split flash-decoding kernel (triton_attention)
+    paged_prefill_config(group, ...)       query chunks over a paged cache (triton_paged_attention); paged decode
+                                           takes attention_config's splits over the block table's key capacity
 """
 from __future__ import annotations
 
@@ -93,6 +95,26 @@ class AttentionConfig:
             raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {self.num_splits}")
         if self.block_s < 16 or self.block_s & (self.block_s - 1):
             raise ValueError(f"block_s must be a power of two >= 16, got {self.block_s}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class PagedPrefillConfig:
+    """Launch parameters of the paged prefill kernel: a tile of block_m query rows (tokens x the query heads of one
+    KV group, the group padded to a power of two) against block_n keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"PagedPrefillConfig.{name} must be a power of two >= 16 (tl.dot tiles), "
+                                 f"got {value}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
 
@@ -383,10 +405,13 @@ def attention_smem_bytes(block_g: int, block_s: int, head_dim: int, elt_bytes: i
 
 
 def fitted_attention_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int,
-                            elt_bytes: int, caps: DeviceCaps) -> AttentionConfig | None:
-    """attention_config's choice for caps' SM count, with its pipeline stages and then its key blocks cut until it
-    fits the shared memory (and PIPELINE_SMEM_BYTES); None when nothing fits: the caller takes the reference."""
+                            elt_bytes: int, caps: DeviceCaps, num_stages: int = 0) -> AttentionConfig | None:
+    """attention_config's choice for caps' SM count (with num_stages pipeline stages where given), with its stages
+    and then its key blocks cut until it fits the shared memory (and PIPELINE_SMEM_BYTES); None when nothing fits:
+    the caller takes the reference."""
     cfg = attention_config(batch, n_heads, n_kv_heads, seq_len, head_dim, max(caps.sm_count, 1))
+    if num_stages:
+        cfg = replace(cfg, num_stages=num_stages)
     block_g = max(16, 1 << max(n_heads // n_kv_heads - 1, 0).bit_length())
     limit = min(PIPELINE_SMEM_BYTES, caps.shared_memory_per_block)
     block_s = cfg.block_s
@@ -396,4 +421,62 @@ def fitted_attention_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: 
                 splits = max(1, min(cfg.num_splits, math.ceil(seq_len / block_s)))
                 return AttentionConfig(splits, block_s, cfg.num_warps, stages)
         block_s //= 2
+    return None
+
+
+# --- the paged attention kernels ---
+
+# Pipeline stages of the paged decode kernel (attention_config's splits and key blocks over the block table's key
+# capacity): its page addresses are loaded one block ahead, and 3 stages then measured faster than 2 on an H200
+# (benchmarks/bench_paged_attention.py, Llama-3-8B heads, bf16: 141.6 against 164.6 us at B=16 over 8192 keys,
+# 17.7 against 19.7 us at B=1).
+PAGED_DECODE_STAGES = 3
+
+
+def paged_prefill_config(group: int, head_dim: int, elt_bytes: int) -> PagedPrefillConfig:
+    """The paged prefill kernel's config (group: query heads per KV head). 16-bit, 128-wide heads: 128 query rows
+    against 128 keys a step, 8 warps, 3 stages, the fastest of 8 configs on an H200 (benchmarks/
+    bench_paged_attention.py --sweep, Llama-3-8B heads, bf16, 512-token chunks over 2048-8192 keys: 2983 against
+    3520 us for 64-key steps at B=16 over 8192 keys). Otherwise (not measured): 64 keys a step, and 64 query rows in
+    fp32, whose operands take twice the registers."""
+    if elt_bytes == 4:
+        cfg = PagedPrefillConfig(64, 64, 4, 3)
+    elif head_dim >= 128:
+        cfg = PagedPrefillConfig(128, 128, 8, 3)
+    else:
+        cfg = PagedPrefillConfig(128, 64, 4, 3)
+    return replace(cfg, block_m=max(cfg.block_m, 1 << max(group - 1, 0).bit_length()))  # one token's heads at least
+
+
+def paged_prefill_smem_bytes(block_m: int, block_n: int, head_dim: int, elt_bytes: int, num_stages: int,
+                             caps: DeviceCaps) -> int:
+    """Shared memory the paged prefill kernel needs: the query tile, num_stages - 1 buffered K and V tiles (one
+    without pipelining; on Hopper's wgmma path at least two: Triton 3.6 took 160 KiB for 128 x 128 bf16 tiles at 2
+    and 3 stages on sm90), the probability tile of the second dot, and fp32 scratch for layout conversions of
+    per-row values and the key tile's page numbers. scripts/check_targets.py checks it on every target."""
+    buffers = max(num_stages - 1, 1)
+    if caps.vendor == "nvidia" and caps.arch >= "sm90" and elt_bytes == 2:
+        buffers = max(num_stages - 1, 2)
+    kv = 2 * block_n * head_dim * elt_bytes * buffers
+    return block_m * head_dim * elt_bytes + kv + block_m * block_n * elt_bytes + 8 * (block_m + block_n) + \
+        ATTENTION_SMEM_MARGIN
+
+
+def fitted_paged_prefill_config(group: int, head_dim: int, elt_bytes: int,
+                                caps: DeviceCaps) -> PagedPrefillConfig | None:
+    """paged_prefill_config's choice with its stages, then its key block, then its query rows cut until it fits
+    caps' shared memory; None when nothing fits (or a KV group does not fit a tile): the caller takes the reference."""
+    cfg = paged_prefill_config(group, head_dim, elt_bytes)
+    group_rows = 1 << max(group - 1, 0).bit_length()
+    block_m = cfg.block_m
+    while block_m >= max(MIN_DOT_BLOCK, group_rows):
+        block_n = cfg.block_n
+        while block_n >= MIN_DOT_BLOCK:
+            for stages in range(cfg.num_stages, 0, -1):
+                if paged_prefill_smem_bytes(block_m, block_n, head_dim, elt_bytes, stages,
+                                            caps) <= caps.shared_memory_per_block:
+                    warps = cfg.num_warps if block_m >= 128 else min(cfg.num_warps, 4)
+                    return PagedPrefillConfig(block_m, block_n, warps, stages)
+            block_n //= 2
+        block_m //= 2
     return None

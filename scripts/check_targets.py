@@ -1,16 +1,18 @@
 """Cross-compile every Triton kernel configuration the dispatcher can choose, for GPUs this machine does not have.
 
-    python scripts/check_targets.py [--targets sm80,gfx90a,...] [--jobs N] [--failures-only]
+    python scripts/check_targets.py [--targets sm80,...] [--kernels linear,attention,paged] [--jobs N] [--failures-only]
 
 For each target (kernels.device.TARGETS: sm80, sm86, sm89, sm90, gfx90a, gfx942, gfx1100 by default) the
 project's own launchers run on meta tensors under that target's capability description
 (kernels.device.simulated(target_caps(name))) and a Triton driver that reports the target's GPU: every op, dtype
 (bf16, fp16, fp32; int8 weights, and int4 weights in every group size the quantizer offers), row count 1-256,
-decode batch, cache length and prompt length up to 2048, for the shapes of the demo model (SmolLM2-135M),
-Llama-2-7B, Llama-3-8B and Llama-3-70B. A Triton JIT hook records each launch instead of compiling it (nothing
-runs). Each configuration is then compiled for the target (Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU
-backend for AMD) and its shared memory (LDS on AMD) and registers are checked against the target's limits, and its
-shared memory against the dispatcher's estimate (which is what keeps configurations within the limit at run time).
+decode batch, cache length and prompt length up to 2048, paged-attention page size and prefill layout
+(scripts/attention_target_calls.py), for the shapes of the demo model (SmolLM2-135M), Llama-2-7B, Llama-3-8B and
+Llama-3-70B (--kernels limits the check to some kernel groups: linear, attention, paged). A Triton JIT hook
+records each launch instead of compiling it (nothing runs). Each configuration is then compiled for the target
+(Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU backend for AMD) and its shared memory (LDS on AMD) and
+registers are checked against the target's limits, and its shared memory against the dispatcher's estimate (which
+is what keeps configurations within the limit at run time).
 
 A configuration is what Triton compiles: the kernel, its argument dtypes and specialization (integers and pointers
 divisible by 16 or not; on AMD, tensors within 32-bit offsets or not), its constexprs, num_warps, num_stages and
@@ -49,6 +51,7 @@ import torch
 
 from redline.kernels import configs
 from redline.kernels.device import DEFAULT_TARGETS, DeviceCaps, simulated, target_caps
+from redline.scripts.attention_target_calls import attention_calls, paged_attention_calls
 
 # Register limits the compilers must stay within: NVIDIA has 64K 32-bit registers per block and at most 255 per
 # thread; an AMD wave's VGPRs (arch + accumulation registers) are limited per lane.
@@ -100,9 +103,10 @@ FUSED_GEMVS = (("wqkv", 1, False, False), ("wqkv", 2, False, False), ("wo", 0, F
                ("w13", 2, True, False), ("w2", 0, False, True), ("output", 2, False, False))
 NORM_SUM_LANES = 32
 
-# Constexprs that only enter scalar index arithmetic and masks (head counts), never a tile shape: configurations
-# that differ in nothing else have the same tiles, layouts and shared memory, so one of them is compiled.
-SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS"}
+# Constexprs that only enter scalar index arithmetic and masks (head counts, the page size of the paged kernels'
+# key addresses), never a tile shape: configurations that differ in nothing else have the same tiles, layouts and
+# shared memory, so one of them is compiled (tests/test_check_targets.py compiles two page sizes alike).
+SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS", "PAGE_SIZE"}
 # Integer arguments whose divisibility by 16 is compiled once (one variant stands for both), by kernel: the split
 # count of the attention kernels, whose two variants compiled to identical binaries on every default target, and
 # the tensor-core kernel's row count M, which only bounds the row mask of x (its loads vectorize along K): its
@@ -110,7 +114,10 @@ SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS"}
 # tests/test_check_targets.py checks both on an NVIDIA and an AMD target; compiling every variant would add about
 # 5 minutes on 2 cores.
 ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_split_kernel": {"num_splits"},
-                         "_combine_kernel": {"num_splits"}}
+                         "_combine_kernel": {"num_splits"}, "_paged_split_kernel": {"num_splits", "max_keys"},
+                         "_paged_combine_kernel": {"num_splits", "max_keys"},
+                         "_paged_prefill_kernel": {"n_seqs", "n_steps", "max_keys"}}
+KERNEL_GROUPS = ("linear", "attention", "paged")
 
 
 @dataclass
@@ -338,36 +345,11 @@ def _dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, 
     return fallbacks
 
 
-def _attention_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape, ...]) -> list[str]:
-    """Decode attention (rotated q, and the fused qkv form) and the prefill rope kernel on every model shape."""
-    from redline.kernels import attention, triton_attention
-
-    fallbacks = []
-    for model, dtype in itertools.product(models, FLOAT_DTYPES):
-        h, hkv, d = model.n_heads, model.n_kv_heads, model.head_dim
-        rope = _meta(max(CACHE_LENGTHS), 2, d // 2, dtype=torch.float32)
-        for batch, seq_len in itertools.product(DECODE_BATCHES, CACHE_LENGTHS):
-            record.call = f"{model.name} attention {_dtype_name(dtype)} batch={batch} cache={seq_len}"
-            cache = _meta(batch, hkv, seq_len, d, dtype=dtype)
-            if attention.attention_kernel_config(batch, h, cache) is None:
-                fallbacks.append(record.call)
-                continue
-            pos = _meta(1, dtype=torch.int64)
-            triton_attention.decode_attention(_meta(batch, h, 1, d, dtype=dtype), cache, cache, pos)
-            triton_attention.decode_attention_qkv(_meta(batch, 1, (h + 2 * hkv) * d, dtype=dtype), cache, cache,
-                                                  rope, pos)
-        for length in sorted({2 ** i for i in range(12)} | {2 ** i + 1 for i in range(11)} | {MAX_PROMPT}):
-            record.call = f"{model.name} prefill rope {_dtype_name(dtype)} tokens={length}"
-            cache = _meta(1, hkv, MAX_PROMPT, d, dtype=dtype)
-            triton_attention.prefill_rope_cache(_meta(1, length, (h + 2 * hkv) * d, dtype=dtype), cache, cache,
-                                                rope[:length])
-    return fallbacks
-
-
-def target_launches(name: str, device_index: int = 1000,
-                    models: tuple[ModelShape, ...] = MODELS) -> tuple[list[Launch], list[str]]:
-    """The distinct kernel configurations the dispatcher chooses on target `name` for these models, and the calls
-    that take a fallback (cuBLAS/hipBLAS or the reference attention) because no configuration fits."""
+def target_launches(name: str, device_index: int = 1000, models: tuple[ModelShape, ...] = MODELS,
+                    groups: tuple[str, ...] = KERNEL_GROUPS) -> tuple[list[Launch], list[str]]:
+    """The distinct kernel configurations the dispatcher chooses on target `name` for these models (of the kernel
+    groups named), and the calls that take a fallback (cuBLAS/hipBLAS or the reference attention) because no
+    configuration fits."""
     from triton import knobs
 
     caps = target_caps(name)
@@ -376,14 +358,19 @@ def target_launches(name: str, device_index: int = 1000,
     knobs.runtime.jit_cache_hook = record
     try:
         with active_driver(target_driver(caps, device_index)), simulated(caps):
-            fallbacks = _linear_calls(record, caps, models) + _attention_calls(record, caps, models)
+            fallbacks = _linear_calls(record, caps, models) if "linear" in groups else []
+            if "attention" in groups:
+                fallbacks += attention_calls(record, models, FLOAT_DTYPES, DECODE_BATCHES, CACHE_LENGTHS, MAX_PROMPT)
+            if "paged" in groups:
+                fallbacks += paged_attention_calls(record, models, FLOAT_DTYPES, DECODE_BATCHES, CACHE_LENGTHS)
     finally:
         knobs.runtime.jit_cache_hook = previous
     return list(record.launches.values()), fallbacks
 
 
-def _capture_job(job: tuple[str, int]) -> tuple[list[Launch], list[str]]:
-    return target_launches(*job)
+def _capture_job(job: tuple[str, int, tuple[str, ...]]) -> tuple[list[Launch], list[str]]:
+    name, device_index, groups = job
+    return target_launches(name, device_index, MODELS, groups)
 
 
 # --- compiling one configuration ---
@@ -516,7 +503,10 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
     if kernel == "_int4_dot_kernel":
         return configs.int4_dot_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["BLOCK_K"], options["num_stages"],
                                            _pointer_bytes(signature["x_ptr"]), named["G"], named["SWAP"], caps)
-    if kernel == "_split_kernel":
+    if kernel == "_paged_prefill_kernel":
+        return configs.paged_prefill_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["HEAD_DIM"],
+                                                _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)
+    if kernel in ("_split_kernel", "_paged_split_kernel"):
         return configs.attention_smem_bytes(named["BLOCK_G"], named["BLOCK_S"], named["HEAD_DIM"],
                                             _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)
     return None
@@ -605,7 +595,8 @@ def _task_seconds(task: list[Job]) -> float:
     configuration assembled from a reference's PTX about 40% of a full compile)."""
     _, target, launch, _ = task[0]
     kind = launch.kernel.rsplit(".", 1)[1]
-    seconds = {"_small_m_dot_kernel": 1.0, "_split_kernel": 1.2}.get(kind, 0.4)
+    seconds = {"_small_m_dot_kernel": 1.0, "_split_kernel": 1.2, "_paged_split_kernel": 1.2,
+               "_paged_prefill_kernel": 1.5}.get(kind, 0.4)
     seconds *= (2 if "(fp32" in launch.summary else 1) * (2 if target == "gfx1100" else 1)
     return seconds * (1 + 0.4 * (len(task) - 1))
 
@@ -620,10 +611,15 @@ class CheckArgs:
     targets: tuple[str, ...]
     jobs: int
     failures_only: bool
+    kernels: tuple[str, ...] = KERNEL_GROUPS
 
     def __post_init__(self) -> None:
         for name in self.targets:
             target_caps(name)  # raises ValueError naming the known targets
+        unknown = [k for k in self.kernels if k not in KERNEL_GROUPS]
+        if unknown or not self.kernels:
+            raise ValueError(f"--kernels takes a comma-separated list of {', '.join(KERNEL_GROUPS)}, "
+                             f"got {','.join(self.kernels)!r}")
         if self.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {self.jobs}")
 
@@ -634,11 +630,14 @@ def parse_args(argv: list[str] | None) -> CheckArgs:
                         help=f"comma-separated targets (default {','.join(DEFAULT_TARGETS)})")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes (default: CPUs)")
     parser.add_argument("--failures-only", action="store_true", help="print only the configurations that fail")
+    parser.add_argument("--kernels", default=",".join(KERNEL_GROUPS),
+                        help=f"comma-separated kernel groups to check (default {','.join(KERNEL_GROUPS)})")
     ns = parser.parse_args(argv)
     targets = tuple(dict.fromkeys(t.strip() for t in ns.targets.split(",") if t.strip()))
     if not targets:
         raise ValueError("--targets is empty; name at least one, e.g. --targets sm80,gfx90a")
-    return CheckArgs(targets, ns.jobs, ns.failures_only)
+    kernels = tuple(dict.fromkeys(k.strip() for k in ns.kernels.split(",") if k.strip()))
+    return CheckArgs(targets, ns.jobs, ns.failures_only, kernels)
 
 
 def format_result(r: Result) -> str:
@@ -652,7 +651,7 @@ def run(args: CheckArgs) -> int:
     start = time.perf_counter()
     context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        captured = list(pool.map(_capture_job, [(t, 1000 + i) for i, t in enumerate(args.targets)]))
+        captured = list(pool.map(_capture_job, [(t, 1000 + i, args.kernels) for i, t in enumerate(args.targets)]))
         tasks = _tasks(args.targets, [launches for launches, _ in captured])
         print(f"{sum(map(len, tasks))} configurations on {len(args.targets)} targets, {len(tasks)} compile tasks, "
               f"{args.jobs} processes", flush=True)

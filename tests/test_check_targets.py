@@ -54,7 +54,8 @@ def test_each_target_gets_the_paths_it_supports(launches):
         assert not _find(amd, "", "USE_PDL=True") and not _find(amd, "", "INT8_MODE=2")
     kinds = {x.kernel.rsplit(".", 1)[1] for x in gfx90a if not x.kernel.startswith("redline.kernels.triton_int4.")}
     assert kinds == {"_gemv_kernel", "_small_m_dot_kernel", "_int4_dot_kernel", "_split_kernel", "_combine_kernel",
-                     "_prefill_rope_cache_kernel"}
+                     "_prefill_rope_cache_kernel", "_paged_split_kernel", "_paged_combine_kernel",
+                     "_paged_prefill_kernel"}
     assert any(x.kernel.startswith("redline.kernels.triton_int4.") for x in gfx90a)
     # the int4 tensor-core kernel converts nibbles with inline PTX on NVIDIA only
     assert _find(sm90, "_int4_dot_kernel", "PTX=True") and not _find(sm90, "_int4_dot_kernel", "PTX=False")
@@ -216,6 +217,57 @@ def test_divisibility_variants_compiled_once_compile_alike(target, device_index)
     for kernel in ("_split_kernel", "_combine_kernel"):
         first, second = compiled[kernel]
         assert first.asm[code] == second.asm[code] and first.metadata.shared == second.metadata.shared
+
+
+def _compiled(target: str, device_index: int, log: "_CallLog") -> dict[str, list]:
+    """Every launch in the log compiled for the target, by kernel name, in launch order."""
+    compiled: dict[str, list] = {}
+    with ct.active_driver(ct.target_driver(ct.target_caps(target), device_index)):
+        for _, _, spec in log.log:
+            name = json.loads(spec)["name"]
+            compiled.setdefault(name.rsplit(".", 1)[1], []).append(ct._jit_function(name).preload(spec))
+    return compiled
+
+
+@pytest.mark.parametrize("target, device_index", [("sm90", 3700), ("gfx90a", 3701)])
+def test_paged_variants_compiled_once_compile_alike(target, device_index):
+    """The paged kernels' arguments in ONE_DIVISIBILITY_ARGS (split count and key capacity 13/24 against 16/32;
+    sequences 3 against 16, with their binary-search steps) give the same code, and their page sizes (PAGE_SIZE, in
+    SCALAR_CONSTEXPRS: 8 against 128) the same TTGIR but for the page size's constants, and the same shared memory."""
+    from redline.kernels import triton_paged_attention as tpa
+    from redline.kernels.configs import AttentionConfig, PagedPrefillConfig
+
+    fp16, i32 = ct.torch.float16, ct.torch.int32
+
+    def launch_all(_):
+        for page, pages, splits in ((8, 3, 13), (8, 4, 16), (128, 4, 16)):
+            pool = ct._meta(64, page, 2, 64, dtype=fp16)
+            tpa.paged_decode_attention(ct._meta(2, 8, 64, dtype=fp16), pool, pool, ct._meta(2, pages, dtype=i32),
+                                       ct._meta(2, dtype=i32), 0.1, AttentionConfig(splits, 32))
+        for page, seqs in ((8, 3), (8, 16), (128, 16)):
+            pool = ct._meta(64, page, 2, 64, dtype=fp16)
+            tpa.paged_prefill_attention(ct._meta(100, 8, 64, dtype=fp16), pool, pool, ct._meta(seqs, 6, dtype=i32),
+                                        ct._meta(seqs + 1, dtype=i32), ct._meta(seqs, dtype=i32), 0.1,
+                                        PagedPrefillConfig(64, 32, 4, 2))
+
+    log = _CallLog()
+    launches = _capture(target, ct.target_caps(target), launch_all, device_index, log)
+    # distinct to Triton but the last combine (no page size there, its key capacity divisible by 16 like the second)
+    assert len(launches) == 3 and len({spec for _, _, spec in log.log}) == 8
+    compiled = _compiled(target, device_index, log)
+    code = "ptx" if target.startswith("sm") else "amdgcn"
+    for kernel in ("_paged_split_kernel", "_paged_combine_kernel", "_paged_prefill_kernel"):
+        first, second, other_page = compiled[kernel]
+        assert first.asm[code] == second.asm[code] and first.metadata.shared == second.metadata.shared
+        assert other_page.metadata.shared == second.metadata.shared
+        assert re.sub(r"\d+", "N", other_page.asm["ttgir"]) == re.sub(r"\d+", "N", second.asm["ttgir"])
+
+
+def test_kernel_groups_limit_the_capture():
+    paged = ct.target_launches("sm90", 3800, DEMO, ("paged",))[0]
+    assert paged and all("_paged_" in x.kernel for x in paged)
+    assert ct.parse_args(["--kernels", "paged, attention"]).kernels == ("paged", "attention")
+    assert ct.main(["--kernels", "paged,gemm"]) == 2
 
 
 def test_sm8x_targets_share_the_first_targets_ir_and_assemble_their_own(tmp_path, monkeypatch):

@@ -1,0 +1,239 @@
+"""Attention over a paged KV cache: the ops a continuous-batching engine calls, with plain-PyTorch references.
+
+    torch.ops.redline.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)  -> (B, H, D)
+    torch.ops.redline.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+                                                                                                  -> (T, H, D)
+
+The cache is a pool of pages, k_cache and v_cache (num_pages, page_size, Hkv, D) of one float dtype; row b of
+block_tables (int32, (B, max_pages)) names the pages of sequence b in order, so its key s sits at slot
+s % page_size of page block_tables[b, s // page_size]. Table entries past a row's ceil(seq_lens[b] / page_size)
+pages are never read (padding may hold anything); the entries before must be valid page numbers (not checked: that
+would read the device).
+
+- decode: one query per row, q (B, H, D), attending to keys 0..seq_lens[b]-1.
+- prefill: S sequences' query chunks flattened into q (T, H, D); sequence s owns rows cu_seqlens_q[s] ..
+  cu_seqlens_q[s+1]-1 (int32, (S + 1,)), and its query j sits at position seq_lens[s] - q_len_s + j, attending
+  causally to keys 0..that position (the chunk's own keys are already in the pages). Rows past cu_seqlens_q[S] (a
+  padded bucket) are zeros.
+
+Query head h reads KV head h // (H // Hkv) (grouped-query attention); scores are scale * q k^T, the softmax and the
+accumulation run in fp32, the output comes back in q's dtype. A query with no keys (seq_lens 0: a padding row)
+gets zeros. Lengths past a row's max_pages * page_size are clamped to it.
+
+On a CUDA/HIP device, for head_dim 64 or 128, a power-of-two page_size in 8..128 and caches with unit stride along
+D, where a config fits the GPU's shared memory (configs.py, fitted to device.DeviceCaps), the ops run the Triton
+kernels of triton_paged_attention.py; elsewhere the references below. Neither reads a tensor on the host, so both
+are CUDA-graph capturable with shapes fixed per batch bucket, and both are opaque to torch.compile (custom_op +
+register_fake).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .configs import (PAGED_DECODE_STAGES, AttentionConfig, PagedPrefillConfig, fitted_attention_config,
+                      fitted_paged_prefill_config)
+from .device import device_caps, triton_importable
+from .linear import FLOAT_DTYPES
+
+PAGED_HEAD_DIMS = (64, 128)  # the head widths the kernels take (and scripts/check_targets.py compiles)
+MIN_PAGE_SIZE, MAX_PAGE_SIZE = 8, 128  # the kernels take power-of-two page sizes in this range
+# Elements of gathered K (or V) the reference holds at once: it attends this many query rows' keys per step, so a
+# long batch on the fallback path does not gather every row's whole context at once.
+REFERENCE_CHUNK_ELEMENTS = 1 << 24
+
+
+@functools.cache
+def triton_paged_attention():
+    """kernels.triton_paged_attention, imported on first use (it imports triton)."""
+    from . import triton_paged_attention as module
+
+    return module
+
+
+# --- dispatch ---
+
+
+def _kernel_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """The Triton kernels take these shapes: a float dtype, head_dim 64/128, a power-of-two page size in 8..128,
+    unit stride along D, and Triton is importable (the ops also need the tensors on a CUDA/HIP device)."""
+    page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if q.dtype not in FLOAT_DTYPES or head_dim not in PAGED_HEAD_DIMS:
+        return False
+    if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
+        return False
+    return k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and triton_importable()
+
+
+def paged_decode_config(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor) -> AttentionConfig | None:
+    """The decode kernel's config on this GPU (the split count from the table's key capacity, never from the
+    lengths), or None where the kernel does not take these shapes: the op then runs the reference."""
+    if not _kernel_supported(q, k_cache, v_cache):
+        return None
+    batch, n_heads, head_dim = q.shape
+    max_keys = block_tables.shape[1] * k_cache.shape[1]
+    return fitted_attention_config(batch, n_heads, k_cache.shape[2], max(max_keys, 1), head_dim,
+                                   k_cache.element_size(), device_caps(q.device), PAGED_DECODE_STAGES)
+
+
+def paged_prefill_config(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> PagedPrefillConfig | None:
+    """The prefill kernel's config on this GPU, or None where the kernel does not take these shapes (the op then
+    runs the reference)."""
+    if not _kernel_supported(q, k_cache, v_cache):
+        return None
+    return fitted_paged_prefill_config(q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.element_size(),
+                                       device_caps(q.device))
+
+
+# --- references (plain PyTorch, fp32) ---
+
+
+def _attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lengths: Tensor, last_pos: Tensor,
+                  scale: float) -> Tensor:
+    """Each query row n attends to keys s < lengths[n] with s <= last_pos[n] of the pages tables[n]; fp32 softmax,
+    zeros for a row without keys. q (N, H, D), tables (N, max_pages), lengths and last_pos (N,); returns (N, H, D)
+    in fp32."""
+    n_rows, n_heads, head_dim = q.shape
+    page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_pages = tables.shape[1]
+    max_keys = max_pages * page_size
+    group = n_heads // n_kv_heads
+    out = q.new_zeros((n_rows, n_heads, head_dim), dtype=torch.float32)  # (N, H, D)
+    step = max(1, REFERENCE_CHUNK_ELEMENTS // max(max_keys * n_kv_heads * head_dim, 1))
+    positions = torch.arange(max_keys, device=q.device)  # (S,)
+    for start in range(0, n_rows, step):  # fixed by the shapes: no host sync
+        rows = slice(start, start + step)
+        lens = lengths[rows].clamp(0, max_keys)
+        valid = (positions < lens[:, None]) & (positions <= last_pos[rows, None])  # (n, S)
+        used_pages = torch.arange(max_pages, device=q.device) * page_size < lens[:, None]  # (n, max_pages)
+        pages = torch.where(used_pages, tables[rows].long(), 0)  # padding entries are never dereferenced
+        keep = valid[:, :, None, None]  # (n, S, 1, 1)
+        # Zero the invalid keys rather than only masking the scores: 0 * NaN garbage would leak.
+        k = torch.where(keep, k_cache[pages].flatten(1, 2).float(), 0.0)  # (n, S, Hkv, D)
+        v = torch.where(keep, v_cache[pages].flatten(1, 2).float(), 0.0)
+        qg = q[rows].float().unflatten(1, (n_kv_heads, group))  # (n, Hkv, G, D): head h -> KV head h // G
+        scores = torch.einsum("nkgd,nskd->nkgs", qg, k) * scale  # (n, Hkv, G, S)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row without keys: all -inf -> zeros
+        out[rows] = torch.einsum("nkgs,nskd->nkgd", probs, v).flatten(1, 2)
+    return out
+
+
+def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                     seq_lens: Tensor, scale: float) -> Tensor:
+    """The decode op computed in fp32 with PyTorch ops, returned in q's dtype; (B, H, D)."""
+    lengths = seq_lens.long()
+    return _attend_pages(q, k_cache, v_cache, block_tables, lengths, lengths - 1, scale).to(q.dtype)
+
+
+def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                      cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    """The prefill op computed in fp32 with PyTorch ops, returned in q's dtype; (T, H, D)."""
+    n_tokens = q.shape[0]
+    n_seqs = block_tables.shape[0]
+    if n_seqs == 0:
+        return torch.zeros_like(q)
+    cu = cu_seqlens_q.long()
+    token = torch.arange(n_tokens, device=q.device)  # (T,)
+    seq = torch.searchsorted(cu[1:], token, right=True)  # (T,) the sequence of each row; n_seqs past the last
+    padded = seq >= n_seqs
+    seq = seq.clamp(max=n_seqs - 1)
+    lengths = torch.where(padded, 0, seq_lens.long()[seq])  # (T,) a row past cu_seqlens_q[S] gets no keys: zeros
+    q_len = (cu[1:] - cu[:-1])[seq]
+    last_pos = lengths - q_len + (token - cu[seq])  # (T,) the row's position in its sequence
+    return _attend_pages(q, k_cache, v_cache, block_tables[seq], lengths, last_pos, scale).to(q.dtype)
+
+
+# --- validation ---
+
+
+def _check_paged_common(name: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                        seq_lens: Tensor) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError(f"{name}: q must be (rows, H, D) and k_cache (num_pages, page_size, Hkv, D), "
+                         f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: v_cache {tuple(v_cache.shape)} must have k_cache's shape {tuple(k_cache.shape)}")
+    num_pages, page_size, n_kv_heads, head_dim = k_cache.shape
+    if num_pages == 0 or page_size == 0:
+        raise ValueError(f"{name}: the page pool {tuple(k_cache.shape)} holds no pages; allocate at least one page")
+    if q.shape[2] != head_dim:
+        raise ValueError(f"{name}: q's head_dim {q.shape[2]} must match the cache's {head_dim}")
+    if n_kv_heads == 0 or q.shape[1] % n_kv_heads:
+        raise ValueError(f"{name}: q's {q.shape[1]} heads must be a multiple of the cache's {n_kv_heads} KV heads")
+    if q.dtype not in FLOAT_DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"{name}: q, k_cache and v_cache must share one dtype of bf16, fp16 or fp32, "
+                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(f"{name}: block_tables must be an int32 (sequences, max_pages) tensor, "
+                         f"got {tuple(block_tables.shape)} of {block_tables.dtype}")
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"{name}: seq_lens must be int32 with one length per block-table row "
+                         f"({block_tables.shape[0]}), got {tuple(seq_lens.shape)} of {seq_lens.dtype}")
+    devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> None:
+    name = "redline.paged_decode_attention"
+    _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens)
+    if block_tables.shape[0] != q.shape[0]:
+        raise ValueError(f"{name}: block_tables has {block_tables.shape[0]} rows for q's {q.shape[0]} queries; "
+                         "pass one row per query")
+
+
+def _check_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
+                         seq_lens: Tensor) -> None:
+    name = "redline.paged_prefill_attention"
+    _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens)
+    n_seqs = block_tables.shape[0]
+    if cu_seqlens_q.shape != (n_seqs + 1,) or cu_seqlens_q.dtype != torch.int32:
+        raise ValueError(f"{name}: cu_seqlens_q must be int32 of shape ({n_seqs + 1},) (sequences + 1 offsets), "
+                         f"got {tuple(cu_seqlens_q.shape)} of {cu_seqlens_q.dtype}")
+    if cu_seqlens_q.device != q.device:
+        raise ValueError(f"{name}: cu_seqlens_q is on {cu_seqlens_q.device}, q on {q.device}; put them on one device")
+
+
+# --- the custom ops ---
+
+
+@torch.library.custom_op("redline::paged_decode_attention", mutates_args=())
+def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                           scale: float) -> Tensor:
+    """softmax(scale q k^T) v over each row's keys 0..seq_lens[b]-1 of its pages; q (B, H, D) -> (B, H, D)."""
+    _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
+    config = paged_decode_config(q, k_cache, v_cache, block_tables) if q.is_cuda else None
+    if config is not None:
+        return triton_paged_attention().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                                config)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale).contiguous()
+
+
+@paged_decode_attention.register_fake
+def _paged_decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                                 scale: float) -> Tensor:
+    _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
+    return q.new_empty(q.shape)  # (B, H, D), contiguous like the real output
+
+
+@torch.library.custom_op("redline::paged_prefill_attention", mutates_args=())
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
+                            seq_lens: Tensor, scale: float) -> Tensor:
+    """Causal attention of flattened query chunks over their sequences' pages; q (T, H, D) -> (T, H, D)."""
+    _check_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    config = paged_prefill_config(q, k_cache, v_cache) if q.is_cuda else None
+    if config is not None:
+        return triton_paged_attention().paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                                 seq_lens, scale, config)
+    return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                             scale).contiguous()
+
+
+@paged_prefill_attention.register_fake
+def _paged_prefill_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                  cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+    _check_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    return q.new_empty(q.shape)  # (T, H, D)
