@@ -26,6 +26,8 @@ DEFAULT_SPECULATE_K = 5
 # A verify step runs k + 1 rows; the GPU's tensor-core linear kernel takes at most this many prompt rows (above it
 # cuBLAS runs, and a verify step would cost a prefill's matrix product).
 MAX_SPECULATE_K = PROMPT_SMALL_M - 1
+# The most alternatives per token that logprobs report.
+MAX_TOP_LOGPROBS = 20
 
 
 def check_text(text: str, what: str) -> None:
@@ -124,6 +126,9 @@ class GenerationOptions:
     profile: ProfileConfig | None = None  # a Perfetto trace of the run; a path (str/PathLike) is taken as one
     draft: Any = None  # speculative decoding: "prompt_lookup", a draft LLM sharing the tokenizer, or a Draft
     speculate_k: int | None = None  # tokens drafted per verify step; None: DEFAULT_SPECULATE_K with a draft
+    logprobs: bool = False  # the engine reports log_softmax(fp32 logits) of each chosen token
+    top_logprobs: int = 0  # ...and of the N most likely tokens at each step (0..MAX_TOP_LOGPROBS)
+    prompt_logprobs: bool = False  # ...and of each prompt token given the ones before it
 
     def __post_init__(self) -> None:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -147,6 +152,11 @@ class GenerationOptions:
             check_output_path(profile.path, "the trace path")
         object.__setattr__(self, "profile", profile)
         self._check_speculation()
+        for flag in ("logprobs", "prompt_logprobs"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
 
     def _check_speculation(self) -> None:
         if isinstance(self.draft, str) and self.draft != "prompt_lookup":
