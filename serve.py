@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -645,6 +646,10 @@ def serve(settings: ServeSettings, make_engine: Callable[[Any, ServeSettings], A
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)))
     servers.append(uvicorn.Server(config))
+    # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found; a no-op handler there
+    # makes a graceful stop exit 0 instead of dying by the signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     servers[0].run()
     return 2 if app.state.redline.error else 0
 
