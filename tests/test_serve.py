@@ -351,3 +351,31 @@ def test_sigterm_finishes_running_requests_and_exits_0(tiny_chat_checkpoint):
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{base}/health")
     assert "Traceback" not in output
+
+
+@pytest.fixture(scope="module")
+def smollm2_served(smollm2_checkpoint):
+    llm = LLM.load(smollm2_checkpoint, device="cpu", dtype="float32")
+    settings = ServeSettings(checkpoint_path=smollm2_checkpoint, served_model_name="smollm2")
+    with ServerThread(create_app(SequentialEngine(llm), llm, settings)) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300), llm
+
+
+@pytest.mark.real_model
+def test_smollm2_through_the_server(smollm2_served, smollm2_hf):
+    client, llm = smollm2_served
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=24,
+                                           logprobs=True)
+    ids = llm.chat_prompt(messages)
+    expected = greedy(llm, ids, 24)
+    assert reply.choices[0].message.content == expected.text and "Paris" in expected.text
+    stream = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=24,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected.text
+    with torch.no_grad():
+        logits = smollm2_hf[1](torch.tensor([ids + expected.token_ids])).logits[0].float()  # (T, V)
+    logp = torch.log_softmax(logits, dim=-1)[len(ids) - 1:-1]  # (N, V)
+    got = [e.logprob for e in reply.choices[0].logprobs.content]
+    want = [row[t].item() for row, t in zip(logp, expected.token_ids)]
+    assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-3
