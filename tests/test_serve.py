@@ -379,3 +379,18 @@ def test_smollm2_through_the_server(smollm2_served, smollm2_hf):
     got = [e.logprob for e in reply.choices[0].logprobs.content]
     want = [row[t].item() for row, t in zip(logp, expected.token_ids)]
     assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) < 1e-3
+
+
+def test_a_client_that_hangs_up_on_a_plain_request_aborts_it(url, engine):
+    engine.piece_delay_s = 0.05
+    ended = len(engine.finished)
+    try:
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 200, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, headers=auth(), timeout=0.5)
+        deadline = time.monotonic() + 10
+        while len(engine.finished) == ended and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.piece_delay_s = 0.0
+    assert engine.finished[-1].finish_reason == "abort" and metrics(url)["redline_kv_pages_used"] == 0
