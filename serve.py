@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from redline.model import ModelArgs
 from redline.options import EngineConfig, check_text
 from redline.serve_metrics import Metrics
 from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -75,6 +76,8 @@ class ServeSettings:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
+        if self.random_weights is not None:
+            ModelArgs.from_name(self.random_weights)  # an unknown name is refused before the server starts
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -164,10 +167,6 @@ def context_room(llm: Any, ids: list[int], asked: int | None, param: str) -> int
     return context - len(ids) if asked is None else min(asked, context - len(ids))
 
 
-def is_engine_full(exc: BaseException) -> bool:
-    return any(cls.__name__ == "EngineFull" for cls in type(exc).__mro__)
-
-
 def submit(engine: Any, requests: list[tuple[list[int], Any]]) -> list[Any]:
     """One engine request per (prompt ids, options); all or none (those added are aborted on a failure)."""
     handles: list[Any] = []
@@ -177,7 +176,7 @@ def submit(engine: Any, requests: list[tuple[list[int], Any]]) -> list[Any]:
     except Exception as exc:
         for handle in handles:
             engine.abort(handle)
-        if is_engine_full(exc):
+        if any(cls.__name__ == "EngineFull" for cls in type(exc).__mro__):  # the engine's own class, by name
             raise APIError(429, f"the server's queue is full ({exc}); retry later", "rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"}) from None
         if isinstance(exc, ValueError):
@@ -605,7 +604,6 @@ def load_llm(settings: ServeSettings) -> Any:
         return LLM.from_config(settings.checkpoint_path, settings.engine_config)
     from redline.benchmarks.bench_model import build_random_model
     from redline.checkpoint import dtype_from_name
-    from redline.model import ModelArgs
     from redline.quantize import parse_quant_spec
 
     config = settings.engine_config
