@@ -203,6 +203,7 @@ class Choice:
     started: float = 0.0
     last: float | None = None  # when the last piece with text or tokens came
     strings: TextStream | None = None  # splits the choice's tokens into their shares of the text
+    aborted: bool = False  # the server asked the engine to abort it (once)
 
     def token_strings(self, tokenizer: Any, ids: Sequence[int]) -> list[str]:
         """Each of `ids`' share of the decoded text, in the context of the choice's earlier tokens (a character
@@ -300,7 +301,9 @@ class Run:
         self.abort_unfinished()
 
     def abort_unfinished(self) -> None:
-        unfinished = [h for h, c in zip(self.handles, self.choices) if c.finish_reason is None]
+        unfinished = [h for h, c in zip(self.handles, self.choices) if c.finish_reason is None and not c.aborted]
+        for choice in self.choices:
+            choice.aborted = True
         for handle in unfinished:
             self.state.engine.abort(handle)
         if unfinished:
@@ -350,7 +353,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     req = parse_request(ChatRequest, await read_body(request, state.settings.max_body_bytes))
     state.check_model(req.model)
     try:
-        ids = llm.chat_prompt(req.message_dicts())
+        ids = await asyncio.to_thread(llm.chat_prompt, req.message_dicts())  # a long prompt never stalls the loop
     except ValueError as exc:
         raise invalid(str(exc), "messages") from None
     options = req.options(context_room(llm, ids, req.max_new, "messages"), logprobs=req.logprobs,
@@ -427,7 +430,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     prompts, work = [], []
     for p in req.prompts():
         try:
-            ids = llm.encode_prompt(p)
+            ids = await asyncio.to_thread(llm.encode_prompt, p)
         except ValueError as exc:
             raise invalid(str(exc), "prompt") from None
         text = p if isinstance(p, str) else (llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")

@@ -86,7 +86,7 @@ class SamplingRequest(Strict):
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options needs stream=true", "stream_options")
         if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
-            raise invalid(f"seed + n - 1 must stay below 2**63 (choice i uses seed + i)", "seed")
+            raise invalid("seed + n - 1 must stay below 2**63 (choice i uses seed + i)", "seed")
         return self
 
     def options(self, max_new_tokens: int, **extra: Any) -> GenerationOptions:

@@ -327,7 +327,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", default="512", help="prompt tokens: N, or LO:HI drawn uniformly")
     p.add_argument("--output-len", type=int, default=256, help="tokens generated per request (EOS ignored)")
-    p.add_argument("--request-rate", dest="request_rates", default="inf", help="requests/s, comma-separated for a sweep; inf: all at once")
+    p.add_argument("--request-rate", dest="request_rates", default="inf",
+                   help="requests/s, comma-separated for a sweep; inf: all at once")
     p.add_argument("--vocab-size", type=int, default=32000, help="random prompt ids are drawn below this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write the results here")

@@ -227,7 +227,10 @@ def test_a_full_queue_gets_429(url, engine):
 
 
 def test_the_server_survives_bad_requests(client, url):
-    for body in ({"prompt": {"a": 1}}, {"prompt": [[1, 2], "x"]}, {"prompt": "a", "stop": [""]}, {"prompt": None}):
+    for body in ({"prompt": {"a": 1}}, {"prompt": [[1, 2], "x"]}, {"prompt": "a", "stop": [""]}, {"prompt": None},
+                 {"prompt": []}, {"prompt": [[]]}, {"prompt": [""]}, {"prompt": [[1, 2], [-1]]},
+                 {"prompt": "a", "n": 17}, {"prompt": "a", "seed": 2**63}, {"prompt": "a", "seed": 2**63 - 1, "n": 2},
+                 {"prompt": "a", "top_k": 1.5}, {"prompt": json.loads("[" * 200 + "]" * 200)}):
         assert httpx.post(f"{url}/v1/completions", json=body, headers=auth()).status_code == 400
     assert client.completions.create(model="tiny", prompt="a", max_tokens=2).choices[0].text is not None
 
