@@ -112,3 +112,12 @@ def test_stop_ends_a_reply_midway(browser, served):
     assert engine.finished[-1].finish_reason == "abort"  # the server aborted the request when the page hung up
     assert browser.find_element("id", "stop").get_attribute("disabled")
     assert not browser.find_element("id", "send").get_attribute("disabled")
+
+
+def test_a_refused_request_shows_the_servers_error(browser, served):
+    url, _, _ = served
+    open_page(browser, url, "5", "8")  # temperature 5 is out of range
+    send(browser, "hello")
+    reply = wait_for(lambda: browser.find_elements("css selector", ".msg.assistant.error.done"))[-1]
+    assert "error: invalid value for 'temperature'" in reply.text
+    assert not browser.find_element("id", "send").get_attribute("disabled")
