@@ -25,7 +25,7 @@ demo: demo-model
 
 # The OpenAI-compatible server and its chat page on the demo model: http://127.0.0.1:8000
 serve: demo-model
-	$(PYTHON) serve.py --checkpoint_path $(DEMO_CHECKPOINT)
+	$(PYTHON) serve.py --checkpoint_path $(DEMO_CHECKPOINT) --served-model-name smollm2
 
 test: setup
 	$(PYTHON) -m pytest -q
