@@ -10,7 +10,7 @@ from redline.benchmarks import bench_serve
 from redline.generate import LLM
 from redline.serve import ServeSettings, create_app
 from sequential_engine import SequentialEngine
-from serve_helpers import ServerThread
+from live_server import ServerThread
 
 
 def test_percentile_interpolates_like_numpy():

@@ -21,7 +21,7 @@ from redline.generate import LLM
 from redline.serve import ServeSettings, create_app
 from redline.serve_metrics import parse_metrics
 from sequential_engine import SequentialEngine
-from serve_helpers import ServerThread
+from live_server import ServerThread
 
 KEY = "sk-test-key"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "The quick brown fox"}]

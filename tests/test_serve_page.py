@@ -13,7 +13,7 @@ import pytest
 from redline.generate import LLM
 from redline.serve import ServeSettings, create_app
 from sequential_engine import SequentialEngine
-from serve_helpers import ServerThread
+from live_server import ServerThread
 
 
 def browser_paths() -> tuple[str, str] | None:
