@@ -420,3 +420,18 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_random_weights_serve_token_ids_without_a_tokenizer():
+    from redline.serve import load_llm
+
+    settings = ServeSettings(random_weights="debug-tiny", device="cpu", dtype="float32")
+    llm = load_llm(settings)
+    assert llm.tokenizer is None and settings.model_name == "debug-tiny"
+    with ServerThread(create_app(SequentialEngine(llm), llm, settings)) as base:
+        body = {"model": "debug-tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{base}/v1/completions", json=body).json()
+        assert reply["usage"]["completion_tokens"] == 6 and reply["choices"][0]["finish_reason"] == "length"
+        chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and "tokenizer" in chat.json()["error"]["message"]
+        assert httpx.post(f"{base}/v1/completions", json={**body, "prompt": "text"}).status_code == 400
