@@ -7,7 +7,7 @@ DEMO_CHECKPOINT := $(DEMO_DIR)/float32/model.safetensors
 DEMO_PROMPT ?= What is the capital of France?
 
 
-.PHONY: setup demo test demo-model
+.PHONY: setup demo test demo-model serve
 
 # torch first (the CPU wheel where no torch is installed), so the project's install never pulls a CUDA build.
 # SKIP_SETUP=1 skips installing (the tests use it to run `make demo` in a scratch clone).
@@ -22,6 +22,10 @@ demo-model: setup
 
 demo: demo-model
 	$(PYTHON) generate.py --checkpoint_path $(DEMO_CHECKPOINT) --chat --prompt "$(DEMO_PROMPT)" --temperature 0 --max_new_tokens 64
+
+# The OpenAI-compatible server and its chat page on the demo model: http://127.0.0.1:8000
+serve: demo-model
+	$(PYTHON) serve.py --checkpoint_path $(DEMO_CHECKPOINT) --served-model-name smollm2
 
 test: setup
 	$(PYTHON) -m pytest -q

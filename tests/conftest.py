@@ -304,3 +304,21 @@ def smollm2_hf(smollm2_checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     return tokenizer, model.eval()
+
+
+# --- server fixtures (owner: server) ---
+# A small ChatML-style template: every message as <|role|>\n...\n, then the assistant's header.
+TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory, tiny_llm_checkpoint):
+    """tiny_llm_checkpoint's folder copied with a chat template beside it: (checkpoint path, hf_model)."""
+    import shutil
+
+    path, hf_model = tiny_llm_checkpoint
+    folder = tmp_path_factory.mktemp("tiny-chat") / "tiny-chat"
+    shutil.copytree(path.parent, folder)
+    (folder / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE, encoding="utf-8")
+    return folder / path.name, hf_model

@@ -1,0 +1,360 @@
+"""A load generator for serve.py (as `vllm bench serve` is for vLLM): N streamed completions of random token ids, sent
+all at once or at a fixed rate with Poisson arrivals, timed on the client.
+
+    python serve.py --random-weights Llama-3-8B --dtype bfloat16 &
+    python benchmarks/bench_serve.py --num-prompts 64 --input-len 512 --output-len 256 --json out.json
+    python benchmarks/bench_serve.py --request-rate 2,8,32 --num-prompts 1000 --input-len 100:1024 \\
+        --output-len 256 --json sweep.json --plot sweep.png
+
+Reports request throughput, output tok/s, TTFT, time per output token (TPOT) and inter-token latency (ITL) at
+p50/p90/p99 for each rate. `--offline` runs the same requests through redline.engine.Engine in this process instead
+(no HTTP), to see what the server adds.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class BenchServeConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    api_key: str | None = None
+    num_prompts: int = 64
+    input_len: tuple[int, int] = (512, 512)  # prompt lengths drawn uniformly in [lo, hi]
+    output_len: int = 256
+    request_rates: tuple[float, ...] = (math.inf,)  # requests/s; inf: all at once
+    vocab_size: int = 32000  # random prompt ids are drawn below this
+    seed: int = 0
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    offline: bool = False  # run through redline.engine in-process (needs --random-weights or --checkpoint_path)
+    random_weights: str | None = None
+    checkpoint_path: Path | None = None
+    device: str | None = None
+    dtype: str | None = None
+    max_kv_tokens: int | None = None
+    max_running: int = 256
+
+    def __post_init__(self) -> None:
+        lo, hi = self.input_len
+        if not 1 <= lo <= hi:
+            raise ValueError(f"--input-len must be N or LO:HI with 1 <= LO <= HI, got {lo}:{hi}")
+        for name in ("num_prompts", "output_len", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not self.request_rates or not all(r > 0 for r in self.request_rates):
+            raise ValueError("--request-rate takes positive numbers or inf, comma-separated")
+        if self.offline and (self.random_weights is None) == (self.checkpoint_path is None):
+            raise ValueError("--offline needs exactly one of --random-weights and --checkpoint_path")
+
+
+@dataclass
+class RequestTiming:
+    prompt_len: int
+    start: float = 0.0
+    arrivals: list[float] = field(default_factory=list)  # when each piece of output came
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.start
+
+    @property
+    def latency(self) -> float:
+        return self.arrivals[-1] - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between the closest ranks (numpy's default)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(rank), math.ceil(rank)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def distribution_ms(values: Sequence[float]) -> dict[str, float]:
+    out = {"mean": 1e3 * sum(values) / len(values) if values else math.nan}
+    out.update({f"p{q}": 1e3 * percentile(values, q) for q in PERCENTILES})
+    return out
+
+
+def make_prompts(cfg: BenchServeConfig) -> list[list[int]]:
+    rng = random.Random(cfg.seed)
+    low = min(10, cfg.vocab_size - 1)  # skip the first ids: special tokens live there
+    return [[rng.randrange(low, cfg.vocab_size) for _ in range(rng.randint(*cfg.input_len))]
+            for _ in range(cfg.num_prompts)]
+
+
+def arrival_offsets(cfg: BenchServeConfig, rate: float) -> list[float]:
+    """Seconds after the start at which each request is sent: 0 for all at an infinite rate, else Poisson."""
+    if math.isinf(rate):
+        return [0.0] * cfg.num_prompts
+    rng = random.Random(cfg.seed + 1)
+    t, out = 0.0, []
+    for _ in range(cfg.num_prompts):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def summarize(timings: list[RequestTiming], duration: float, rate: float) -> dict[str, Any]:
+    done = [t for t in timings if t.error is None and t.arrivals]
+    tokens = sum(t.output_tokens for t in done)
+    itl = [b - a for t in done for a, b in zip(t.arrivals, t.arrivals[1:])]
+    return {
+        "request_rate": "inf" if math.isinf(rate) else rate,
+        "completed": len(done), "failed": len(timings) - len(done),
+        "errors": sorted({t.error for t in timings if t.error})[:5],
+        "duration_s": duration,
+        "request_throughput": len(done) / duration, "output_tok_s": tokens / duration,
+        "total_tok_s": (tokens + sum(t.prompt_len for t in done)) / duration,
+        "prompt_tokens": sum(t.prompt_len for t in done), "output_tokens": tokens,
+        "ttft_ms": distribution_ms([t.ttft for t in done]),
+        "tpot_ms": distribution_ms([t.tpot for t in done if t.tpot is not None]),
+        "itl_ms": distribution_ms(itl),
+        "e2e_latency_ms": distribution_ms([t.latency for t in done]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Against a server.
+
+
+async def one_request(client: Any, cfg: BenchServeConfig, model: str, prompt: list[int],
+                      timing: RequestTiming) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    timing.start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    timing.error = chunk["error"]["message"]
+                    return
+                if chunk.get("usage"):
+                    timing.output_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    if choice["text"] or choice["finish_reason"] is None:  # a piece of output, not a bare finish
+                        timing.arrivals.append(time.perf_counter())
+    except Exception as exc:  # noqa: BLE001 - one failed request is counted, the run goes on
+        timing.error = f"{type(exc).__name__}: {exc}"
+    if timing.error is None and not timing.arrivals:
+        timing.error = "no output"
+
+
+async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: float) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=None, limits=limits) as client:
+        models = await client.get("/v1/models")
+        if models.status_code != 200:
+            raise ValueError(f"{cfg.base_url}/v1/models answered {models.status_code}; is the server up and ready?")
+        model = models.json()["data"][0]["id"]
+        timings = [RequestTiming(len(p)) for p in prompts]
+        start = time.perf_counter()
+        tasks = []
+        for prompt, timing, offset in zip(prompts, timings, arrival_offsets(cfg, rate)):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(one_request(client, cfg, model, prompt, timing)))
+        await asyncio.gather(*tasks)
+        return summarize(timings, time.perf_counter() - start, rate)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The same requests through the engine in this process.
+
+
+def offline_engine(cfg: BenchServeConfig) -> Any:
+    from redline.engine import Engine
+    from redline.serve import ServeSettings, load_llm
+
+    settings = ServeSettings(checkpoint_path=cfg.checkpoint_path, random_weights=cfg.random_weights,
+                             device=cfg.device, dtype=cfg.dtype)
+    return Engine(load_llm(settings), max_kv_tokens=cfg.max_kv_tokens, max_running=cfg.max_running)
+
+
+def run_offline(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]], rate: float) -> dict[str, Any]:
+    from redline.options import GenerationOptions
+
+    options = GenerationOptions(max_new_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
+    timings = [RequestTiming(len(p)) for p in prompts]
+
+    def follow(handle: Any, timing: RequestTiming) -> None:
+        for out in handle:
+            if out.token_ids:
+                timing.arrivals.append(time.perf_counter())
+                timing.output_tokens += len(out.token_ids)
+
+    threads = []
+    start = time.perf_counter()
+    for prompt, timing, offset in zip(prompts, timings, arrival_offsets(cfg, rate)):
+        time.sleep(max(0.0, start + offset - time.perf_counter()))
+        timing.start = time.perf_counter()
+        thread = threading.Thread(target=follow, args=(engine.add_request(prompt, options), timing), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return summarize(timings, time.perf_counter() - start, rate)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Report.
+
+
+def report_line(run: dict[str, Any]) -> str:
+    return (f"rate {run['request_rate']:>5} req/s | {run['completed']} ok, {run['failed']} failed in "
+            f"{run['duration_s']:.1f} s | {run['request_throughput']:.2f} req/s, {run['output_tok_s']:.1f} out tok/s"
+            f" | TTFT p50/p90/p99 {fmt(run['ttft_ms'])} ms | TPOT {fmt(run['tpot_ms'])} ms | "
+            f"ITL {fmt(run['itl_ms'])} ms")
+
+
+def fmt(dist: dict[str, float]) -> str:
+    return "/".join(f"{dist[f'p{q}']:.1f}" for q in PERCENTILES)
+
+
+def write_plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display
+
+    from redline.checkpoint import write_atomically
+
+    finite = [r for r in runs if r["request_rate"] != "inf"]
+    rates = [r["request_rate"] for r in finite]
+    fig = Figure(figsize=(12, 4), layout="constrained")
+    axes = fig.subplots(1, 3)
+    axes[0].plot(rates, [r["output_tok_s"] for r in finite], "o-")
+    axes[0].set(title="Output tok/s", xlabel="request rate (req/s)")
+    for ax, key, name in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "itl_ms", "Inter-token latency (ms)")):
+        for q in PERCENTILES:
+            ax.plot(rates, [r[key][f"p{q}"] for r in finite], "o-", label=f"p{q}")
+        ax.set(title=name, xlabel="request rate (req/s)", yscale="log")
+        ax.legend(fontsize=8)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+
+
+def plain(value: Any) -> Any:
+    """JSON-safe: inf and nan (no JSON numbers) as strings, paths and tuples as strings and lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return str(value) if isinstance(value, Path) else value
+
+
+def write_json(payload: dict[str, Any], path: Path) -> None:
+    from redline.checkpoint import write_atomically
+
+    text = json.dumps(plain(payload), indent=2, allow_nan=False)
+    write_atomically(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
+
+
+def run(cfg: BenchServeConfig) -> dict[str, Any]:
+    prompts = make_prompts(cfg)
+    engine = offline_engine(cfg) if cfg.offline else None
+    runs = []
+    try:
+        for rate in cfg.request_rates:
+            result = run_offline(engine, cfg, prompts, rate) if engine else asyncio.run(run_online(cfg, prompts, rate))
+            print(report_line(result), flush=True)
+            runs.append(result)
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    payload = {"config": {k: v for k, v in asdict(cfg).items() if k != "api_key"}, "mode":
+               "offline" if cfg.offline else "server", "date": time.strftime("%Y-%m-%d"), "runs": runs}
+    if cfg.json_path is not None:
+        write_json(payload, cfg.json_path)
+    if cfg.plot_path is not None:
+        lo, hi = cfg.input_len
+        write_plot(runs, cfg.plot_path, f"{cfg.num_prompts} requests, prompts {lo}-{hi} tokens, "
+                                        f"{cfg.output_len} output tokens")
+    return payload
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--input-len must be N or LO:HI, got {text!r}") from None
+
+
+def parse_rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(f"--request-rate takes numbers or inf, comma-separated; got {text!r}") from None
+
+
+def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
+    p = argparse.ArgumentParser(description="Load-test an OpenAI-compatible Redline server (serve.py).")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", default="512", help="prompt tokens: N, or LO:HI drawn uniformly")
+    p.add_argument("--output-len", type=int, default=256, help="tokens generated per request (EOS ignored)")
+    p.add_argument("--request-rate", dest="request_rates", default="inf",
+                   help="requests/s, comma-separated for a sweep; inf: all at once")
+    p.add_argument("--vocab-size", type=int, default=32000, help="random prompt ids are drawn below this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", type=Path, default=None, help="write the results here")
+    p.add_argument("--plot", dest="plot_path", type=Path, default=None, help="write a PNG of a rate sweep here")
+    p.add_argument("--offline", action="store_true", help="run the requests through the engine in this process")
+    p.add_argument("--random-weights", default=None, help="--offline: a registry model with random weights")
+    p.add_argument("--checkpoint_path", type=Path, default=None, help="--offline: a Redline checkpoint")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-kv-tokens", type=int, default=None)
+    p.add_argument("--max-running", type=int, default=256)
+    ns = p.parse_args(argv)
+    return BenchServeConfig(**{**vars(ns), "input_len": parse_range(ns.input_len),
+                               "request_rates": parse_rates(ns.request_rates)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        payload = run(parse_args(argv))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if all(r["failed"] == 0 for r in payload["runs"]) else 1
+
+
+if __name__ == "__main__":
+    from redline.benchmarks.bench_serve import main as package_main
+
+    sys.exit(package_main())

@@ -1,0 +1,698 @@
+"""An OpenAI-compatible HTTP server on Redline's batching engine, with a chat page at `/`.
+
+    python serve.py --checkpoint_path checkpoints/smollm2/float32/model.safetensors   # http://127.0.0.1:8000
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not), GET /v1/models,
+GET /health (503 while the model loads), GET /metrics (Prometheus), POST /tokenize and /detokenize. The request
+bodies and their checks live in serve_protocol.py, the metrics page in serve_metrics.py. `create_app(engine, llm,
+settings)` builds the app around any engine with redline.engine's interface; `main` serves redline.engine.Engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from redline.model import ModelArgs
+from redline.options import EngineConfig, check_text
+from redline.serve_metrics import Metrics
+from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest, invalid, parse_request)
+from redline.streaming import TextStream
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still there
+CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
+                                           "style-src 'unsafe-inline'; connect-src 'self'"}
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    checkpoint_path: Path | None = None
+    random_weights: str | None = None  # a registry model name (model.py) with random weights, for benchmarks
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    quantize: str | None = None
+    compile: bool | None = None
+    max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: the engine sizes it
+    max_running: int = 256  # requests decoded together at most
+    max_queue: int | None = 1024  # requests waiting at most; more get 429
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_grace_s: float = 30.0  # on SIGTERM, running requests get this long to finish
+
+    def __post_init__(self) -> None:
+        if (self.checkpoint_path is None) == (self.random_weights is None):
+            raise ValueError("give exactly one of --checkpoint_path and --random-weights")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key is empty; give a key or leave it out")
+        for name in ("max_running", "max_body_bytes") + (("max_queue",) if self.max_queue is not None else ()) + (
+                ("max_kv_tokens",) if self.max_kv_tokens is not None else ()):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
+        self.engine_config  # validates device, dtype and quantize
+        if self.random_weights is not None:
+            ModelArgs.from_name(self.random_weights)  # an unknown name is refused before the server starts
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(device=self.device, dtype=self.dtype, compile=self.compile, quantize=self.quantize,
+                            name=self.served_model_name)
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.random_weights is not None:
+            return self.random_weights
+        path = Path(self.checkpoint_path)
+        return (path if path.is_dir() else path.parent).name
+
+
+@dataclass
+class ServerState:
+    settings: ServeSettings
+    engine: Any = None
+    llm: Any = None
+    error: str | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def load(self, loader: Callable[[], tuple[Any, Any]], on_error: Callable[[str], None] | None) -> None:
+        try:
+            llm, engine = loader()
+        except Exception as exc:  # noqa: BLE001 - reported on /health and by the caller, not raised in a thread
+            self.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError)) else str(exc)
+            if on_error is not None:
+                on_error(self.error)
+            return
+        self.llm, self.engine = llm, engine
+
+    def ready(self) -> tuple[Any, Any]:
+        if self.engine is None:
+            message = f"the model failed to load: {self.error}" if self.error else "the model is still loading; retry"
+            raise APIError(503, message, "service_unavailable", code="model_not_ready", headers={"Retry-After": "5"})
+        return self.llm, self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.settings.model_name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Request plumbing.
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def authorize(state: ServerState, request: Request) -> None:
+    key = state.settings.api_key
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key; send the header `Authorization: Bearer <key>`",
+                       "authentication_error", code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    too_large = APIError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
+                         code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def context_room(llm: Any, ids: list[int], asked: int | None, param: str) -> int:
+    """Tokens the reply may have: what was asked, capped by the context left after the prompt."""
+    context = llm.model.args.block_size
+    if len(ids) >= context:
+        raise invalid(f"the prompt has {len(ids)} tokens, but the model's context is {context}; shorten it", param,
+                      "context_length_exceeded")
+    return context - len(ids) if asked is None else min(asked, context - len(ids))
+
+
+def submit(engine: Any, requests: list[tuple[list[int], Any]]) -> list[Any]:
+    """One engine request per (prompt ids, options); all or none (those added are aborted on a failure)."""
+    handles: list[Any] = []
+    try:
+        for ids, options in requests:
+            handles.append(engine.add_request(ids, options))
+    except Exception as exc:
+        for handle in handles:
+            engine.abort(handle)
+        if any(cls.__name__ == "EngineFull" for cls in type(exc).__mro__):  # the engine's own class, by name
+            raise APIError(429, f"the server's queue is full ({exc}); retry later", "rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"}) from None
+        if isinstance(exc, ValueError):
+            code = "context_length_exceeded" if "context" in str(exc) else None
+            raise invalid(str(exc), code=code) from None
+        if isinstance(exc, RuntimeError):
+            raise APIError(503, f"the server is not taking requests: {exc}", "service_unavailable",
+                           code="shutting_down") from None
+        raise
+    return handles
+
+
+@dataclass
+class Choice:
+    """One request's outputs gathered so far."""
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    started: float = 0.0
+    last: float | None = None  # when the last piece with text or tokens came
+    strings: TextStream | None = None  # splits the choice's tokens into their shares of the text
+    aborted: bool = False  # the server asked the engine to abort it (once)
+
+    def token_strings(self, tokenizer: Any, ids: Sequence[int]) -> list[str]:
+        """Each of `ids`' share of the decoded text, in the context of the choice's earlier tokens (a character
+        split over tokens goes to its last token); call with the tokens in order."""
+        if tokenizer is None:
+            return ["" for _ in ids]
+        if self.strings is None:
+            self.strings = TextStream(tokenizer)
+        texts = [self.strings.push(t) for t in ids]
+        if texts and self.finish_reason is not None:
+            texts[-1] += self.strings.flush()
+        return texts
+
+    def add(self, out: Any, metrics: Metrics) -> None:
+        if out.text or out.token_ids:
+            now = time.perf_counter()
+            if self.last is None:
+                metrics.observe_ttft(now - self.started)
+            else:
+                metrics.observe_itl(now - self.last)
+            self.last = now
+        self.text.append(out.text)
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        self.top_logprobs += out.top_logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = list(out.prompt_logprobs)
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        if out.finish_reason is not None:
+            self.finish_reason, self.error = out.finish_reason, out.error
+
+
+async def outputs(handles: list[Any]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, RequestOutput) of every handle as they come; one handle is iterated directly."""
+    if len(handles) == 1:
+        async for out in handles[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle: Any) -> None:
+        async for out in handle:
+            queue.put_nowait((i, out))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    left = len(handles)
+    try:
+        while left:
+            i, out = await queue.get()
+            left -= out.finish_reason is not None
+            yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class Run:
+    """The engine requests of one API call: gathers their outputs, and aborts what is unfinished when the call ends
+    early (the client went away, or the server is stopping)."""
+
+    def __init__(self, state: ServerState, request: Request, handles: list[Any], per_prompt: int = 1) -> None:
+        self.state, self.request, self.handles = state, request, handles
+        self.per_prompt = per_prompt  # choices per prompt (n): each prompt's tokens count once in the usage
+        start = time.perf_counter()
+        self.choices = [Choice(started=start) for _ in handles]
+        self.next_check = time.monotonic() + DISCONNECT_POLL_S
+
+    async def stream(self) -> AsyncIterator[tuple[int, Any]]:
+        try:
+            async for i, out in outputs(self.handles):
+                self.choices[i].add(out, self.state.metrics)
+                yield i, out
+                if time.monotonic() >= self.next_check:
+                    self.next_check = time.monotonic() + DISCONNECT_POLL_S
+                    if await self.request.is_disconnected():
+                        return
+        finally:
+            self.abort_unfinished()
+
+    async def gather(self) -> list[Choice]:
+        watch = asyncio.create_task(self._watch_disconnect())
+        try:
+            async for _ in self.stream():
+                pass
+        finally:
+            watch.cancel()
+        failed = [c for c in self.choices if c.finish_reason == "error"]
+        if failed:
+            raise APIError(500, f"generation failed: {failed[0].error}", "server_error", code="generation_failed")
+        return self.choices
+
+    async def _watch_disconnect(self) -> None:
+        while not await self.request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        self.abort_unfinished()
+
+    def abort_unfinished(self) -> None:
+        unfinished = [h for h, c in zip(self.handles, self.choices) if c.finish_reason is None and not c.aborted]
+        for choice in self.choices:
+            choice.aborted = True
+        for handle in unfinished:
+            self.state.engine.abort(handle)
+        if unfinished:
+            self.state.metrics.count_abort()
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(h.prompt_token_ids) for h in self.handles[::self.per_prompt])
+        cached = sum(c.cached_tokens for c in self.choices[::self.per_prompt])
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def stream_error(choice: Choice) -> str:
+    return sse(APIError(500, f"generation failed: {choice.error}", "server_error", code="generation_failed").body())
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token]) if tokenizer is not None else ""
+
+
+def finish_reason(choice: Choice) -> str | None:
+    return FINISH_REASONS.get(choice.finish_reason) if choice.finish_reason is not None else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# POST /v1/chat/completions
+
+
+def chat_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs: list[float],
+                  top: list[dict[int, float]]) -> dict[str, Any]:
+    content = []
+    for i, text in enumerate(choice.token_strings(tokenizer, ids)):
+        alternatives = [{"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
+                        for alt, lp in (top[i] if i < len(top) else {}).items() for s in [token_text(tokenizer, alt)]]
+        content.append({"token": text, "logprob": logprobs[i], "bytes": list(text.encode("utf-8", "replace")),
+                        "top_logprobs": alternatives})
+    return {"content": content}
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    llm, engine = state.ready()
+    req = parse_request(ChatRequest, await read_body(request, state.settings.max_body_bytes))
+    state.check_model(req.model)
+    try:
+        ids = await asyncio.to_thread(llm.chat_prompt, req.message_dicts())  # a long prompt never stalls the loop
+    except ValueError as exc:
+        raise invalid(str(exc), "messages") from None
+    options = req.options(context_room(llm, ids, req.max_new, "messages"), logprobs=req.logprobs,
+                          top_logprobs=req.top_logprobs or 0)
+    run = Run(state, request, submit(engine, [(ids, o) for o in req.seeded(options)]), req.n)
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name}
+    if req.stream:
+        return StreamingResponse(chat_events(run, req, base, llm.tokenizer), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    choices = await run.gather()
+    return JSONResponse({**base, "object": "chat.completion", "choices": [
+        {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+         "logprobs": chat_logprobs(llm.tokenizer, c, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
+         "finish_reason": finish_reason(c)} for i, c in enumerate(choices)], "usage": run.usage()})
+
+
+async def chat_events(run: Run, req: ChatRequest, base: dict[str, Any], tokenizer: Any) -> AsyncIterator[str]:
+    head = {**base, "object": "chat.completion.chunk"}
+
+    def chunk(i: int, delta: dict[str, str], finish: str | None = None, logprobs: Any = None) -> str:
+        return sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+
+    for i in range(len(run.handles)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    async for i, out in run.stream():
+        choice = run.choices[i]
+        if out.finish_reason == "error":
+            yield stream_error(choice)
+            continue
+        logprobs = None
+        if req.logprobs and out.token_ids:
+            logprobs = chat_logprobs(tokenizer, choice, out.token_ids, out.logprobs or [], out.top_logprobs or [])
+        finish = finish_reason(choice) if out.finish_reason is not None else None
+        if out.text or out.token_ids or finish:
+            yield chunk(i, {"content": out.text} if out.text else {}, finish, logprobs)
+    if req.include_usage:
+        yield sse({**head, "choices": [], "usage": run.usage()})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# POST /v1/completions
+
+
+def completion_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs: list[float],
+                        top: list[dict[int, float]], alternatives: int, offset: int,
+                        prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """OpenAI's legacy logprobs: tokens, token_logprobs, top_logprobs and text_offset; with `prompt_ids` (echo) the
+    prompt's tokens come first (the first has no logprob, and prompt tokens have no alternatives)."""
+    tokens, values, tops = [], [], []
+    if prompt_ids is not None:
+        tokens += Choice().token_strings(tokenizer, prompt_ids)
+        values += choice.prompt_logprobs or [None] * len(prompt_ids)
+        tops += [None] * len(prompt_ids)
+    tokens += choice.token_strings(tokenizer, ids)
+    values += logprobs
+    tops += [{token_text(tokenizer, alt): lp for alt, lp in t.items()} if alternatives else None
+             for t in (top or [{}] * len(ids))]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def completions(state: ServerState, request: Request) -> Response:
+    llm, engine = state.ready()
+    req = parse_request(CompletionRequest, await read_body(request, state.settings.max_body_bytes))
+    state.check_model(req.model)
+    want = req.logprobs is not None
+    if req.echo and want and req.stream:
+        raise invalid("echo with logprobs does not stream; drop stream or logprobs", "stream")
+    score_only = req.max_tokens == 0  # echo the prompt's logprobs; one token is generated and dropped
+    prompts, work = [], []
+    for p in req.prompts():
+        try:
+            ids = await asyncio.to_thread(llm.encode_prompt, p)
+        except ValueError as exc:
+            raise invalid(str(exc), "prompt") from None
+        text = p if isinstance(p, str) else (llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")
+        prompts += [(text, ids)] * req.n
+        options = req.options(context_room(llm, ids, 1 if score_only else req.max_tokens, "prompt"), logprobs=want,
+                              top_logprobs=req.logprobs or 0, prompt_logprobs=req.echo and want)
+        work += [(ids, o) for o in req.seeded(options)]
+    run = Run(state, request, submit(engine, work), req.n)
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name}
+    if req.stream:
+        return StreamingResponse(completion_events(run, req, base, llm.tokenizer, prompts),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    choices = await run.gather()
+    out = []
+    for i, (c, (prompt_text, prompt_ids)) in enumerate(zip(choices, prompts)):
+        echo = prompt_text if req.echo else ""
+        ids, lps, top = ([], [], []) if score_only else (c.token_ids, c.logprobs, c.top_logprobs)
+        logprobs = completion_logprobs(llm.tokenizer, c, ids, lps, top, req.logprobs or 0, 0,
+                                       prompt_ids if req.echo else None) if want else None
+        out.append({"index": i, "text": echo + ("" if score_only else "".join(c.text)), "logprobs": logprobs,
+                    "finish_reason": "length" if score_only else finish_reason(c)})
+    usage = run.usage()
+    if score_only:
+        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+    return JSONResponse({**base, "object": "text_completion", "choices": out, "usage": usage})
+
+
+async def completion_events(run: Run, req: CompletionRequest, base: dict[str, Any], tokenizer: Any,
+                            prompts: list[tuple[str, list[int]]]) -> AsyncIterator[str]:
+    head = {**base, "object": "text_completion"}
+    offsets = [len(text) if req.echo else 0 for text, _ in prompts]
+
+    def chunk(i: int, text: str, finish: str | None = None, logprobs: Any = None) -> str:
+        return sse({**head, "choices": [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
+
+    if req.echo:
+        for i, (text, _) in enumerate(prompts):
+            yield chunk(i, text)
+    async for i, out in run.stream():
+        choice = run.choices[i]
+        if out.finish_reason == "error":
+            yield stream_error(choice)
+            continue
+        logprobs = None
+        if req.logprobs is not None and out.token_ids:
+            logprobs = completion_logprobs(tokenizer, choice, out.token_ids, out.logprobs or [],
+                                           out.top_logprobs or [], req.logprobs, offsets[i])
+        offsets[i] += len(out.text)
+        finish = finish_reason(choice) if out.finish_reason is not None else None
+        if out.text or out.token_ids or finish:
+            yield chunk(i, out.text, finish, logprobs)
+    if req.include_usage:
+        yield sse({**head, "choices": [], "usage": run.usage()})
+    yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The small endpoints.
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    llm, _ = state.ready()
+    req = parse_request(TokenizeRequest, await read_body(request, state.settings.max_body_bytes))
+    state.check_model(req.model)
+    if llm.tokenizer is None:
+        raise invalid("this model has no tokenizer; send token ids")
+    try:
+        if req.messages is not None:
+            ids = llm.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
+        else:
+            check_text(req.prompt, "the prompt")
+            ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    except ValueError as exc:
+        raise invalid(str(exc), "messages" if req.messages is not None else "prompt") from None
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": llm.model.args.block_size})
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    llm, _ = state.ready()
+    req = parse_request(DetokenizeRequest, await read_body(request, state.settings.max_body_bytes))
+    state.check_model(req.model)
+    if llm.tokenizer is None:
+        raise invalid("this model has no tokenizer")
+    vocab = llm.tokenizer.vocab_size
+    bad = [t for t in req.tokens if not 0 <= t < vocab]
+    if bad:
+        raise invalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return JSONResponse({"prompt": llm.tokenizer.decode(req.tokens)})
+
+
+async def models(state: ServerState, request: Request) -> Response:
+    llm, _ = state.ready()
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": "redline",
+         "max_model_len": llm.model.args.block_size}]})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The app.
+
+
+def create_app(engine: Any, llm: Any, settings: ServeSettings, loader: Callable[[], tuple[Any, Any]] | None = None,
+               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
+    """The server around `engine` (redline.engine's interface) and its `llm`; with both None, `loader()` returns
+    them from a background thread once the server listens (/health answers 503 until then)."""
+    state = ServerState(settings, engine, llm)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if state.engine is None and loader is not None:
+            threading.Thread(target=state.load, args=(loader, on_load_error), name="redline-load", daemon=True).start()
+        yield
+        if state.engine is not None:  # running requests had the grace period already: abort what is left
+            await asyncio.to_thread(state.engine.shutdown, 1.0)
+
+    app = FastAPI(title="Redline", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.redline = state
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                       "invalid_request_error", code=code))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+    def api(endpoint: str, handler: Callable[[ServerState, Request], Any]) -> Callable[[Request], Any]:
+        async def call(request: Request) -> Response:
+            try:
+                authorize(state, request)
+                response = await handler(state, request)
+            except APIError as exc:
+                response = error_response(exc)
+            state.metrics.count_request(endpoint, response.status_code)
+            return response
+        return call
+
+    app.add_api_route("/v1/chat/completions", api("chat", chat_completions), methods=["POST"])
+    app.add_api_route("/v1/completions", api("completions", completions), methods=["POST"])
+    app.add_api_route("/v1/models", api("models", models), methods=["GET"])
+    app.add_api_route("/tokenize", api("tokenize", tokenize), methods=["POST"])
+    app.add_api_route("/detokenize", api("detokenize", detokenize), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine is not None:
+            return JSONResponse({"status": "ok"})
+        body = {"status": "error", "error": state.error} if state.error else {"status": "loading"}
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = state.engine.stats() if state.engine is not None else None
+        return PlainTextResponse(state.metrics.render(stats, state.engine is not None),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/")
+    async def page() -> Response:
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading and serving.
+
+
+def load_llm(settings: ServeSettings) -> Any:
+    from redline.generate import LLM
+
+    if settings.random_weights is None:
+        return LLM.from_config(settings.checkpoint_path, settings.engine_config)
+    from redline.benchmarks.bench_model import build_random_model
+    from redline.checkpoint import dtype_from_name
+    from redline.quantize import parse_quant_spec
+
+    config = settings.engine_config
+    device = config.torch_device()
+    quant, group = parse_quant_spec(settings.quantize) if settings.quantize else ("none", None)
+    model = build_random_model(ModelArgs.from_name(settings.random_weights), device,
+                               dtype_from_name(settings.dtype or "bfloat16"), quant, group_size=group or 128)
+    compile = config.compile if config.compile is not None else device.type == "cuda"
+    return LLM(model, None, device, compile, name=settings.model_name)
+
+
+def batching_engine(llm: Any, settings: ServeSettings) -> Any:
+    from redline.engine import Engine
+
+    return Engine(llm, max_kv_tokens=settings.max_kv_tokens, max_running=settings.max_running,
+                  max_queue=settings.max_queue)
+
+
+def serve(settings: ServeSettings, make_engine: Callable[[Any, ServeSettings], Any] = batching_engine) -> int:
+    """Listen at once, load the model in the background, serve until SIGINT/SIGTERM; 0 on a clean stop, 2 when the
+    model failed to load."""
+    import uvicorn
+
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        print(f"warning: serving on {settings.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    servers: list[uvicorn.Server] = []
+
+    def loader() -> tuple[Any, Any]:
+        llm = load_llm(settings)
+        return llm, make_engine(llm, settings)
+
+    def failed(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        servers[0].should_exit = True
+
+    app = create_app(None, None, settings, loader, failed)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)))
+    servers.append(uvicorn.Server(config))
+    # uvicorn stops on SIGINT/SIGTERM and then re-raises the signal to the handler it found; a no-op handler there
+    # makes a graceful stop exit 0 instead of dying by the signal.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    servers[0].run()
+    return 2 if app.state.redline.error else 0
+
+
+def parse_args(argv: Sequence[str] | None) -> ServeSettings:
+    p = argparse.ArgumentParser(description="Serve a Redline checkpoint over the OpenAI API, with a chat page at /.")
+    p.add_argument("--checkpoint_path", "--checkpoint-path", type=Path, default=None)
+    p.add_argument("--random-weights", default=None, metavar="MODEL",
+                   help="serve a registry model (e.g. Llama-3-8B) with random weights and no tokenizer, to benchmark")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("REDLINE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $REDLINE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its folder)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
+    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA-graph decode steps (default: on for a GPU)")
+    p.add_argument("--max-kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
+    p.add_argument("--max-running", type=int, default=256, help="requests decoded together at most")
+    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; more are refused (429)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
+                   help="seconds running requests get to finish after SIGTERM")
+    ns = p.parse_args(argv)
+    if ns.checkpoint_path is not None and not ns.checkpoint_path.exists():
+        raise FileNotFoundError(f"{ns.checkpoint_path} does not exist; pass a Redline checkpoint (make demo-model "
+                                "writes checkpoints/smollm2/float32/model.safetensors)")
+    return ServeSettings(**vars(ns))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return serve(parse_args(argv))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
+    from redline.serve import main as package_main
+
+    sys.exit(package_main())

@@ -1,0 +1,203 @@
+"""The OpenAI-compatible API's request bodies (pydantic models that refuse what Redline does not implement), its
+errors in OpenAI's JSON shape, and the mapping of a request onto GenerationOptions. serve.py serves them."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from redline.options import GenerationOptions
+from redline.sampling import SEED_LIMIT
+
+MAX_N = 16  # choices per request
+MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 5  # alternatives per token in /v1/completions, as OpenAI allows
+MAX_CHAT_TOP_LOGPROBS = 20
+# Parameters OpenAI defines that Redline accepts only at their neutral value (anything else is refused by name).
+NEUTRAL_ONLY = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
+# The engine's finish reasons as the API reports them.
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class APIError(Exception):
+    """An error the API reports as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class Strict(BaseModel):
+    # Unknown fields are refused; "5" is not an int and true is not a number.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class SamplingRequest(Strict):
+    """The fields both endpoints share."""
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default is 1
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # extra; -1 or 0: off
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extra, for benchmarks
+    user: str | None = None  # an end-user id; recorded nowhere
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @model_validator(mode="after")
+    def _check_common(self) -> SamplingRequest:
+        for name, neutral in NEUTRAL_ONLY.items():
+            if getattr(self, name) != neutral:
+                raise invalid(f"{name} is not supported (only {neutral}); drop it", name, "unsupported_parameter")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS or not all(stops):
+            raise invalid(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings", "stop")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options needs stream=true", "stream_options")
+        if self.seed is not None and self.seed + self.n - 1 >= SEED_LIMIT:
+            raise invalid("seed + n - 1 must stay below 2**63 (choice i uses seed + i)", "seed")
+        return self
+
+    def options(self, max_new_tokens: int, **extra: Any) -> GenerationOptions:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else None
+        top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
+        try:
+            return GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, stop=stops, seed=self.seed, ignore_eos=self.ignore_eos, **extra)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+
+    def seeded(self, options: GenerationOptions) -> list[GenerationOptions]:
+        """One options per choice: choice i uses seed + i when a seed is given."""
+        if options.seed is None:
+            return [options] * self.n
+        return [dataclasses.replace(options, seed=options.seed + i) for i in range(self.n)]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        return self
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; 0 only with echo (scoring a text)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens=0 only makes sense with echo=true (scoring the prompt)", "max_tokens")
+        if self.max_tokens == 0 and self.stream:
+            raise invalid("max_tokens=0 cannot stream; drop stream", "max_tokens")
+        if not self.prompts():
+            raise invalid("prompt is empty", "prompt")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise invalid("give exactly one of prompt and messages", "prompt")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> Any:
+    """A request model from a JSON body; APIError 400 naming the first bad or unknown parameter."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {err['msg']}")
+    if err["type"] == "model_type" and param is None:
+        return invalid("the request body must be a JSON object")
+    if err["type"] == "extra_forbidden":
+        return invalid(f"unsupported parameter {param!r}: Redline does not implement it; drop it", param,
+                       "unsupported_parameter")
+    if err["type"] == "missing":
+        return invalid(f"missing required parameter {param!r}", param, "missing_required_parameter")
+    return invalid(f"invalid value for {param!r}: {err['msg']}", param, "invalid_value")

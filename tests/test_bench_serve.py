@@ -1,0 +1,52 @@
+"""benchmarks/bench_serve.py against a live server (the tiny model on the sequential test engine)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from redline.benchmarks import bench_serve
+from redline.generate import LLM
+from redline.serve import ServeSettings, create_app
+from sequential_engine import SequentialEngine
+from live_server import ServerThread
+
+
+def test_percentile_interpolates_like_numpy():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert bench_serve.percentile(values, 50) == 2.5 and bench_serve.percentile(values, 100) == 4.0
+    assert bench_serve.percentile(values, 90) == pytest.approx(3.7) and math.isnan(bench_serve.percentile([], 50))
+
+
+def test_poisson_arrivals_have_the_asked_rate():
+    cfg = bench_serve.BenchServeConfig(num_prompts=4000)
+    offsets = bench_serve.arrival_offsets(cfg, 8.0)
+    assert offsets == sorted(offsets) and offsets[-1] / len(offsets) == pytest.approx(1 / 8.0, rel=0.1)
+    assert bench_serve.arrival_offsets(cfg, math.inf) == [0.0] * 4000
+
+
+@pytest.mark.parametrize("argv, message", [(["--input-len", "9:3"], "input-len"), (["--request-rate", "0"], "rate"),
+                                           (["--offline"], "offline"), (["--input-len", "x"], "input-len")])
+def test_bad_arguments_get_one_line(argv, message, capsys):
+    assert bench_serve.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_rate_sweep_against_a_live_server(tiny_chat_checkpoint, tmp_path, capsys):
+    llm = LLM.load(tiny_chat_checkpoint[0], device="cpu")
+    settings = ServeSettings(checkpoint_path=tiny_chat_checkpoint[0], api_key="k")
+    with ServerThread(create_app(SequentialEngine(llm), llm, settings)) as url:
+        code = bench_serve.main(["--base-url", url, "--api-key", "k", "--num-prompts", "6", "--input-len", "4:12",
+                                 "--output-len", "5", "--vocab-size", "512", "--request-rate", "20,inf",
+                                 "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")])
+    assert code == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert [r["request_rate"] for r in report["runs"]] == [20.0, "inf"]
+    for run in report["runs"]:
+        assert run["completed"] == 6 and run["failed"] == 0 and run["output_tokens"] == 30
+        assert 4 * 6 <= run["prompt_tokens"] <= 12 * 6 and run["output_tok_s"] > 0
+        assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] and run["itl_ms"]["p50"] > 0
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+    assert capsys.readouterr().out.count("req/s |") == 2
