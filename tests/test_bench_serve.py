@@ -1,4 +1,4 @@
-"""benchmarks/bench_serve.py against a live server (the tiny model on the sequential test engine)."""
+"""benchmarks/bench_serve.py against a live server (the tiny model on the batching engine)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import pytest
 from redline.benchmarks import bench_serve
 from redline.generate import LLM
 from redline.serve import ServeSettings, create_app
-from sequential_engine import SequentialEngine
+from paced_engine import PacedEngine
 from live_server import ServerThread
 
 
@@ -37,7 +37,7 @@ def test_bad_arguments_get_one_line(argv, message, capsys):
 def test_a_rate_sweep_against_a_live_server(tiny_chat_checkpoint, tmp_path, capsys):
     llm = LLM.load(tiny_chat_checkpoint[0], device="cpu")
     settings = ServeSettings(checkpoint_path=tiny_chat_checkpoint[0], api_key="k")
-    with ServerThread(create_app(SequentialEngine(llm), llm, settings)) as url:
+    with ServerThread(create_app(PacedEngine(llm), llm, settings)) as url:
         code = bench_serve.main(["--base-url", url, "--api-key", "k", "--num-prompts", "6", "--input-len", "4:12",
                                  "--output-len", "5", "--vocab-size", "512", "--request-rate", "20,inf",
                                  "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")])
