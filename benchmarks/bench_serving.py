@@ -42,7 +42,11 @@ from redline.generate import LLM
 from redline.model import ModelArgs
 from redline.options import GenerationOptions
 
-WORKLOADS = ("fixed", "mixed", "single")
+WORKLOADS = ("fixed", "mixed", "single", "prefix")
+# The "prefix" workload: a first chat turn of this many tokens, then a second turn that repeats it and adds a reply
+# and a new message (the prefix cache should serve the shared part).
+PREFIX_TOKENS = 4000
+SECOND_TURN_NEW_TOKENS = 64
 MIXED_RANGE = (100, 1024)
 MIXED_DEFAULT_REQUESTS = 256
 
@@ -227,6 +231,36 @@ def run_single(llm: LLM, engine: Engine, vocab: int, seed: int) -> dict[str, Any
     return {"engine_decode_tok_s": e, "static_decode_tok_s": st, "ratio": e / st}
 
 
+def first_token_seconds(engine: Engine, prompt: list[int]) -> tuple[float, list[int], int]:
+    """(seconds from add_request to the first new token, the reply's ids, prompt tokens served from the cache)."""
+    start = time.perf_counter()
+    handle = engine.add_request(prompt, GenerationOptions(max_new_tokens=16, ignore_eos=True))
+    outputs = iter(handle)
+    first = next(outputs)
+    seconds = time.perf_counter() - start
+    ids = list(first.token_ids) + [t for out in outputs for t in out.token_ids]
+    return seconds, ids, first.cached_tokens
+
+
+def run_prefix(engine: Engine, vocab: int, context: int, seed: int) -> dict[str, Any]:
+    """A second turn sharing a PREFIX_TOKENS-token first turn (half the context, if that is less): time to first
+    token of each, median of 3 pairs (each pair with its own random prefix, after one warm-up pair)."""
+    length = min(PREFIX_TOKENS, context // 2)
+    gen = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(4):
+        first = torch.randint(0, vocab, (length,), generator=gen).tolist()
+        first_s, reply, _ = first_token_seconds(engine, first)
+        turn = torch.randint(0, vocab, (SECOND_TURN_NEW_TOKENS,), generator=gen).tolist()
+        second_s, _, cached = first_token_seconds(engine, first + reply + turn)
+        pairs.append((first_s, second_s, cached))
+    pairs = pairs[1:]  # the first pair warms up
+    first_s = statistics.median(p[0] for p in pairs)
+    second_s = statistics.median(p[1] for p in pairs)
+    return {"prefix_tokens": length, "first_turn_ttft_s": first_s, "second_turn_ttft_s": second_s,
+            "ratio": second_s / first_s, "second_turn_cached_tokens": [p[2] for p in pairs]}
+
+
 def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype_from_name(ns.dtype)
@@ -250,6 +284,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         report["single"] = run_single(llm, engine, args.vocab_size, ns.seed)
         engine.shutdown()
         return report
+    if ns.workload == "prefix":
+        report["prefix"] = run_prefix(engine, args.vocab_size, args.block_size, ns.seed)
+        engine.shutdown()
+        return report
     requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed)
     run_redline(engine, make_requests("fixed", 8, args.vocab_size, ns.seed + 1)[:8])  # warm-up
     if engine.costs is not None:
@@ -269,6 +307,11 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
+    if "prefix" in report:
+        x = report["prefix"]
+        return (f"{report['model']} prefix cache: first turn ({x['prefix_tokens']} tokens) TTFT "
+                f"{1e3 * x['first_turn_ttft_s']:.1f} ms, second turn {1e3 * x['second_turn_ttft_s']:.1f} ms "
+                f"({100 * x['ratio']:.1f}%), cached {x['second_turn_cached_tokens']}")
     if "single" in report:
         one = report["single"]
         return (f"{report['model']} batch 1: engine {one['engine_decode_tok_s']:.1f} decode tok/s, static path "

@@ -27,3 +27,14 @@ def test_mixed_lengths_stay_in_range():
 def test_bad_flags_are_one_line(capsys):
     assert bench_serving.main(["--num-requests", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --num-requests and --hf-requests must be positive"
+
+
+def test_prefix_workload_serves_the_second_turn_from_the_cache(tmp_path, capsys):
+    path = tmp_path / "prefix.json"
+    code = bench_serving.main(["--model", "debug-tiny-llama3", "--device", "cpu", "--dtype", "float32", "--workload",
+                               "prefix", "--max-kv-tokens", "8192", "--json", str(path)])
+    assert code == 0 and "prefix cache: first turn (512 tokens)" in capsys.readouterr().out
+    prefix = json.loads(path.read_text())["prefix"]
+    # every full page of the first turn's prompt is a hit for the second turn
+    assert prefix["second_turn_cached_tokens"] == [512, 512, 512]
+    assert prefix["first_turn_ttft_s"] > 0 and prefix["second_turn_ttft_s"] > 0
