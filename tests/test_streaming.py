@@ -1,4 +1,4 @@
-"""streaming.py through LLM._pieces: held-back text is flushed however generation ends."""
+"""streaming.py through LLM._pieces (the runner's token loop scripted): held-back text is flushed however generation ends."""
 from __future__ import annotations
 
 import time
@@ -18,7 +18,7 @@ def scripted(monkeypatch, llm, tokens):
         for token in tokens[:max_new_tokens]:
             yield [token], time.perf_counter()
 
-    monkeypatch.setattr(llm, "generate_token_batches", batches)
+    monkeypatch.setattr(llm.runner, "token_batches", batches)
 
 
 @pytest.mark.parametrize("stop", [(), ("\ufffdzzz",)])
