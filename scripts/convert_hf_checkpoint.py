@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, dtype_from_name, expected_shapes,
                         is_redline_file, progress, run_cli, save_checkpoint)
 from redline.model import ModelArgs
+from redline.scripts.hf_config import args_from_hf_config
 from redline.tokenizer import copy_tokenizer_files
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
@@ -56,7 +57,7 @@ def read_hf_config(checkpoint_dir: Path) -> ModelArgs:
         raise ValueError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
     except OSError as exc:
         raise ValueError(f"cannot read {config_path} ({exc.strerror}); check its permissions") from None
-    return ModelArgs.from_hf_config(config)
+    return args_from_hf_config(config)
 
 
 def hf_weight_files(checkpoint_dir: Path) -> list[Path]:

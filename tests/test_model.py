@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from redline.checkpoint import read_checkpoint_info
 from redline.model import MODEL_REGISTRY, ModelArgs, Transformer, rope_frequencies
 from redline.quantize import load_model
+from redline.scripts.hf_config import args_from_hf_config
 
 from conftest import prefill_then_decode_logits, save_tiny_hf_checkpoint, tiny_hf_config
 
@@ -136,7 +137,7 @@ def test_registry_7b_parameter_count():
     ],
 )
 def test_from_hf_config_fields(overrides, expected):
-    args = ModelArgs.from_hf_config(tiny_hf_config(num_attention_heads=4, **overrides).to_dict())
+    args = args_from_hf_config(tiny_hf_config(num_attention_heads=4, **overrides).to_dict())
     for key, value in expected.items():
         assert getattr(args, key) == value
 
@@ -146,26 +147,26 @@ def test_from_hf_config_reads_transformers4_style_rope_scaling():
     config.pop("rope_parameters", None)
     config.update(rope_theta=500000.0, rope_scaling={"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    args = ModelArgs.from_hf_config(config)
+    args = args_from_hf_config(config)
     assert args.rope_base == 500000.0 and args.rope_scaling.factor == 8.0
 
 
 def test_from_hf_config_rejects_other_architectures():
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        ModelArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+        args_from_hf_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
 
 
 def test_from_hf_config_rejects_unsupported_rope():
     config = tiny_hf_config(num_attention_heads=4).to_dict()
     config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="yarn"):
-        ModelArgs.from_hf_config(config)
+        args_from_hf_config(config)
 
 
 def test_mistral_sliding_window_caps_context():
     config = tiny_hf_config(num_attention_heads=4, max_position_embeddings=32768).to_dict()
     config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096)
-    assert ModelArgs.from_hf_config(config).block_size == 4096
+    assert args_from_hf_config(config).block_size == 4096
 
 
 def test_model_args_validation():
@@ -265,7 +266,7 @@ def test_rope_keys_resolve_as_transformers_resolves_them(keys):
               "num_attention_heads": 4, "intermediate_size": 160, "vocab_size": 512, "max_position_embeddings": 256,
               **keys}
     hf = LlamaConfig.from_dict(copy.deepcopy(config)).rope_parameters
-    args = ModelArgs.from_hf_config(copy.deepcopy(config))
+    args = args_from_hf_config(copy.deepcopy(config))
     assert args.rope_base == float(hf["rope_theta"])
     if hf["rope_type"] == "default":
         assert args.rope_scaling is None
@@ -281,7 +282,7 @@ def test_legacy_linear_rope_beside_default_rope_parameters_is_refused():
     config = tiny_hf_config(num_attention_heads=4).to_dict()
     config.update(rope_scaling={"type": "linear", "factor": 4.0}, rope_parameters={"rope_type": "default"})
     with pytest.raises(ValueError, match="rope type 'linear'"):
-        ModelArgs.from_hf_config(config)
+        args_from_hf_config(config)
 
 
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope", "proportional"])
@@ -289,7 +290,7 @@ def test_unimplemented_rope_types_are_refused_in_one_line(rope_type):
     config = tiny_hf_config(num_attention_heads=4).to_dict()
     config["rope_parameters"] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match=f"rope type '{rope_type}', which Redline does not implement") as info:
-        ModelArgs.from_hf_config(config)
+        args_from_hf_config(config)
     assert "\n" not in str(info.value)
 
 
@@ -308,12 +309,12 @@ def test_from_hf_config_checks_every_field_it_reads(change, message):
     config = tiny_hf_config(num_attention_heads=4).to_dict()
     change(config)
     with pytest.raises(ValueError, match=message):
-        ModelArgs.from_hf_config(config)
+        args_from_hf_config(config)
 
 
 def test_from_hf_config_refuses_a_config_that_is_not_an_object():
     with pytest.raises(ValueError, match="got a list"):
-        ModelArgs.from_hf_config([{"model_type": "llama"}])
+        args_from_hf_config([{"model_type": "llama"}])
 
 
 # Values for the property test: the right kinds, the wrong kinds and edge numbers.
@@ -339,7 +340,7 @@ def test_random_hf_configs_give_valid_args_or_one_clear_error(changes, dropped):
     for key in dropped:
         config.pop(key, None)
     try:
-        args = ModelArgs.from_hf_config(config)
+        args = args_from_hf_config(config)
     except ValueError as exc:
         assert str(exc) and "\n" not in str(exc)
         return
