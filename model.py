@@ -1,33 +1,60 @@
-"""The whole Llama-family transformer in one file.
+"""The whole Llama-family transformer in one file, with the deltas of Qwen2/3, Gemma 2/3, Phi-3, OLMo 2 and Granite
+as data in ModelArgs.
 
-Static KV cache, rotary embeddings (with Llama 3.1 scaling), grouped-query attention, SwiGLU.
+Static KV cache, rotary embeddings (Llama 3.1, linear and LongRoPE scaling, partial rotary), grouped-query attention
+(biases, q/k norms, sliding windows, soft-capping), SwiGLU or GeGLU, pre-, sandwich or post-norms.
 Weights use Hugging Face's rotary layout (rotate-half), so converted checkpoints need no permutation.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+ROPE_TYPES = ("llama3", "linear", "longrope")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 frequency-dependent rope scaling ("rope_type": "llama3")."""
+    """Rope frequency scaling. "llama3": Llama 3.1's frequency-dependent scaling; "linear": every frequency divided by
+    `factor` (Gemma 3's global layers); "longrope": frequencies divided per dimension by `short_factor`, or by
+    `long_factor` when the cache is longer than `original_max_position_embeddings`, cos and sin times
+    `attention_factor` (Phi-3)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unknown rope scaling type {self.rope_type!r}; known: {', '.join(ROPE_TYPES)}")
         if self.factor <= 0 or self.low_freq_factor <= 0 or self.original_max_position_embeddings <= 0:
-            raise ValueError(f"invalid llama3 rope scaling {self}: factors and original length must be positive")
-        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"invalid rope scaling {self}: factors and original length must be positive")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"invalid llama3 rope scaling {self}: high_freq_factor must exceed low_freq_factor")
+        if self.rope_type == "longrope":
+            factors = self.short_factor + self.long_factor
+            if not self.short_factor or len(self.short_factor) != len(self.long_factor) or min(factors) <= 0:
+                raise ValueError("longrope scaling needs positive short_factor and long_factor lists of one length")
+            if not (math.isfinite(self.attention_factor) and self.attention_factor > 0):
+                raise ValueError(f"longrope attention_factor must be a positive number, got {self.attention_factor}")
+
+
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+QK_NORMS = ("none", "head", "full")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -44,6 +71,26 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    # The families' deltas from Llama; the defaults are Llama's (scripts/hf_config.py sets them per architecture).
+    qkv_bias: bool = False  # bias on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # bias on the output projection (attention_bias in Llama, Qwen3, Granite)
+    qk_norm: str = "none"  # RMSNorm of q and k before rope: "head" over head_dim per head (Qwen3, Gemma 3), "full"
+    # over the whole q or k width (OLMo 2)
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w): 1.0 for Gemma
+    norm_scale_fp32: bool = False  # the norm's scale is applied in fp32, then rounded (Gemma, OLMo 2); Llama rounds first
+    norm_placement: str = "pre"  # "pre": a norm on each sub-layer's input; "sandwich": on its input and its output
+    # (Gemma 2/3); "post": on its output only (OLMo 2)
+    activation: str = "silu"  # the feed-forward gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embedding_scale: float = 1.0  # embeddings times this, rounded to the activation dtype (Gemma: sqrt(dim); Granite)
+    residual_scale: float = 1.0  # each sub-layer's output times this before the residual add (Granite)
+    logits_divisor: float = 1.0  # logits divided by this (Granite's logits_scaling)
+    attention_scale: float = 0.0  # scores times this; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # > 0: scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_softcap: float = 0.0  # > 0: logits -> c * tanh(logits / c) (Gemma 2)
+    rotary_dim: int = 0  # rope on the first rotary_dim features of each head, the rest pass through; 0: head_dim
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window (a query sees the last w positions) or 0 (full
+    # attention); empty: every layer full
+    local_rope_base: float = 0.0  # > 0: the windowed layers' rope base, without scaling (Gemma 3); 0: one rope for all
 
     def __post_init__(self) -> None:
         # Frozen dataclass: fill derived defaults through object.__setattr__.
@@ -53,7 +100,11 @@ class ModelArgs:
             object.__setattr__(self, "head_dim", self.dim // self.n_head)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size"):
+        if self.rotary_dim == 0 and self.head_dim > 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size",
+                     "rotary_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
@@ -63,6 +114,33 @@ class ModelArgs:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_base <= 0 or self.norm_eps <= 0:
             raise ValueError("rope_base and norm_eps must be positive")
+        self._check_deltas()
+
+    def _check_deltas(self) -> None:
+        for name in ("qkv_bias", "o_bias", "norm_scale_fp32"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelArgs.{name} must be true or false, got {getattr(self, name)!r}")
+        for name, value, choices in (("qk_norm", self.qk_norm, QK_NORMS), ("activation", self.activation, ACTIVATIONS),
+                                     ("norm_placement", self.norm_placement, NORM_PLACEMENTS)):
+            if value not in choices:
+                raise ValueError(f"ModelArgs.{name} must be one of {', '.join(choices)}, got {value!r}")
+        for name in ("embedding_scale", "residual_scale", "logits_divisor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"ModelArgs.{name} must be a positive number, got {value!r}")
+        for name in ("norm_offset", "attention_scale", "attn_softcap", "final_softcap", "local_rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"ModelArgs.{name} must be a number >= 0, got {value!r}")
+        if self.rotary_dim % 2 != 0 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must be even and at most head_dim ({self.head_dim}), got {self.rotary_dim}")
+        windows = self.layer_windows
+        if windows and (len(windows) != self.n_layer or not all(type(w) is int and w >= 0 for w in windows)):
+            raise ValueError(f"layer_windows must hold one window >= 0 per layer ({self.n_layer}), got {windows}")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope" and len(scaling.short_factor) != self.rotary_dim // 2:
+            raise ValueError(f"longrope factors must number rotary_dim / 2 = {self.rotary_dim // 2}, got "
+                             f"{len(scaling.short_factor)}")
 
     @property
     def q_size(self) -> int:
@@ -71,6 +149,10 @@ class ModelArgs:
     @property
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window; 0: full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,14 +207,23 @@ MODEL_REGISTRY: dict[str, dict[str, Any]] = {
 }
 
 
-def rope_frequencies(args: ModelArgs) -> Tensor:
-    """Inverse frequencies, with Llama 3.1 scaling when configured."""
-    half = args.head_dim // 2
-    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, half, dtype=torch.float64) * 2 / args.head_dim))  # (D/2,)
-    scaling = args.rope_scaling
+def rope_frequencies(args: ModelArgs, local: bool = False, seq_len: int = 0) -> Tensor:
+    """Inverse frequencies (rotary_dim / 2,), scaled as configured; local: those of the windowed layers.
+    LongRoPE picks its long factors when seq_len (the cache length) exceeds the original context."""
+    own_base = local and args.local_rope_base > 0
+    base = args.local_rope_base if own_base else args.rope_base
+    dim = args.rotary_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # (Dr/2,)
+    scaling = None if own_base else args.rope_scaling
     if scaling is None:
         return inv_freq.float()
-    # Long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated smoothly.
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).float()
+    if scaling.rope_type == "longrope":
+        long = seq_len > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
+        return (inv_freq / factors).float()
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated smoothly.
     wavelen = 2 * math.pi / inv_freq
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -145,16 +236,24 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
     return scaled.float()
 
 
-def rope_table(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> Tensor:
-    """cos and sin for every position, in fp32: (seq_len, 2, head_dim // 2)."""
-    inv_freq = rope_frequencies(args).to(device)  # (D/2,)
+def rope_table(args: ModelArgs, seq_len: int, device: torch.device | None = None, local: bool = False) -> Tensor:
+    """cos and sin for every position, in fp32: (seq_len, 2, rotary_dim // 2)."""
+    inv_freq = rope_frequencies(args, local, seq_len).to(device)  # (Dr/2,)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)  # (S,)
-    angles = torch.outer(positions, inv_freq)  # (S, D/2)
-    return torch.stack([angles.cos(), angles.sin()], dim=1)  # (S, 2, D/2)
+    angles = torch.outer(positions, inv_freq)  # (S, Dr/2)
+    table = torch.stack([angles.cos(), angles.sin()], dim=1)  # (S, 2, Dr/2)
+    scaling = args.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope" and not (local and args.local_rope_base > 0):
+        table = table * scaling.attention_factor
+    return table
 
 
 def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Rotate-half rotary embedding. x (B, T, H, D), table (T, 2, D/2) fp32."""
+    """Rotate-half rotary embedding. x (B, T, H, D), table (T, 2, Dr/2) fp32: the first Dr features of each head are
+    rotated, the rest pass through (partial rotary)."""
+    rotated = 2 * table.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotated], table), x[..., rotated:]], dim=-1)
     cos = table[:, 0].unsqueeze(1)  # (T, 1, D/2)
     sin = table[:, 1].unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, H, D/2) each
@@ -162,32 +261,64 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     return out.type_as(x)
 
 
-def split_rotated_qkv(qkv: Tensor, rope: Tensor, n_heads: int, n_kv_heads: int,
-                      head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+def split_rotated_qkv(qkv: Tensor, rope: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                      qk_norm: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+                      ) -> tuple[Tensor, Tensor, Tensor]:
     """The fused projection qkv (B, T, (H + 2 Hkv) D) -> q (B, T, H, D) and k (B, T, Hkv, D) rotated with rope
-    (T, 2, D/2), and v (B, T, Hkv, D)."""
+    (T, 2, Dr/2), and v (B, T, Hkv, D). qk_norm, when given, normalizes q and k (B, T, heads, D) before rope."""
     batch, length, _ = qkv.shape
     q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(batch, length, n_heads, head_dim), rope)
-    k = apply_rope(k.view(batch, length, n_kv_heads, head_dim), rope)
-    return q, k, v.view(batch, length, n_kv_heads, head_dim)
+    q, k = q.view(batch, length, n_heads, head_dim), k.view(batch, length, n_kv_heads, head_dim)
+    if qk_norm is not None:
+        q, k = qk_norm(q, k)
+    return apply_rope(q, rope), apply_rope(k, rope), v.view(batch, length, n_kv_heads, head_dim)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Normalized in fp32, rounded to x's dtype, then scaled (the order HF's LlamaRMSNorm uses)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float = 0.0,
+              softcap: float = 0.0) -> Tensor:
+    """Softmax attention of q (B, H, T, D) over k, v (B, Hkv, S, D) -> (B, H, T, D). mask (1 or B, 1, T, S) bool,
+    True where a query may attend; None: causal, the T queries being the keys' positions 0..T-1. scale 0: D ** -0.5.
+    softcap c > 0: the scaled scores become c * tanh(scores / c) before the mask."""
+    scale = scale or q.shape[-1] ** -0.5
+    gqa = k.shape[1] != q.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()  # (T, S)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, scale_fp32: bool = False) -> Tensor:
+    """Normalized in fp32, then scaled by (offset + weight): by default rounded to x's dtype before the scaling (HF's
+    LlamaRMSNorm order); scale_fp32 scales in fp32 and rounds once (Gemma's and OLMo 2's order)."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.type_as(x)
+    if scale_fp32:
+        return (normed * (weight.float() + offset)).type_as(x)
+    return (weight + offset if offset else weight) * normed.type_as(x)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, scale_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
+        self.scale_fp32 = scale_fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset, self.scale_fp32)
+
+
+def model_norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm of the model's kind over dim features (default: the model width)."""
+    return RMSNorm(dim or args.dim, args.norm_eps, args.norm_offset, args.norm_scale_fp32)
 
 
 class KVCache(nn.Module):
@@ -216,11 +347,18 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, window: int = 0) -> None:
         super().__init__()
         self.args = args
+        self.window = window  # 0: full attention
         self.wqkv = nn.Linear(args.dim, args.q_size + 2 * args.kv_size, bias=False)
         self.wo = nn.Linear(args.q_size, args.dim, bias=False)
+        # Biases are kept apart from the linears, so quantized and kernel linears stay bias-free.
+        self.wqkv_bias = nn.Parameter(torch.zeros(args.q_size + 2 * args.kv_size)) if args.qkv_bias else None
+        self.wo_bias = nn.Parameter(torch.zeros(args.dim)) if args.o_bias else None
+        per_head = args.qk_norm == "head"
+        self.q_norm = None if args.qk_norm == "none" else model_norm(args, args.head_dim if per_head else args.q_size)
+        self.k_norm = None if args.qk_norm == "none" else model_norm(args, args.head_dim if per_head else args.kv_size)
         self.kv_cache: KVCache | None = None
 
     def cache(self) -> KVCache:
@@ -228,48 +366,80 @@ class Attention(nn.Module):
             raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
         return self.kv_cache
 
+    def qkv(self, x: Tensor) -> Tensor:
+        """x (B, T, dim) -> the fused projection (B, T, (H + 2 Hkv) D), with its bias."""
+        qkv = self.wqkv(x)
+        return qkv if self.wqkv_bias is None else qkv + self.wqkv_bias
+
+    def normed_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q (B, T, H, D), k (B, T, Hkv, D) through the q/k norms: per head, or over all heads at once."""
+        if self.args.qk_norm == "head":
+            return self.q_norm(q), self.k_norm(k)
+        return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+
+    def output(self, out: Tensor) -> Tensor:
+        """The attention output (B, H, T, D) -> (B, T, dim) through wo and its bias."""
+        bsz, _, seqlen, _ = out.shape
+        y = self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.args.q_size))
+        return y if self.wo_bias is None else y + self.wo_bias
+
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
         a = self.args
-        bsz, seqlen, _ = x.shape
-        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
+        qkv = self.qkv(x)  # (B, T, (H + 2 Hkv) D)
         cache = self.cache()
-        gqa = a.n_kv_heads != a.n_head
-        q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
+        q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim,
+                                    None if self.q_norm is None else self.normed_qk)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, T, D); k, v (B, Hkv, T, D)
         if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
             cache.write_prefix(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H, T, D)
+            window_mask = mask[..., :x.shape[1]] if self.window else None  # (1, 1, T, T)
+            out = attention(q, k, v, window_mask, a.attention_scale, a.attn_softcap)  # (B, H, T, D)
         else:
             k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)
+            out = attention(q, k, v, mask, a.attention_scale, a.attn_softcap)
+        return self.output(out)  # (B, T, dim)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matrix (w13)."""
+    """SwiGLU (or GeGLU) with the gate and up projections fused into one matrix (w13)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.hidden = args.intermediate_size
+        self.gelu = args.activation == "gelu_tanh"
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.hidden, dim=-1)  # (B, T, I) each
-        return self.w2(F.silu(gate) * up)
+        return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Attention then feed-forward, each added to the residual; norms on the sub-layers' inputs ("pre"), their
+    outputs ("post") or both ("sandwich"), as args.norm_placement says."""
+
+    def __init__(self, args: ModelArgs, window: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        pre, post = args.norm_placement != "post", args.norm_placement != "pre"
+        self.residual_scale = args.residual_scale
+        self.attention_norm = model_norm(args) if pre else None
+        self.attention = Attention(args, window)
+        self.post_attention_norm = model_norm(args) if post else None
+        self.ffn_norm = model_norm(args) if pre else None
         self.feed_forward = FeedForward(args)
+        self.post_ffn_norm = model_norm(args) if post else None
+
+    def residual(self, x: Tensor, out: Tensor, post_norm: RMSNorm | None) -> Tensor:
+        """x plus a sub-layer's output, normalized and scaled as configured."""
+        out = out if post_norm is None else post_norm(out)
+        return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a_in = x if self.attention_norm is None else self.attention_norm(x)
+        h = self.residual(x, self.attention(a_in, rope, mask, input_pos, from_start), self.post_attention_norm)
+        f_in = h if self.ffn_norm is None else self.ffn_norm(h)
+        return self.residual(h, self.feed_forward(f_in), self.post_ffn_norm)
 
 
 class Transformer(nn.Module):
@@ -277,14 +447,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, args.window(i)) for i in range(args.n_layer))
+        self.norm = model_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = 0
         self.max_seq_length = 0
-        self.register_buffer("rope", torch.empty(0), persistent=False)  # (S, 2, D/2) fp32, filled by setup_caches
+        self.embedding_scale = 1.0  # args.embedding_scale rounded to the activation dtype, by setup_caches
+        self.register_buffer("rope", torch.empty(0), persistent=False)  # (S, 2, Dr/2) fp32, filled by setup_caches
+        # The windowed layers' own table when args.local_rope_base is set (Gemma 3), else empty.
+        self.register_buffer("rope_local", torch.empty(0), persistent=False)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
         """Allocate the KV cache and rope table; the only place the cache is allocated."""
@@ -301,6 +474,10 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim,
                                                self.cache_dtype, weight.device)
         self.rope = rope_table(a, max_seq_length, weight.device)
+        local = a.local_rope_base > 0 and any(a.layer_windows)
+        self.rope_local = rope_table(a, max_seq_length, weight.device, local=True) if local else self.rope[:0]
+        # HF rounds the embedding scale to the weights' dtype (Gemma's normalizer).
+        self.embedding_scale = torch.tensor(a.embedding_scale, dtype=self.cache_dtype).item()
         self.max_batch_size = max_batch_size
         self.max_seq_length = max_seq_length
 
@@ -319,12 +496,27 @@ class Transformer(nn.Module):
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         x = self.tok_embeddings(idx)  # (B, T, dim)
-        rope = self.rope[input_pos]  # (T, 2, D/2)
-        # Each query attends to cached positions up to its own; built per call, so no (S, S) buffer.
-        cache_pos = torch.arange(self.max_seq_length, device=idx.device)  # (S,)
-        mask = (cache_pos.unsqueeze(0) <= input_pos.unsqueeze(1)).view(1, 1, -1, self.max_seq_length)  # (1, 1, T, S)
+        if self.embedding_scale != 1.0:
+            x = x * self.embedding_scale
+        rope = self.rope[input_pos]  # (T, 2, Dr/2)
+        rope_local = self.rope_local[input_pos] if self.rope_local.numel() else rope
+        # Each query attends to cached positions up to its own (and, in a windowed layer, within the window); built
+        # per call, so no (S, S) buffer.
+        cache_pos = torch.arange(self.max_seq_length, device=idx.device).unsqueeze(0)  # (1, S)
+        mask = cache_pos <= input_pos.unsqueeze(1)  # (T, S)
+        masks = {w: mask & (cache_pos > input_pos.unsqueeze(1) - w) for w in set(self.args.layer_windows) if w}
+        masks[0] = mask
         for layer in self.layers:
-            x = layer(x, rope, mask, input_pos, from_start)
+            window = layer.attention.window
+            x = layer(x, rope_local if window else rope, masks[window].view(1, 1, -1, self.max_seq_length),
+                      input_pos, from_start)
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (B, L, dim)
-        return self.output(self.norm(x))  # (B, T, vocab)
+        return self.logits(self.output(self.norm(x)))  # (B, T, vocab)
+
+    def logits(self, logits: Tensor) -> Tensor:
+        """The output head's values soft-capped and divided as configured (Gemma 2, Granite)."""
+        a = self.args
+        if a.final_softcap:
+            logits = a.final_softcap * torch.tanh(logits / a.final_softcap)
+        return logits if a.logits_divisor == 1.0 else logits / a.logits_divisor
