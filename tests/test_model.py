@@ -276,16 +276,15 @@ def test_rope_keys_resolve_as_transformers_resolves_them(keys):
             hf["factor"], hf["original_max_position_embeddings"])
 
 
-def test_legacy_linear_rope_beside_default_rope_parameters_is_refused():
-    """transformers lets the legacy key win, so this model uses linear scaling; converting with default rope would
-    give wrong logits."""
+def test_legacy_linear_rope_beside_default_rope_parameters_wins():
+    """transformers lets the legacy key win, so this model uses linear scaling, and so must the conversion."""
     config = tiny_hf_config(num_attention_heads=4).to_dict()
     config.update(rope_scaling={"type": "linear", "factor": 4.0}, rope_parameters={"rope_type": "default"})
-    with pytest.raises(ValueError, match="rope type 'linear'"):
-        args_from_hf_config(config)
+    scaling = args_from_hf_config(config).rope_scaling
+    assert (scaling.rope_type, scaling.factor) == ("linear", 4.0)
 
 
-@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn", "longrope", "proportional"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope", "proportional"])
 def test_unimplemented_rope_types_are_refused_in_one_line(rope_type):
     config = tiny_hf_config(num_attention_heads=4).to_dict()
     config["rope_parameters"] = {"rope_type": rope_type, "factor": 4.0, "rope_theta": 10000.0}

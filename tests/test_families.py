@@ -1,0 +1,76 @@
+"""Each supported family against transformers' own class: fp32 logits, cached decoding and greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from redline.checkpoint import read_checkpoint_info
+from redline.generate import LLM
+from redline.quantize import load_model
+
+from conftest import prefill_then_decode_logits, save_family_checkpoint
+
+
+def load_fp32(path):
+    return load_model(read_checkpoint_info(path), "cpu", torch.float32)
+
+
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.setup_caches(ids.shape[0], ids.shape[1])
+    with torch.no_grad():
+        return model(ids, torch.arange(ids.shape[1]))
+
+
+def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(ids).logits.float()
+
+
+def test_logits_match_transformers(family_checkpoint):
+    variant, _, hf_model, path = family_checkpoint
+    model = load_fp32(path)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 512, (2, 40))  # longer than every variant's sliding window
+    diff = (full_logits(model, ids) - hf_logits(hf_model, ids)).abs().max().item()
+    assert diff <= 1e-4, (variant, diff)
+
+
+def test_cached_decoding_matches_transformers(family_checkpoint):
+    """Prefill then one token at a time through the static cache (a cache longer than the sequence), across the
+    window."""
+    variant, _, hf_model, path = family_checkpoint
+    model = load_fp32(path)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 512, (1, 30))
+    with torch.no_grad():
+        ours = prefill_then_decode_logits(model, ids, prompt_len=12, cache_len=48 if "longrope" not in variant else 64)
+    diff = (ours - hf_logits(hf_model, ids)).abs().max().item()
+    assert diff <= 1e-4, (variant, diff)
+
+
+def test_greedy_tokens_match_transformers(family_checkpoint):
+    variant, _, hf_model, path = family_checkpoint
+    llm = LLM(load_fp32(path), None, torch.device("cpu"), compile=False)
+    prompt = [5, 17, 99, 230, 7, 64, 300, 12]
+    ours = llm.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=0).token_ids
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert ours == ref[0, len(prompt):].tolist(), variant
+
+
+@pytest.mark.parametrize("length", [200, 300])
+def test_phi3_longrope_below_and_above_the_original_length(tmp_path, length):
+    """transformers picks the long factors when the sequence passes original_max_position_embeddings (256); Redline
+    picks them when the cache does, so a cache of the sequence's length gives the same logits on both sides."""
+    hf_dir, hf_model = save_family_checkpoint(tmp_path, "phi3_longrope")
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    model = load_fp32(convert_hf_checkpoint(hf_dir, dtype="float32"))
+    ids = torch.randint(0, 512, (1, length))
+    diff = (full_logits(model, ids) - hf_logits(hf_model, ids)).abs().max().item()
+    assert diff <= 1e-4, diff
+    scaling, rot = model.args.rope_scaling, model.args.rotary_dim
+    factors = torch.tensor(scaling.long_factor if length > 256 else scaling.short_factor, dtype=torch.float64)
+    inv_freq = 1.0 / (factors * 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    torch.testing.assert_close(model.rope[1, 1].double() / scaling.attention_factor, inv_freq.sin(), rtol=1e-5,
+                               atol=1e-6)
