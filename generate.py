@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from redline.checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
-from redline.kernels import use_kernels
+from redline.kernels import fused_decode_refusal, use_kernels
 from redline.kernels import available as kernels_available
 from redline.model import Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
@@ -141,8 +141,9 @@ class LLM:
         self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
         # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
         self.kernels = device.type == "cuda" and kernels_available() if kernels is None else kernels
-        # Batch-1 decode steps fuse norm, rope, cache write, SwiGLU and residuals into the kernels (on by default).
-        self.fuse = self.kernels if fuse is None else fuse
+        # Batch-1 decode steps fuse norm, rope, cache write, SwiGLU and residuals into the kernels (on by default for
+        # the models whose blocks the fused kernels implement; fused_decode_refusal says why not for the others).
+        self.fuse = self.kernels and fused_decode_refusal(model.args) is None if fuse is None else fuse
         if self.kernels and (device.type != "cuda" or not kernels_available()):
             raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed; use kernels=False")
         if self.fuse and not self.kernels:

@@ -1,4 +1,5 @@
-"""Convert a Hugging Face checkpoint folder (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, Granite) into one Redline .safetensors file.
+"""Convert a Hugging Face checkpoint folder into one Redline .safetensors file (Llama, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3, OLMo 2, Granite).
 
 python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [--out FILE] [--dtype bfloat16]
 """
