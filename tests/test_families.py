@@ -74,3 +74,25 @@ def test_phi3_longrope_below_and_above_the_original_length(tmp_path, length):
     inv_freq = 1.0 / (factors * 10000.0 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
     torch.testing.assert_close(model.rope[1, 1].double() / scaling.attention_factor, inv_freq.sin(), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_int8_stays_within_the_int8_bounds(family_checkpoint, tmp_path):
+    """The converted file quantized to int8 (quantize.py's checkpoint path), loaded, against the fp32 model: every
+    quantized layer within test_quantize's relative error, and its teacher-forced top-1 agreement."""
+    import torch.nn.functional as F
+
+    from redline.quantize import Int8Linear, quantize_checkpoint
+    from test_quantize import MAX_LAYER_REL_ERROR, MIN_TOP1_AGREEMENT, rel_error
+
+    variant, _, _, path = family_checkpoint
+    ref = load_fp32(path)
+    q_model = load_fp32(quantize_checkpoint(path, "int8", tmp_path / "model.int8.safetensors"))
+    torch.manual_seed(0)
+    quantized = dict(q_model.named_modules())
+    for name, module in ref.named_modules():
+        if isinstance(quantized.get(name), Int8Linear):
+            x = torch.randn(16, module.in_features)
+            assert rel_error(quantized[name](x), F.linear(x, module.weight)) <= MAX_LAYER_REL_ERROR, (variant, name)
+    ids = torch.randint(3, 512, (2, 96))
+    agreement = (full_logits(ref, ids).argmax(-1) == full_logits(q_model, ids).argmax(-1)).float().mean().item()
+    assert agreement >= MIN_TOP1_AGREEMENT, (variant, agreement)
