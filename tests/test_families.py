@@ -96,3 +96,28 @@ def test_int8_stays_within_the_int8_bounds(family_checkpoint, tmp_path):
     ids = torch.randint(3, 512, (2, 96))
     agreement = (full_logits(ref, ids).argmax(-1) == full_logits(q_model, ids).argmax(-1)).float().mean().item()
     assert agreement >= MIN_TOP1_AGREEMENT, (variant, agreement)
+
+
+def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_what_it_lacks(family_checkpoint):
+    """kernels.use_kernels on each family (the ops run their references on the CPU): the same logits through prefill
+    and one-token steps; attention layers whose ops the kernels lack keep model.Attention; FusedDecode refuses every
+    family but Llama in one line naming what it lacks."""
+    from redline.kernels import FusedDecode, KernelAttention, use_kernels
+    from redline.model import Attention
+
+    variant, _, _, path = family_checkpoint
+    ref, model = load_fp32(path), use_kernels(load_fp32(path))
+    ids = torch.randint(0, 512, (1, 20))
+    with torch.no_grad():
+        want = prefill_then_decode_logits(ref, ids, prompt_len=8, cache_len=32)
+        got = prefill_then_decode_logits(model, ids, prompt_len=8, cache_len=32)
+    assert (got - want).abs().max().item() <= 1e-5, variant
+    kinds = {type(layer.attention) for layer in model.layers}
+    a = model.args
+    plain = a.qk_norm == "none" and a.rotary_dim == a.head_dim and not a.attn_softcap and a.attention_scale in (
+        0.0, a.head_dim ** -0.5)
+    assert (KernelAttention in kinds) == (plain and not all(a.layer_windows or [0])), variant
+    assert (Attention in kinds) == (not plain or any(a.layer_windows)), variant
+    with pytest.raises(ValueError, match="fused batch-1 decode implements Llama blocks only") as info:
+        FusedDecode(model)
+    assert "\n" not in str(info.value)
