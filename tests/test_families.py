@@ -121,3 +121,28 @@ def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_wha
     with pytest.raises(ValueError, match="fused batch-1 decode implements Llama blocks only") as info:
         FusedDecode(model)
     assert "\n" not in str(info.value)
+
+
+def test_gemma3_multimodal_checkpoint_converts_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (how the 4B-27B ship): the text model's tensors under their multimodal names
+    convert, the vision tower and projector are left out, and text-only logits match transformers'."""
+    import transformers
+
+    from conftest import _FAMILY_BASE, FAMILY_VARIANTS, randomize_parameters
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    text = {k: v for k, v in {**_FAMILY_BASE, **FAMILY_VARIANTS["gemma3"][1]}.items()
+            if k not in ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       initializer_range=0.1, attn_implementation="eager")
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomize_parameters(hf_model.model.language_model, gemma=True)
+    hf_model.save_pretrained(tmp_path)
+    model = load_fp32(convert_hf_checkpoint(tmp_path, dtype="float32"))
+    assert model.args.layer_windows == (8, 0, 8, 0) and model.args.tie_word_embeddings
+    ids = torch.randint(0, 512, (1, 30))
+    diff = (full_logits(model, ids) - hf_logits(hf_model, ids)).abs().max().item()
+    assert diff <= 1e-4, diff
