@@ -166,8 +166,9 @@ def _gemma3_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str, An
     if local_scaling is not None:
         raise ValueError("config.json scales the sliding layers' rope, which Redline does not implement for Gemma 3")
     n = args["n_layer"]
+    pattern = _hf_field(config, "sliding_window_pattern", int, 6)  # without layer_types: every n-th layer global
     return dict(**_gemma_common(config, args), rope_base=rope_base, rope_scaling=rope_scaling, qk_norm="head",
-                layer_windows=_layer_windows(config, n, [(i + 1) % 6 != 0 for i in range(n)]),
+                layer_windows=_layer_windows(config, n, [(i + 1) % pattern != 0 for i in range(n)]),
                 local_rope_base=local_base,
                 # transformers' Gemma 3 attention reads attn_logit_softcapping but never applies it; neither does this.
                 final_softcap=_hf_field(config, "final_logit_softcapping", float, 0.0))

@@ -146,3 +146,59 @@ def test_gemma3_multimodal_checkpoint_converts_its_language_model(tmp_path):
     ids = torch.randint(0, 512, (1, 30))
     diff = (full_logits(model, ids) - hf_logits(hf_model, ids)).abs().max().item()
     assert diff <= 1e-4, diff
+
+
+# Published config.json values (the fields these readers use) of a few registry models.
+_PUBLISHED = {
+    "Qwen2.5-7B": dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                       max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                       use_sliding_window=False, sliding_window=131072, max_window_layers=28, hidden_act="silu"),
+    "Qwen3-8B": dict(architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36, head_dim=128,
+                     num_attention_heads=32, num_key_value_heads=8, intermediate_size=12288, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     attention_bias=False, use_sliding_window=False, hidden_act="silu"),
+    "Gemma-3-1B": dict(architectures=["Gemma3ForCausalLM"], hidden_size=1152, num_hidden_layers=26, head_dim=256,
+                       num_attention_heads=4, num_key_value_heads=1, intermediate_size=6912, vocab_size=262144,
+                       max_position_embeddings=32768, rope_theta=1e6, rope_local_base_freq=1e4, rms_norm_eps=1e-6,
+                       query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+                       hidden_activation="gelu_pytorch_tanh", rope_scaling=None),
+    "OLMo-2-7B": dict(architectures=["Olmo2ForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008, vocab_size=100352,
+                      max_position_embeddings=4096, rope_theta=5e5, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "Granite-3.1-8B": dict(architectures=["GraniteForCausalLM"], hidden_size=4096, num_hidden_layers=40,
+                           num_attention_heads=32, num_key_value_heads=8, intermediate_size=12800, vocab_size=49155,
+                           max_position_embeddings=131072, rope_theta=1e7, rms_norm_eps=1e-5,
+                           tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                           residual_multiplier=0.22, logits_scaling=16.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_registry_entries_equal_the_converted_published_configs(name):
+    from redline.model import ModelArgs
+    from redline.scripts.hf_config import args_from_hf_config
+
+    assert args_from_hf_config(_PUBLISHED[name]) == ModelArgs.from_name(name)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}, "unsupported architecture"),
+    ({"mlp_bias": True}, "mlp_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden activation 'gelu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+    ({"layer_types": ["full_attention"] * 2}, "layer_types must list"),
+])
+def test_unsupported_options_are_refused_in_one_line(change, message):
+    from redline.scripts.hf_config import args_from_hf_config
+
+    with pytest.raises(ValueError, match=message) as info:
+        args_from_hf_config({**_PUBLISHED["Qwen3-8B"], **change, "use_sliding_window": True})
+    assert "\n" not in str(info.value)
+
+
+def test_gemma_bidirectional_attention_is_refused():
+    from redline.scripts.hf_config import args_from_hf_config
+
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
+        args_from_hf_config({**_PUBLISHED["Gemma-3-1B"], "use_bidirectional_attention": True})
