@@ -278,6 +278,7 @@ def load_sharded_model(info: CheckpointInfo, world: TPWorld, dtype: torch.dtype 
     if model.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.rope = torch.empty(0, device=world.device)
+    model.rope_local = torch.empty(0, device=world.device)
     return model.eval()
 
 
