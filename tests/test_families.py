@@ -202,3 +202,20 @@ def test_gemma_bidirectional_attention_is_refused():
 
     with pytest.raises(ValueError, match="use_bidirectional_attention=True"):
         args_from_hf_config({**_PUBLISHED["Gemma-3-1B"], "use_bidirectional_attention": True})
+
+
+def test_int4_model_is_the_model_of_its_dequantized_weights(family_checkpoint, tmp_path):
+    """The int4 checkpoint of each family loads with every family tensor (biases, q/k norms, post-norms) in place:
+    its logits equal those of the fp32 model whose linears hold the dequantized int4 weights."""
+    from redline.quantize import Int4Linear, dequantize_int4, quantize_checkpoint
+
+    variant, _, _, path = family_checkpoint
+    q_model = load_fp32(quantize_checkpoint(path, "int4", tmp_path / "model.int4.safetensors", group_size=32))
+    ref = load_fp32(path)
+    with torch.no_grad():
+        for name, module in q_model.named_modules():
+            if isinstance(module, Int4Linear):
+                ref.get_submodule(name).weight.copy_(dequantize_int4(module.weight, module.scales))
+    ids = torch.randint(0, 512, (1, 30))
+    diff = (full_logits(q_model, ids) - full_logits(ref, ids)).abs().max().item()
+    assert diff <= 1e-4, (variant, diff)
