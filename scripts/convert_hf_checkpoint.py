@@ -5,6 +5,7 @@ python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [-
 """
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import re
@@ -149,11 +150,17 @@ def read_torch_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@functools.lru_cache(maxsize=4)
+def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """checkpoint.expected_shapes, built once per config (it builds a model on the meta device)."""
+    return expected_shapes(args)
+
+
 def hf_shape(name: str, args: ModelArgs) -> tuple[int, ...]:
     """The shape config.json implies for one HF tensor (checked before fusing, so a mis-split q/k/v or gate/up
     whose concatenation has the right size is still caught)."""
     target, index = hf_target(name, args)
-    shape = expected_shapes(args)[target]
+    shape = model_shapes(args)[target]
     if index is None:
         return shape
     sizes = {3: [args.q_size, args.kv_size, args.kv_size], 2: [args.intermediate_size] * 2}
@@ -173,7 +180,7 @@ def hf_target(name: str, args: ModelArgs) -> tuple[str, int | None]:
         raise ValueError(f"tensor {name} belongs to layer {layer}, but config.json has {args.n_layer} layers")
     local, index = parts[match.group(2)]
     target = f"layers.{layer}.{local}"
-    if target not in expected_shapes(args):
+    if target not in model_shapes(args):
         raise ValueError(f"tensor {name} is not used by this config (it has no {local.split('.')[-2]}); the weights "
                          f"do not belong to this config")
     return target, index
