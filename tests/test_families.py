@@ -219,3 +219,21 @@ def test_int4_model_is_the_model_of_its_dequantized_weights(family_checkpoint, t
     ids = torch.randint(0, 512, (1, 30))
     diff = (full_logits(q_model, ids) - full_logits(ref, ids)).abs().max().item()
     assert diff <= 1e-4, (variant, diff)
+
+
+@pytest.mark.parametrize("variant", ["qwen2_window", "gemma3", "phi3_longrope"])
+def test_speculative_decoding_keeps_the_greedy_tokens(tmp_path, variant):
+    """A draft of the same family (itself: every draft accepted) and prompt lookup verify several tokens per step
+    through the windowed, soft-capped or partial-rotary attention; the tokens stay transformers' greedy ones."""
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir, hf_model = save_family_checkpoint(tmp_path, variant)
+    path = convert_hf_checkpoint(hf_dir, dtype="float32")
+    llm = LLM(load_fp32(path), None, torch.device("cpu"), compile=False)
+    draft = LLM(load_fp32(path), None, torch.device("cpu"), compile=False)
+    prompt = [5, 17, 99, 230, 7, 64, 5, 17, 99, 230, 7, 64]  # repeats, so prompt lookup finds matches
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    for spec in (draft, "prompt_lookup"):
+        ours = llm.generate(prompt, max_new_tokens=20, ignore_eos=True, temperature=0, draft=spec, speculate_k=4)
+        assert ours.token_ids == ref[0, len(prompt):].tolist(), (variant, spec)
