@@ -77,7 +77,7 @@ class ModelArgs:
     qk_norm: str = "none"  # RMSNorm of q and k before rope: "head" over head_dim per head (Qwen3, Gemma 3), "full"
     # over the whole q or k width (OLMo 2)
     norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w): 1.0 for Gemma
-    norm_scale_fp32: bool = False  # the norm's scale is applied in fp32, then rounded (Gemma, OLMo 2); Llama rounds first
+    norm_scale_fp32: bool = False  # the scale is applied in fp32, then rounded (Gemma, OLMo 2); Llama rounds first
     norm_placement: str = "pre"  # "pre": a norm on each sub-layer's input; "sandwich": on its input and its output
     # (Gemma 2/3); "post": on its output only (OLMo 2)
     activation: str = "silu"  # the feed-forward gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
@@ -103,8 +103,8 @@ class ModelArgs:
         if self.rotary_dim == 0 and self.head_dim > 0:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
-        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size",
-                     "rotary_dim"):
+        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size",
+                     "block_size", "rotary_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
@@ -138,7 +138,8 @@ class ModelArgs:
         if windows and (len(windows) != self.n_layer or not all(type(w) is int and w >= 0 for w in windows)):
             raise ValueError(f"layer_windows must hold one window >= 0 per layer ({self.n_layer}), got {windows}")
         scaling = self.rope_scaling
-        if scaling is not None and scaling.rope_type == "longrope" and len(scaling.short_factor) != self.rotary_dim // 2:
+        longrope = scaling is not None and scaling.rope_type == "longrope"
+        if longrope and len(scaling.short_factor) != self.rotary_dim // 2:
             raise ValueError(f"longrope factors must number rotary_dim / 2 = {self.rotary_dim // 2}, got "
                              f"{len(scaling.short_factor)}")
 

@@ -31,7 +31,8 @@ from .device import DeviceCaps, device_caps, triton_importable
 from .fused_decode import FusedDecode, fused_decode_refusal
 from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears
 
-__all__ = ["DeviceCaps", "FusedDecode", "fused_decode_refusal", "kernel_attention_fits", "KernelAttention", "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
+__all__ = ["DeviceCaps", "FusedDecode", "fused_decode_refusal", "kernel_attention_fits", "KernelAttention",
+           "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
            "device_caps", "use_kernels"]
 
 

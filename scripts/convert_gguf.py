@@ -171,8 +171,8 @@ def family_deltas(reader: Any, arch: str, get: Any, dim: int, n_head: int, head_
     if arch == "olmo2":
         return dict(norm_placement="post", qk_norm="full", norm_scale_fp32=True)
     if arch == "granite":
-        return dict(embedding_scale=float(key("embedding_scale", 1.0)), residual_scale=float(key("residual_scale", 1.0)),
-                    attention_scale=float(key("attention.scale", 0.0)), logits_divisor=float(key("logit_scale", 1.0)))
+        return dict(embedding_scale=float(key("embedding_scale", 1.0)),
+                    residual_scale=float(key("residual_scale", 1.0)), attention_scale=float(key("attention.scale", 0.0)), logits_divisor=float(key("logit_scale", 1.0)))
     if arch == "phi3":
         return phi3_deltas(reader, key, head_dim, n_layer)
     # gemma2, gemma3: the 27B models scale attention by (dim / n_head) ** -0.5, the others by head_dim ** -0.5.

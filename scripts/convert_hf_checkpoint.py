@@ -48,7 +48,7 @@ LAYER_PARTS = {
     "pre_feedforward_layernorm.weight": ("ffn_norm.weight", None),
     "post_feedforward_layernorm.weight": ("post_ffn_norm.weight", None),
 }
-# Where the norms sit on the sub-layers' outputs (Gemma, OLMo 2), post_attention_layernorm is the attention's output norm.
+# Where norms sit on the sub-layers' outputs (Gemma, OLMo 2), post_attention_layernorm is the attention's output norm.
 POST_NORM_PARTS = {"post_attention_layernorm.weight": ("post_attention_norm.weight", None)}
 TOP_LEVEL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
              "lm_head.weight": "output.weight"}
