@@ -309,6 +309,10 @@ FLOAT_TENSOR_DTYPES = ("F32", "F16", "BF16")
 CONFIG_NUMBERS = ("rope_base", "norm_eps")
 
 
+def _finite_numbers(values: list) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+
+
 def _parse_metadata(meta: dict[str, str]) -> tuple[int, ModelArgs, torch.dtype, dict[str, Any]]:
     if not meta["redline_format"].isdigit():
         raise ValueError(f"redline_format {meta['redline_format']!r} is not a version number")
@@ -324,8 +328,8 @@ def _parse_metadata(meta: dict[str, str]) -> tuple[int, ModelArgs, torch.dtype, 
         raise ValueError(f"config tie_word_embeddings must be true or false, got {config['tie_word_embeddings']!r}")
     scaling = config.get("rope_scaling")
     if scaling is not None and not (isinstance(scaling, dict) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in scaling.values())):
-        raise ValueError(f"config rope_scaling must be null or llama3 rope numbers, got {scaling!r}")
+            _finite_numbers(v if isinstance(v, list) else [v]) for k, v in scaling.items() if k != "rope_type")):
+        raise ValueError(f"config rope_scaling must be null or rope scaling numbers, got {scaling!r}")
     args = ModelArgs.from_dict(config)
     quantization = json.loads(meta.get("quantization", '{"scheme": "none"}'))
     if not isinstance(quantization, dict) or not isinstance(quantization.get("scheme"), str):
@@ -369,19 +373,11 @@ def check_layer_count(names: Iterable[str], n_layer: int, source: str) -> None:
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor of an unquantized Redline checkpoint and its shape."""
-    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,)}
-    if not args.tie_word_embeddings:
-        shapes["output.weight"] = (args.vocab_size, args.dim)
-    for i in range(args.n_layer):
-        p = f"layers.{i}."
-        shapes[p + "attention_norm.weight"] = (args.dim,)
-        shapes[p + "attention.wqkv.weight"] = (args.q_size + 2 * args.kv_size, args.dim)
-        shapes[p + "attention.wo.weight"] = (args.dim, args.q_size)
-        shapes[p + "ffn_norm.weight"] = (args.dim,)
-        shapes[p + "feed_forward.w13.weight"] = (2 * args.intermediate_size, args.dim)
-        shapes[p + "feed_forward.w2.weight"] = (args.dim, args.intermediate_size)
-    return shapes
+    """Every tensor of an unquantized Redline checkpoint and its shape (read off a model built on the meta device,
+    so each family's extra tensors are included)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return {name: tuple(t.shape) for name, t in model_state_dict(model).items()}
 
 
 def model_state_dict(model: Transformer) -> dict[str, torch.Tensor]:

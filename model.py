@@ -1,38 +1,64 @@
-"""The whole Llama-family transformer in one file.
+"""The whole Llama-family transformer in one file, with the deltas of Qwen2/3, Gemma 2/3, Phi-3, OLMo 2 and Granite
+as data in ModelArgs.
 
 Static KV cache (batch 1, copies of one prompt) or a paged one passed in per call (PagedContext: many sequences of
-different lengths flattened into one row), rotary embeddings (with Llama 3.1 scaling), grouped-query attention, SwiGLU.
+different lengths flattened into one row), rotary embeddings (Llama 3.1, linear and LongRoPE scaling, partial
+rotary), grouped-query attention (biases, q/k norms, sliding windows, soft-capping), SwiGLU or GeGLU, pre-, sandwich
+or post-norms.
 Weights use Hugging Face's rotary layout (rotate-half), so converted checkpoints need no permutation.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-HF_MODEL_TYPES = ("llama", "mistral")
+from redline.model_registry import MODEL_REGISTRY
+
+ROPE_TYPES = ("llama3", "linear", "longrope")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1 frequency-dependent rope scaling ("rope_type": "llama3")."""
+    """Rope frequency scaling. "llama3": Llama 3.1's frequency-dependent scaling; "linear": every frequency divided by
+    `factor` (Gemma 3's global layers); "longrope": frequencies divided per dimension by `short_factor`, or by
+    `long_factor` when the cache is longer than `original_max_position_embeddings`, cos and sin times
+    `attention_factor` (Phi-3)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unknown rope scaling type {self.rope_type!r}; known: {', '.join(ROPE_TYPES)}")
         if self.factor <= 0 or self.low_freq_factor <= 0 or self.original_max_position_embeddings <= 0:
-            raise ValueError(f"invalid llama3 rope scaling {self}: factors and original length must be positive")
-        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"invalid rope scaling {self}: factors and original length must be positive")
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(f"invalid llama3 rope scaling {self}: high_freq_factor must exceed low_freq_factor")
+        if self.rope_type == "longrope":
+            factors = self.short_factor + self.long_factor
+            if not self.short_factor or len(self.short_factor) != len(self.long_factor) or min(factors) <= 0:
+                raise ValueError("longrope scaling needs positive short_factor and long_factor lists of one length")
+            if not (math.isfinite(self.attention_factor) and self.attention_factor > 0):
+                raise ValueError(f"longrope attention_factor must be a positive number, got {self.attention_factor}")
+
+
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+QK_NORMS = ("none", "head", "full")
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -49,6 +75,26 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    # The families' deltas from Llama; the defaults are Llama's (scripts/hf_config.py sets them per architecture).
+    qkv_bias: bool = False  # bias on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # bias on the output projection (attention_bias in Llama, Qwen3, Granite)
+    qk_norm: str = "none"  # RMSNorm of q and k before rope: "head" over head_dim per head (Qwen3, Gemma 3), "full"
+    # over the whole q or k width (OLMo 2)
+    norm_offset: float = 0.0  # every RMSNorm scales by (norm_offset + w): 1.0 for Gemma
+    norm_scale_fp32: bool = False  # the scale is applied in fp32, then rounded (Gemma, OLMo 2); Llama rounds first
+    norm_placement: str = "pre"  # "pre": a norm on each sub-layer's input; "sandwich": on its input and its output
+    # (Gemma 2/3); "post": on its output only (OLMo 2)
+    activation: str = "silu"  # the feed-forward gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embedding_scale: float = 1.0  # embeddings times this, rounded to the activation dtype (Gemma: sqrt(dim); Granite)
+    residual_scale: float = 1.0  # each sub-layer's output times this before the residual add (Granite)
+    logits_divisor: float = 1.0  # logits divided by this (Granite's logits_scaling)
+    attention_scale: float = 0.0  # scores times this; 0: head_dim ** -0.5
+    attn_softcap: float = 0.0  # > 0: scores -> c * tanh(scores / c) before the mask (Gemma 2)
+    final_softcap: float = 0.0  # > 0: logits -> c * tanh(logits / c) (Gemma 2)
+    rotary_dim: int = 0  # rope on the first rotary_dim features of each head, the rest pass through; 0: head_dim
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window (a query sees the last w positions) or 0 (full
+    # attention); empty: every layer full
+    local_rope_base: float = 0.0  # > 0: the windowed layers' rope base, without scaling (Gemma 3); 0: one rope for all
 
     def __post_init__(self) -> None:
         # Frozen dataclass: fill derived defaults through object.__setattr__.
@@ -58,7 +104,11 @@ class ModelArgs:
             object.__setattr__(self, "head_dim", self.dim // self.n_head)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
-        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size", "block_size"):
+        if self.rotary_dim == 0 and self.head_dim > 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+        for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size",
+                     "block_size", "rotary_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"ModelArgs.{name} must be a positive integer, got {value!r}")
@@ -68,6 +118,34 @@ class ModelArgs:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_base <= 0 or self.norm_eps <= 0:
             raise ValueError("rope_base and norm_eps must be positive")
+        self._check_deltas()
+
+    def _check_deltas(self) -> None:
+        for name in ("qkv_bias", "o_bias", "norm_scale_fp32"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelArgs.{name} must be true or false, got {getattr(self, name)!r}")
+        for name, value, choices in (("qk_norm", self.qk_norm, QK_NORMS), ("activation", self.activation, ACTIVATIONS),
+                                     ("norm_placement", self.norm_placement, NORM_PLACEMENTS)):
+            if value not in choices:
+                raise ValueError(f"ModelArgs.{name} must be one of {', '.join(choices)}, got {value!r}")
+        for name in ("embedding_scale", "residual_scale", "logits_divisor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"ModelArgs.{name} must be a positive number, got {value!r}")
+        for name in ("norm_offset", "attention_scale", "attn_softcap", "final_softcap", "local_rope_base"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"ModelArgs.{name} must be a number >= 0, got {value!r}")
+        if self.rotary_dim % 2 != 0 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must be even and at most head_dim ({self.head_dim}), got {self.rotary_dim}")
+        windows = self.layer_windows
+        if windows and (len(windows) != self.n_layer or not all(type(w) is int and w >= 0 for w in windows)):
+            raise ValueError(f"layer_windows must hold one window >= 0 per layer ({self.n_layer}), got {windows}")
+        scaling = self.rope_scaling
+        longrope = scaling is not None and scaling.rope_type == "longrope"
+        if longrope and len(scaling.short_factor) != self.rotary_dim // 2:
+            raise ValueError(f"longrope factors must number rotary_dim / 2 = {self.rotary_dim // 2}, got "
+                             f"{len(scaling.short_factor)}")
 
     @property
     def q_size(self) -> int:
@@ -76,6 +154,10 @@ class ModelArgs:
     @property
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def window(self, layer: int) -> int:
+        """The layer's sliding window; 0: full attention."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,152 +172,30 @@ class ModelArgs:
 
     @classmethod
     def from_name(cls, name: str) -> ModelArgs:
+        """The shapes of a named model (model_registry.py)."""
         if name not in MODEL_REGISTRY:
             known = ", ".join(sorted(MODEL_REGISTRY))
             raise ValueError(f"unknown model name {name!r}; known names: {known}")
         return cls(**MODEL_REGISTRY[name])
 
-    @classmethod
-    def from_hf_config(cls, config: Any) -> ModelArgs:
-        """Read a Hugging Face `config.json` (Llama or Mistral architecture); every field read is checked."""
-        if not isinstance(config, dict):
-            raise ValueError(f"config.json must hold a JSON object, got a {type(config).__name__}; re-download it")
-        archs = _hf_field(config, "architectures", list, [])
-        model_type = _hf_field(config, "model_type", str, None)
-        if not (set(map(str, archs)) & set(HF_ARCHITECTURES) or model_type in HF_MODEL_TYPES):
-            found = archs[0] if archs else model_type
-            raise ValueError(
-                f"unsupported architecture {found!r}; Redline converts LlamaForCausalLM and MistralForCausalLM checkpoints"
-            )
-        for flag in ("attention_bias", "mlp_bias"):
-            if _hf_field(config, flag, bool, False):
-                raise ValueError(f"config.json sets {flag}=true; Redline's Llama has no biases in these layers")
-        act = _hf_field(config, "hidden_act", str, "silu")
-        if act != "silu":
-            raise ValueError(f"config.json hidden_act={act!r}; Redline's feed-forward is SwiGLU (silu)")
-        n_head = _hf_field(config, "num_attention_heads", int)
-        dim = _hf_field(config, "hidden_size", int)
-        block_size = _hf_field(config, "max_position_embeddings", int, 2048)
-        rope_base, rope_scaling = _hf_rope(config, block_size)
-        # Sliding-window attention (Mistral v0.1) equals full attention up to the window, so cap the context there
-        # rather than give silently different outputs beyond it.
-        window = _hf_field(config, "sliding_window", int, None)
-        if window and window < block_size:
-            block_size = window
-        return cls(
-            dim=dim,
-            n_layer=_hf_field(config, "num_hidden_layers", int),
-            n_head=n_head,
-            n_kv_heads=_hf_field(config, "num_key_value_heads", int, None) or n_head,
-            head_dim=_hf_field(config, "head_dim", int, None) or dim // n_head,
-            intermediate_size=_hf_field(config, "intermediate_size", int),
-            vocab_size=_hf_field(config, "vocab_size", int),
-            block_size=block_size,
-            rope_base=rope_base,
-            rope_scaling=rope_scaling,
-            norm_eps=_hf_field(config, "rms_norm_eps", float, 1e-6),
-            tie_word_embeddings=_hf_field(config, "tie_word_embeddings", bool, False),
-        )
 
-
-_REQUIRED = object()  # marks a config.json field that has no default
-
-
-def _hf_field(config: dict[str, Any], key: str, kind: type, default: Any = _REQUIRED, where: str = "config.json") -> Any:
-    """config[key] checked against its kind: int and float must be positive numbers (bool is neither), and a JSON
-    null or an absent key gives the default; a field without a default must be present."""
-    value = config.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"{where} has no {key!r}; it is required for a Llama model, re-download the config")
-        return default
-    if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        expected = "a positive integer"
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-        expected = "a positive number"
-    else:
-        ok = isinstance(value, kind)
-        expected = {bool: "true or false", str: "a string", list: "a list", dict: "an object"}[kind]
-    if not ok:
-        raise ValueError(f"{where} {key} must be {expected}, got {value!r}; fix or re-download the config")
-    return float(value) if kind is float else value
-
-
-def _hf_rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """The rope dict that transformers 5.x uses: a non-empty legacy `rope_scaling` replaces `rope_parameters`
-    entirely; inside it, `rope_type` wins over the legacy `type`."""
-    for key in ("rope_scaling", "rope_parameters"):
-        value = config.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise ValueError(f"config.json {key} must be an object or null, got {value!r}; fix the config")
-    return dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
-
-
-def _hf_rope(config: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
-    """Rope base and scaling, resolved from the transformers 4.x keys and 5.x `rope_parameters` as 5.x does."""
-    params = _hf_rope_parameters(config)
-    where = "config.json rope parameters"
-    theta = params.get("rope_theta", config.get("rope_theta"))
-    base = _hf_field({"rope_theta": theta}, "rope_theta", float, 10000.0, where)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return base, None
-    if rope_type == "llama3":
-        return base, RopeScaling(
-            factor=_hf_field(params, "factor", float, where=where),
-            low_freq_factor=_hf_field(params, "low_freq_factor", float, where=where),
-            high_freq_factor=_hf_field(params, "high_freq_factor", float, where=where),
-            original_max_position_embeddings=_hf_field(params, "original_max_position_embeddings", int, max_positions,
-                                                       where),
-        )
-    raise ValueError(f"config.json uses rope type {rope_type!r}, which Redline does not implement (only 'default' and "
-                     "'llama3'); converting it would give wrong logits")
-
-
-_LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-_LLAMA32_SCALING = {**_LLAMA31_SCALING, "factor": 32.0}
-_LLAMA3_COMMON = {"vocab_size": 128256, "rope_base": 500000.0, "n_kv_heads": 8}
-
-MODEL_REGISTRY: dict[str, dict[str, Any]] = {
-    "Llama-2-7B": dict(dim=4096, n_layer=32, n_head=32, intermediate_size=11008, block_size=4096),
-    "Llama-2-13B": dict(dim=5120, n_layer=40, n_head=40, intermediate_size=13824, block_size=4096),
-    "Llama-2-70B": dict(dim=8192, n_layer=80, n_head=64, n_kv_heads=8, intermediate_size=28672, block_size=4096),
-    "CodeLlama-7B": dict(dim=4096, n_layer=32, n_head=32, intermediate_size=11008, vocab_size=32016,
-                         block_size=16384, rope_base=1e6),
-    "CodeLlama-34B": dict(dim=8192, n_layer=48, n_head=64, n_kv_heads=8, intermediate_size=22016,
-                          block_size=16384, rope_base=1e6),
-    "Mistral-7B": dict(dim=4096, n_layer=32, n_head=32, n_kv_heads=8, intermediate_size=14336, block_size=4096),
-    "Llama-3-8B": dict(dim=4096, n_layer=32, n_head=32, intermediate_size=14336, block_size=8192, **_LLAMA3_COMMON),
-    "Llama-3-70B": dict(dim=8192, n_layer=80, n_head=64, intermediate_size=28672, block_size=8192, **_LLAMA3_COMMON),
-    "Llama-3.1-8B": dict(dim=4096, n_layer=32, n_head=32, intermediate_size=14336, block_size=131072,
-                         rope_scaling=_LLAMA31_SCALING, **_LLAMA3_COMMON),
-    "Llama-3.1-70B": dict(dim=8192, n_layer=80, n_head=64, intermediate_size=28672, block_size=131072,
-                          rope_scaling=_LLAMA31_SCALING, **_LLAMA3_COMMON),
-    "Llama-3.1-405B": dict(dim=16384, n_layer=126, n_head=128, intermediate_size=53248, block_size=131072,
-                           rope_scaling=_LLAMA31_SCALING, **_LLAMA3_COMMON),
-    "Llama-3.2-1B": dict(dim=2048, n_layer=16, n_head=32, head_dim=64, intermediate_size=8192, block_size=131072,
-                         rope_scaling=_LLAMA32_SCALING, tie_word_embeddings=True, **_LLAMA3_COMMON),
-    "Llama-3.2-3B": dict(dim=3072, n_layer=28, n_head=24, head_dim=128, intermediate_size=8192, block_size=131072,
-                         rope_scaling=_LLAMA32_SCALING, tie_word_embeddings=True, **_LLAMA3_COMMON),
-    "TinyLlama-1.1B": dict(dim=2048, n_layer=22, n_head=32, n_kv_heads=4, intermediate_size=5632, block_size=2048),
-    # Tiny configs for tests and CPU smoke runs.
-    "debug-tiny": dict(dim=64, n_layer=2, n_head=4, n_kv_heads=2, intermediate_size=160, vocab_size=512, block_size=256),
-    "debug-tiny-llama3": dict(dim=64, n_layer=2, n_head=4, n_kv_heads=1, intermediate_size=160, vocab_size=512,
-                              block_size=1024, rope_base=500000.0,
-                              rope_scaling={**_LLAMA31_SCALING, "original_max_position_embeddings": 64}),
-}
-
-
-def rope_frequencies(args: ModelArgs) -> Tensor:
-    """Inverse frequencies, with Llama 3.1 scaling when configured."""
-    half = args.head_dim // 2
-    inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, half, dtype=torch.float64) * 2 / args.head_dim))  # (D/2,)
-    scaling = args.rope_scaling
+def rope_frequencies(args: ModelArgs, local: bool = False, seq_len: int = 0) -> Tensor:
+    """Inverse frequencies (rotary_dim / 2,), scaled as configured; local: those of the windowed layers.
+    LongRoPE picks its long factors when seq_len (the cache length) exceeds the original context."""
+    own_base = local and args.local_rope_base > 0
+    base = args.local_rope_base if own_base else args.rope_base
+    dim = args.rotary_dim
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # (Dr/2,)
+    scaling = None if own_base else args.rope_scaling
     if scaling is None:
         return inv_freq.float()
-    # Long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated smoothly.
+    if scaling.rope_type == "linear":
+        return (inv_freq / scaling.factor).float()
+    if scaling.rope_type == "longrope":
+        long = seq_len > scaling.original_max_position_embeddings
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
+        return (inv_freq / factors).float()
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated smoothly.
     wavelen = 2 * math.pi / inv_freq
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -248,16 +208,24 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
     return scaled.float()
 
 
-def rope_table(args: ModelArgs, seq_len: int, device: torch.device | None = None) -> Tensor:
-    """cos and sin for every position, in fp32: (seq_len, 2, head_dim // 2)."""
-    inv_freq = rope_frequencies(args).to(device)  # (D/2,)
+def rope_table(args: ModelArgs, seq_len: int, device: torch.device | None = None, local: bool = False) -> Tensor:
+    """cos and sin for every position, in fp32: (seq_len, 2, rotary_dim // 2)."""
+    inv_freq = rope_frequencies(args, local, seq_len).to(device)  # (Dr/2,)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)  # (S,)
-    angles = torch.outer(positions, inv_freq)  # (S, D/2)
-    return torch.stack([angles.cos(), angles.sin()], dim=1)  # (S, 2, D/2)
+    angles = torch.outer(positions, inv_freq)  # (S, Dr/2)
+    table = torch.stack([angles.cos(), angles.sin()], dim=1)  # (S, 2, Dr/2)
+    scaling = args.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope" and not (local and args.local_rope_base > 0):
+        table = table * scaling.attention_factor
+    return table
 
 
 def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Rotate-half rotary embedding. x (B, T, H, D), table (T, 2, D/2) fp32."""
+    """Rotate-half rotary embedding. x (B, T, H, D), table (T, 2, Dr/2) fp32: the first Dr features of each head are
+    rotated, the rest pass through (partial rotary)."""
+    rotated = 2 * table.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotated], table), x[..., rotated:]], dim=-1)
     cos = table[:, 0].unsqueeze(1)  # (T, 1, D/2)
     sin = table[:, 1].unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, H, D/2) each
@@ -265,32 +233,64 @@ def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     return out.type_as(x)
 
 
-def split_rotated_qkv(qkv: Tensor, rope: Tensor, n_heads: int, n_kv_heads: int,
-                      head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+def split_rotated_qkv(qkv: Tensor, rope: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                      qk_norm: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+                      ) -> tuple[Tensor, Tensor, Tensor]:
     """The fused projection qkv (B, T, (H + 2 Hkv) D) -> q (B, T, H, D) and k (B, T, Hkv, D) rotated with rope
-    (T, 2, D/2), and v (B, T, Hkv, D)."""
+    (T, 2, Dr/2), and v (B, T, Hkv, D). qk_norm, when given, normalizes q and k (B, T, heads, D) before rope."""
     batch, length, _ = qkv.shape
     q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(batch, length, n_heads, head_dim), rope)
-    k = apply_rope(k.view(batch, length, n_kv_heads, head_dim), rope)
-    return q, k, v.view(batch, length, n_kv_heads, head_dim)
+    q, k = q.view(batch, length, n_heads, head_dim), k.view(batch, length, n_kv_heads, head_dim)
+    if qk_norm is not None:
+        q, k = qk_norm(q, k)
+    return apply_rope(q, rope), apply_rope(k, rope), v.view(batch, length, n_kv_heads, head_dim)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Normalized in fp32, rounded to x's dtype, then scaled (the order HF's LlamaRMSNorm uses)."""
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float = 0.0,
+              softcap: float = 0.0) -> Tensor:
+    """Softmax attention of q (B, H, T, D) over k, v (B, Hkv, S, D) -> (B, H, T, D). mask (1 or B, 1, T, S) bool,
+    True where a query may attend; None: causal, the T queries being the keys' positions 0..T-1. scale 0: D ** -0.5.
+    softcap c > 0: the scaled scores become c * tanh(scores / c) before the mask."""
+    scale = scale or q.shape[-1] ** -0.5
+    gqa = k.shape[1] != q.shape[1]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=gqa)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, H, S, D)
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()  # (T, S)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0, scale_fp32: bool = False) -> Tensor:
+    """Normalized in fp32, then scaled by (offset + weight): by default rounded to x's dtype before the scaling (HF's
+    LlamaRMSNorm order); scale_fp32 scales in fp32 and rounds once (Gemma's and OLMo 2's order)."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.type_as(x)
+    if scale_fp32:
+        return (normed * (weight.float() + offset)).type_as(x)
+    return (weight + offset if offset else weight) * normed.type_as(x)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, scale_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.offset = offset
+        self.scale_fp32 = scale_fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset, self.scale_fp32)
+
+
+def model_norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm of the model's kind over dim features (default: the model width)."""
+    return RMSNorm(dim or args.dim, args.norm_eps, args.norm_offset, args.norm_scale_fp32)
 
 
 class KVCache(nn.Module):
@@ -329,10 +329,15 @@ class PagedKVCache:
                  device: torch.device | None, ops: tuple[Any, Any] | None = None) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"a paged KV cache needs positive num_pages and page_size, got {num_pages}, {page_size}")
+        if args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope":
+            raise ValueError("the paged cache does not run LongRoPE models (their rope table depends on the sequence "
+                             "length); use LLM.generate for Phi-3/Phi-4-mini")
         shape = (args.n_layer, num_pages, page_size, args.n_kv_heads, args.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.rope = rope_table(args, args.block_size, device)  # (block_size, 2, D/2)
+        self.rope = rope_table(args, args.block_size, device)  # (block_size, 2, Dr/2)
+        local = args.local_rope_base > 0 and any(args.layer_windows)  # windowed layers' own rope base
+        self.rope_local = rope_table(args, args.block_size, device, local=True) if local else self.rope[:0]
         self.num_pages, self.page_size = num_pages, page_size
         self.ops = ops
 
@@ -340,7 +345,8 @@ class PagedKVCache:
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                             seq_lens: Tensor, scale: float,
                             host_lens: tuple[list[int], list[int]] | None = None,
-                            singles: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                            singles: tuple[Tensor, Tensor] | None = None, window: int = 0,
+                            softcap: float = 0.0) -> Tensor:
     """Attention of the flattened queries q (T, H, D) of S sequences over their pages; the reference of
     redline::paged_prefill_attention. k_cache, v_cache (num_pages, page_size, Hkv, D); block_tables (S, max_pages),
     cu_seqlens_q (S + 1,) and seq_lens (S,) int32. Query j of sequence s sits at position seq_lens[s] - q_len + j
@@ -348,7 +354,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 
     host_lens: the query and key counts per sequence as lists, when the caller has them (else read from the
     device). Sequences with one query (decode rows) go through paged_decode_attention together, the others one by
-    one; singles: those sequences' indices and their query rows (B,) each, when the caller has them on the device."""
+    one; singles: those sequences' indices and their query rows (B,) each, when the caller has them on the device.
+    window > 0: a query sees only the last `window` positions up to its own; softcap as in attention()."""
     q_lens, k_lens = host_lens if host_lens is not None else (cu_seqlens_q.diff().tolist(), seq_lens.tolist())
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -360,7 +367,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         singles = (torch.tensor(single, device=q.device), torch.tensor([starts[s] for s in single], device=q.device))
     rows, tokens = singles  # (B,) each
     if rows.numel():
-        out[tokens] = paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale)
+        out[tokens] = paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale,
+                                             window, softcap)
     for s, n_keys in enumerate(k_lens):
         begin, end = starts[s], starts[s + 1]
         if end - begin == 1:
@@ -369,28 +377,33 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         keys = k_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)  # (Hkv, K, D)
         values = v_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)
         q_pos = torch.arange(n_keys - (end - begin), n_keys, device=q.device)  # (Q,)
-        mask = torch.arange(n_keys, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # (Q, K)
+        key_pos = torch.arange(n_keys, device=q.device).unsqueeze(0)  # (1, K)
+        mask = key_pos <= q_pos.unsqueeze(1)  # (Q, K)
+        if window:
+            mask = mask & (key_pos > q_pos.unsqueeze(1) - window)
         queries = q[begin:end].transpose(0, 1)  # (H, Q, D)
-        attended = F.scaled_dot_product_attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                                  attn_mask=mask, scale=scale,
-                                                  enable_gqa=queries.shape[0] != keys.shape[0])  # (1, H, Q, D)
+        attended = attention(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, scale,
+                             softcap)  # (1, H, Q, D)
         out[begin:end] = attended[0].transpose(0, 1)
     return out
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                           scale: float) -> Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     """One query per sequence, q (B, H, D), at position seq_lens[b] - 1; the reference of
     redline::paged_decode_attention. Every row's pages are gathered into one padded batch and masked past its
-    length: no host synchronisation, so a CUDA graph can hold it. Returns (B, H, D)."""
+    length (and, with a window, before its last `window` keys): no host synchronisation, so a CUDA graph can hold
+    it. Returns (B, H, D)."""
     batch, max_pages = block_tables.shape
     page_size = k_cache.shape[1]
     pages = block_tables.long()  # (B, P)
     keys = k_cache[pages].flatten(1, 2).transpose(1, 2)  # (B, Hkv, P * page_size, D)
     values = v_cache[pages].flatten(1, 2).transpose(1, 2)
-    visible = torch.arange(max_pages * page_size, device=q.device) < seq_lens.view(-1, 1)  # (B, P * page_size)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible.view(batch, 1, 1, -1),
-                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[1])  # (B, H, 1, D)
+    key_pos = torch.arange(max_pages * page_size, device=q.device)  # (P * page_size,)
+    visible = key_pos < seq_lens.view(-1, 1)  # (B, P * page_size)
+    if window:
+        visible = visible & (key_pos >= seq_lens.view(-1, 1) - window)
+    out = attention(q.unsqueeze(2), keys, values, visible.view(batch, 1, 1, -1), scale, softcap)  # (B, H, 1, D)
     return out.squeeze(2)
 
 
@@ -410,29 +423,39 @@ class PagedContext:
     singles: tuple[Tensor, Tensor] | None = None  # the one-query sequences and their rows (B,), on the device
     layer: int = 0  # the layer whose pages attend() uses; Transformer.forward sets it
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Write k, v (N, Hkv, D) into this layer's pages, then attend with q (N, H, D); returns (N, H, D)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float = 0.0, window: int = 0,
+               softcap: float = 0.0) -> Tensor:
+        """Write k, v (N, Hkv, D) into this layer's pages, then attend with q (N, H, D); returns (N, H, D). scale 0:
+        D ** -0.5; a window or a soft-cap runs the PyTorch references (the GPU kernels implement neither)."""
         k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]  # (num_pages, page_size, Hkv, D)
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        if self.kv.ops is not None:
+        scale = scale or q.shape[-1] ** -0.5
+        if self.kv.ops is not None and not window and not softcap:
             prefill, decode = self.kv.ops
             if self.decode:
                 return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
             return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale)
         if self.decode:
-            return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale)
+            return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window,
+                                          softcap)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-                                       scale, self.host_lens, self.singles)
+                                       scale, self.host_lens, self.singles, window, softcap)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, window: int = 0) -> None:
         super().__init__()
         self.args = args
+        self.window = window  # 0: full attention
         self.wqkv = nn.Linear(args.dim, args.q_size + 2 * args.kv_size, bias=False)
         self.wo = nn.Linear(args.q_size, args.dim, bias=False)
+        # Biases are kept apart from the linears, so quantized and kernel linears stay bias-free.
+        self.wqkv_bias = nn.Parameter(torch.zeros(args.q_size + 2 * args.kv_size)) if args.qkv_bias else None
+        self.wo_bias = nn.Parameter(torch.zeros(args.dim)) if args.o_bias else None
+        per_head = args.qk_norm == "head"
+        self.q_norm = None if args.qk_norm == "none" else model_norm(args, args.head_dim if per_head else args.q_size)
+        self.k_norm = None if args.qk_norm == "none" else model_norm(args, args.head_dim if per_head else args.kv_size)
         self.kv_cache: KVCache | None = None
 
     def cache(self) -> KVCache:
@@ -440,52 +463,86 @@ class Attention(nn.Module):
             raise RuntimeError("call Transformer.setup_caches(max_batch_size, max_seq_length) before forward")
         return self.kv_cache
 
+    def qkv(self, x: Tensor) -> Tensor:
+        """x (B, T, dim) -> the fused projection (B, T, (H + 2 Hkv) D), with its bias."""
+        qkv = self.wqkv(x)
+        return qkv if self.wqkv_bias is None else qkv + self.wqkv_bias
+
+    def normed_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q (B, T, H, D), k (B, T, Hkv, D) through the q/k norms: per head, or over all heads at once."""
+        if self.args.qk_norm == "head":
+            return self.q_norm(q), self.k_norm(k)
+        return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+
+    def output(self, out: Tensor) -> Tensor:
+        """The attention output (B, H, T, D) -> (B, T, dim) through wo and its bias."""
+        bsz, _, seqlen, _ = out.shape
+        y = self.wo(out.transpose(1, 2).reshape(bsz, seqlen, self.args.q_size))
+        return y if self.wo_bias is None else y + self.wo_bias
+
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
                 context: PagedContext | None = None) -> Tensor:
         a = self.args
-        bsz, seqlen, _ = x.shape
-        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
-        gqa = a.n_kv_heads != a.n_head
-        q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
+        qkv = self.qkv(x)  # (B, T, (H + 2 Hkv) D)
+        q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim,
+                                    None if self.q_norm is None else self.normed_qk)
         if context is not None:  # paged: x is one row (1, N) of many sequences' tokens
-            return self.wo(context.attend(q[0], k[0], v[0]).reshape(bsz, seqlen, a.q_size))  # (1, N, dim)
+            out = context.attend(q[0], k[0], v[0], a.attention_scale, self.window, a.attn_softcap)  # (N, H, D)
+            return self.output(out.transpose(0, 1).unsqueeze(0))  # (1, N, dim)
         cache = self.cache()
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, T, D); k, v (B, Hkv, T, D)
         if from_start:  # positions 0..T-1: causal attention within the new keys, so SDPA may pick a fused kernel
             cache.write_prefix(k, v)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H, T, D)
+            window_mask = mask[..., :x.shape[1]] if self.window else None  # (1, 1, T, T)
+            out = attention(q, k, v, window_mask, a.attention_scale, a.attn_softcap)  # (B, H, T, D)
         else:
             k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)
+            out = attention(q, k, v, mask, a.attention_scale, a.attn_softcap)
+        return self.output(out)  # (B, T, dim)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matrix (w13)."""
+    """SwiGLU (or GeGLU) with the gate and up projections fused into one matrix (w13)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.hidden = args.intermediate_size
+        self.gelu = args.activation == "gelu_tanh"
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).split(self.hidden, dim=-1)  # (B, T, I) each
-        return self.w2(F.silu(gate) * up)
+        return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    """Attention then feed-forward, each added to the residual; norms on the sub-layers' inputs ("pre"), their
+    outputs ("post") or both ("sandwich"), as args.norm_placement says."""
+
+    def __init__(self, args: ModelArgs, window: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        pre, post = args.norm_placement != "post", args.norm_placement != "pre"
+        self.residual_scale = args.residual_scale
+        self.attention_norm = model_norm(args) if pre else None
+        self.attention = Attention(args, window)
+        self.post_attention_norm = model_norm(args) if post else None
+        self.ffn_norm = model_norm(args) if pre else None
         self.feed_forward = FeedForward(args)
+        self.post_ffn_norm = model_norm(args) if post else None
+
+    def residual(self, x: Tensor, out: Tensor, post_norm: RMSNorm | None) -> Tensor:
+        """x plus a sub-layer's output, normalized and scaled as configured."""
+        out = out if post_norm is None else post_norm(out)
+        return x + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
                 context: PagedContext | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, input_pos, from_start, context)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a_in = x if self.attention_norm is None else self.attention_norm(x)
+        h = self.residual(x, self.attention(a_in, rope, mask, input_pos, from_start, context),
+                          self.post_attention_norm)
+        f_in = h if self.ffn_norm is None else self.ffn_norm(h)
+        return self.residual(h, self.feed_forward(f_in), self.post_ffn_norm)
 
 
 class Transformer(nn.Module):
@@ -493,14 +550,17 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(TransformerBlock(args, args.window(i)) for i in range(args.n_layer))
+        self.norm = model_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_batch_size = 0
         self.max_seq_length = 0
-        self.register_buffer("rope", torch.empty(0), persistent=False)  # (S, 2, D/2) fp32, filled by setup_caches
+        self.embedding_scale = 1.0  # args.embedding_scale rounded to the activation dtype, by setup_caches
+        self.register_buffer("rope", torch.empty(0), persistent=False)  # (S, 2, Dr/2) fp32, filled by setup_caches
+        # The windowed layers' own table when args.local_rope_base is set (Gemma 3), else empty.
+        self.register_buffer("rope_local", torch.empty(0), persistent=False)
 
     def setup_caches(self, max_batch_size: int, max_seq_length: int) -> None:
         """Allocate the KV cache and rope table; the only place the cache is allocated."""
@@ -517,6 +577,10 @@ class Transformer(nn.Module):
             layer.attention.kv_cache = KVCache(max_batch_size, a.n_kv_heads, max_seq_length, a.head_dim,
                                                self.cache_dtype, weight.device)
         self.rope = rope_table(a, max_seq_length, weight.device)
+        local = a.local_rope_base > 0 and any(a.layer_windows)
+        self.rope_local = rope_table(a, max_seq_length, weight.device, local=True) if local else self.rope[:0]
+        # HF rounds the embedding scale to the weights' dtype (Gemma's normalizer).
+        self.embedding_scale = torch.tensor(a.embedding_scale, dtype=self.cache_dtype).item()
         self.max_batch_size = max_batch_size
         self.max_seq_length = max_seq_length
 
@@ -539,23 +603,41 @@ class Transformer(nn.Module):
         if self.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
         x = self.tok_embeddings(idx)  # (B, T, dim)
-        rope = self.rope[input_pos]  # (T, 2, D/2)
-        # Each query attends to cached positions up to its own; built per call, so no (S, S) buffer.
-        cache_pos = torch.arange(self.max_seq_length, device=idx.device)  # (S,)
-        mask = (cache_pos.unsqueeze(0) <= input_pos.unsqueeze(1)).view(1, 1, -1, self.max_seq_length)  # (1, 1, T, S)
+        if self.embedding_scale != 1.0:
+            x = x * self.embedding_scale
+        rope = self.rope[input_pos]  # (T, 2, Dr/2)
+        rope_local = self.rope_local[input_pos] if self.rope_local.numel() else rope
+        # Each query attends to cached positions up to its own (and, in a windowed layer, within the window); built
+        # per call, so no (S, S) buffer.
+        cache_pos = torch.arange(self.max_seq_length, device=idx.device).unsqueeze(0)  # (1, S)
+        mask = cache_pos <= input_pos.unsqueeze(1)  # (T, S)
+        masks = {w: mask & (cache_pos > input_pos.unsqueeze(1) - w) for w in set(self.args.layer_windows) if w}
+        masks[0] = mask
         for layer in self.layers:
-            x = layer(x, rope, mask, input_pos, from_start)
+            window = layer.attention.window
+            x = layer(x, rope_local if window else rope, masks[window].view(1, 1, -1, self.max_seq_length),
+                      input_pos, from_start)
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (B, L, dim)
-        return self.output(self.norm(x))  # (B, T, vocab)
+        return self.logits(self.output(self.norm(x)))  # (B, T, vocab)
+
+    def logits(self, logits: Tensor) -> Tensor:
+        """The output head's values soft-capped and divided as configured (Gemma 2, Granite)."""
+        a = self.args
+        if a.final_softcap:
+            logits = a.final_softcap * torch.tanh(logits / a.final_softcap)
+        return logits if a.logits_divisor == 1.0 else logits / a.logits_divisor
 
     def forward_paged(self, idx: Tensor, context: PagedContext, logits_at: Tensor | None = None) -> Tensor:
         """idx (1, N) at context.positions (N,) -> logits (1, N or L, vocab); the static cache is not touched."""
         x = self.tok_embeddings(idx)  # (1, N, dim)
-        rope = context.kv.rope[context.positions]  # (N, 2, D/2)
+        if self.args.embedding_scale != 1.0:  # rounded to the activation dtype, as setup_caches does
+            x = x * torch.tensor(self.args.embedding_scale, dtype=self.cache_dtype).item()
+        rope = context.kv.rope[context.positions]  # (N, 2, Dr/2)
+        rope_local = context.kv.rope_local[context.positions] if context.kv.rope_local.numel() else rope
         for i, layer in enumerate(self.layers):
             context.layer = i
-            x = layer(x, rope, None, context.positions, False, context)
+            x = layer(x, rope_local if layer.attention.window else rope, None, context.positions, False, context)
         if logits_at is not None:
             x = x.index_select(1, logits_at)  # (1, L, dim)
-        return self.output(self.norm(x))  # (1, N, vocab)
+        return self.logits(self.output(self.norm(x)))  # (1, N, vocab)

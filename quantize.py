@@ -307,6 +307,7 @@ def load_model(info: CheckpointInfo, device: torch.device | str, dtype: torch.dt
     if info.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.rope = torch.empty(0, device=device)
+    model.rope_local = torch.empty(0, device=device)
     return model.eval()
 
 

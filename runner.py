@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from redline import tensor_parallel
-from redline.kernels import FusedDecode, use_kernels
+from redline.kernels import FusedDecode, fused_decode_refusal, use_kernels
 from redline.kernels import available as kernels_available
 from redline.model import Transformer
 from redline.sampling import SamplingParams, is_int, next_token
@@ -158,7 +158,9 @@ class Runner:
         self.model = model.requires_grad_(False)  # inference only: graphs are traced without autograd
         # Redline's Triton GEMVs beat cuBLAS at decode shapes (BENCHMARKS.md); default on where they run.
         self.kernels = device.type == "cuda" and kernels_available() if kernels is None else kernels
-        self.fuse = self.kernels if fuse is None else fuse
+        # The fused batch-1 decode is on by default for the models whose blocks its kernels implement
+        # (kernels.fused_decode_refusal says why not for the others).
+        self.fuse = self.kernels and fused_decode_refusal(model.args) is None if fuse is None else fuse
         if self.kernels and (device.type != "cuda" or not kernels_available()):
             raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed; use kernels=False")
         if self.fuse and not self.kernels:

@@ -155,6 +155,9 @@ def check_all_reduce(mode: str, device: torch.device, world_size: int, what: str
 
 def shard_args(args: ModelArgs, world_size: int) -> ModelArgs:
     """One rank's ModelArgs: n_head, n_kv_heads and intermediate_size divided by the number of ranks."""
+    if args.qk_norm == "full" and world_size > 1:
+        raise ValueError("tensor parallel cannot split a q/k norm over the whole projection width (OLMo 2): each "
+                         "rank would normalize its own heads only; run this model on one process")
     for name in SHARDED_DIMS:
         value = getattr(args, name)
         if value % world_size:
@@ -171,7 +174,7 @@ def shard_plan(name: str, args: ModelArgs) -> tuple[int, tuple[int, ...]] | None
     """How the full-model tensor `name` is cut: (dim, blocks) says that along dim it stacks blocks of these sizes,
     each split evenly over the ranks (rank r keeps part r of every block, in order). None: replicated."""
     layer = name.split(".", 2)[-1] if name.startswith("layers.") else name
-    if layer in ("attention.wqkv.weight", "attention.wqkv.scales"):
+    if layer in ("attention.wqkv.weight", "attention.wqkv.scales", "attention.wqkv_bias"):
         return 0, (args.q_size, args.kv_size, args.kv_size)
     if layer in ("feed_forward.w13.weight", "feed_forward.w13.scales"):
         return 0, (args.intermediate_size, args.intermediate_size)
@@ -274,6 +277,7 @@ def load_sharded_model(info: CheckpointInfo, world: TPWorld, dtype: torch.dtype 
     if model.args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.rope = torch.empty(0, device=world.device)
+    model.rope_local = torch.empty(0, device=world.device)
     return model.eval()
 
 

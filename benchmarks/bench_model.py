@@ -100,7 +100,7 @@ def weight_tensors(model: Transformer) -> list[Tensor]:
     seen: set[int] = set()
     out = []
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or "kv_cache" in name or name == "rope":
+        if id(t) in seen or "kv_cache" in name or name in ("rope", "rope_local"):
             continue
         seen.add(id(t))
         out.append(t)

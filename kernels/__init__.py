@@ -30,10 +30,11 @@ from redline.model import Attention, Transformer
 from . import paged_attention  # noqa: F401  (registers torch.ops.redline.paged_*)
 from .attention import KernelAttention
 from .device import DeviceCaps, device_caps, triton_importable
-from .fused_decode import FusedDecode
+from .fused_decode import FusedDecode, fused_decode_refusal
 from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears
 
-__all__ = ["DeviceCaps", "FusedDecode", "KernelAttention", "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
+__all__ = ["DeviceCaps", "FusedDecode", "fused_decode_refusal", "kernel_attention_fits", "KernelAttention",
+           "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
            "device_caps", "use_kernels"]
 
 
@@ -51,6 +52,15 @@ def use_kernels(model: Transformer) -> Transformer:
     no-op. Where no kernel fits (the CPU, unsupported shapes) the ops run their PyTorch references."""
     swap_linears(model)
     for module in model.modules():
-        if type(module) is Attention:
+        if type(module) is Attention and kernel_attention_fits(module):
             module.__class__ = KernelAttention
     return model
+
+
+def kernel_attention_fits(attention: Attention) -> bool:
+    """Whether the attention kernels compute this layer: plain softmax attention at the default scale, full-width
+    rope, no q/k norms or window. A layer that does not fit keeps model.Attention (SDPA, or the explicit soft-capped
+    math), with its projections still on the kernel linears."""
+    a = attention.args
+    return (a.qk_norm == "none" and a.rotary_dim == a.head_dim and not a.attn_softcap and not attention.window
+            and a.attention_scale in (0.0, a.head_dim ** -0.5))

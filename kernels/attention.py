@@ -290,7 +290,7 @@ class KernelAttention(Attention):
         if context is not None or (not from_start and seqlen != 1):  # the paged path is model.py's
             return super().forward(x, rope, mask, input_pos, from_start, context)
         a = self.args
-        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
+        qkv = self.qkv(x)  # (B, T, (H + 2 Hkv) D), with its bias
         cache = self.cache()
         if from_start:
             q = torch.ops.redline.prefill_rope_cache(qkv, cache.k, cache.v, rope).transpose(1, 2)  # (B, H, T, D)
@@ -302,4 +302,4 @@ class KernelAttention(Attention):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
             k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
             out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, a.q_size))  # (B, T, dim)
+        return self.output(out)  # (B, T, dim), through wo and its bias

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from redline.model import Attention, RMSNorm, Transformer, TransformerBlock
+from redline.model import Attention, ModelArgs, RMSNorm, Transformer, TransformerBlock
 from redline.quantize import Int4Linear, Int8Linear
 
 # The fused kernels add each output's sum of squares into this many lanes (program i into lane i % lanes):
@@ -62,6 +62,26 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
     return residual_projection(ffn.w2, act, h, sums, 2 * index + 1)  # (1, 1, dim)
 
 
+def fused_decode_refusal(args: ModelArgs) -> str | None:
+    """Why the fused kernels cannot compute this model's blocks (they implement Llama's: pre-norms of weight * x,
+    SwiGLU, full-width rope, plain softmax attention, no biases or scales), or None when they can."""
+    deltas = [
+        ("q/k/v or output biases", args.qkv_bias or args.o_bias), ("q/k norms", args.qk_norm != "none"),
+        ("Gemma/OLMo 2 norms", args.norm_offset != 0.0 or args.norm_scale_fp32 or args.norm_placement != "pre"),
+        ("GeGLU", args.activation != "silu"),
+        ("embedding, residual or logit scales", (args.embedding_scale, args.residual_scale, args.logits_divisor)
+         != (1.0, 1.0, 1.0)),
+        ("an attention scale", args.attention_scale not in (0.0, args.head_dim ** -0.5)),
+        ("soft-capping", args.attn_softcap > 0 or args.final_softcap > 0),
+        ("sliding windows", any(args.layer_windows)), ("partial rotary", args.rotary_dim != args.head_dim),
+        ("LongRoPE", args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope"),
+    ]
+    found = [name for name, present in deltas if present]
+    if not found:
+        return None
+    return f"the fused batch-1 decode implements Llama blocks only; this model has {', '.join(found)}"
+
+
 class FusedDecode(nn.Module):
     """Wraps a model already passed through kernels.use_kernels (and, for a tensor-parallel rank, through
     tensor_parallel.apply_tensor_parallel): one-token steps (batch 1) run the fused path, every other call runs
@@ -71,6 +91,9 @@ class FusedDecode(nn.Module):
         super().__init__()
         if not isinstance(model, Transformer):
             raise ValueError(f"FusedDecode takes a model.Transformer, got {type(model).__name__}")
+        refusal = fused_decode_refusal(model.args)
+        if refusal is not None:
+            raise ValueError(f"{refusal}; decode through the unfused kernels (fuse=False)")
         if any(type(m) in (nn.Linear, Int8Linear, Int4Linear, Attention) for m in model.modules()):
             raise ValueError("FusedDecode needs the model's layers swapped for the kernel ones first; "
                              "call kernels.use_kernels(model)")

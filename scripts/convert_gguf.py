@@ -1,6 +1,6 @@
-"""Convert a Llama-architecture GGUF file (llama.cpp, Ollama) into one Redline checkpoint, tokenizer beside it.
-
-The tokenizer, chat template and generation config are written beside the .safetensors file.
+"""Convert a GGUF file (llama.cpp, Ollama) of a supported model into one Redline .safetensors file (architectures
+llama, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, granite),
+with its tokenizer, chat template and generation config written beside it.
 
 python scripts/convert_gguf.py --gguf FILE.gguf [--out FILE] [--dtype bfloat16|float16|float32] [--dequantize]
                                [--overwrite]
@@ -50,14 +50,29 @@ LAYER_PARTS = {
     "ffn_down.weight": ("feed_forward.w2.weight", None),
     "attn_norm.weight": ("attention_norm.weight", None),
     "ffn_norm.weight": ("ffn_norm.weight", None),
+    "attn_q.bias": ("attention.wqkv_bias", 0),
+    "attn_k.bias": ("attention.wqkv_bias", 1),
+    "attn_v.bias": ("attention.wqkv_bias", 2),
+    "attn_output.bias": ("attention.wo_bias", None),
+    "attn_q_norm.weight": ("attention.q_norm.weight", None),
+    "attn_k_norm.weight": ("attention.k_norm.weight", None),
+    "post_attention_norm.weight": ("post_attention_norm.weight", None),
+    "post_ffw_norm.weight": ("post_ffn_norm.weight", None),
+    "attn_qkv.weight": ("attention.wqkv.weight", None),  # phi3: q, k and v fused
 }
-FUSED_PARTS = {"attention.wqkv.weight": 3, "feed_forward.w13.weight": 2}
+# phi3 stores gate and up fused, gate first, under ffn_up.
+PHI3_PARTS = {**LAYER_PARTS, "ffn_up.weight": ("feed_forward.w13.weight", None)}
+FUSED_PARTS = {"attention.wqkv.weight": 3, "attention.wqkv_bias": 3, "feed_forward.w13.weight": 2}
 # llama.cpp stores Llama 3.1 rope scaling as per-frequency factors; these are the parameters Meta's models use.
 LLAMA3_ROPE_CANDIDATES = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},)
-IGNORED_TENSORS = ("rope_freqs.weight",)
+IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # The GGUF types whose blocks are Redline int4 groups as they are.
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1")
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite")
+# llama.cpp interleaves the rotary halves of q and k rows only for these; the others keep HF's layout.
+PERMUTED_ROPE_ARCHITECTURES = ("llama", "granite")
+# Gemma: the norms' stored weights are 1 + w (llama.cpp adds the 1), so they scale by w as stored, in fp32.
+GEMMA_NORMS = dict(norm_offset=0.0, norm_scale_fp32=True, norm_placement="sandwich", activation="gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -105,9 +120,7 @@ def field_value(reader: Any, key: str, default: Any = None) -> Any:
 
 
 def model_args(reader: Any, rope_freqs: np.ndarray | None) -> ModelArgs:
-    arch = field_value(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; Redline converts {', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = architecture(reader)
 
     def get(key: str, default: Any = None) -> Any:
         value = field_value(reader, f"{arch}.{key}", default)
@@ -117,22 +130,101 @@ def model_args(reader: Any, rope_freqs: np.ndarray | None) -> ModelArgs:
 
     n_head = int(get("attention.head_count"))
     dim = int(get("embedding_length"))
-    head_dim = int(field_value(reader, f"{arch}.attention.key_length", 0) or get("rope.dimension_count", dim // n_head))
+    # phi3's rope.dimension_count is its rotary width, not the head's.
+    rotary = dim // n_head if arch == "phi3" else get("rope.dimension_count", dim // n_head)
+    head_dim = int(field_value(reader, f"{arch}.attention.key_length", 0) or rotary)
     tensor_names = {t.name for t in reader.tensors}
     vocab = field_value(reader, f"{arch}.vocab_size") or len(field_value(reader, "tokenizer.ggml.tokens", []))
     scaling_type = field_value(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling_type not in ("none", None):
-        raise ValueError(f"unsupported rope scaling {scaling_type!r} in the GGUF metadata; Redline supports llama3 scaling")
+    if scaling_type not in ("none", None) and (arch, scaling_type) not in (("gemma3", "linear"), ("phi3", "longrope")):
+        raise ValueError(f"unsupported rope scaling {scaling_type!r} in the GGUF metadata of a {arch!r} model")
     base = float(get("rope.freq_base", 10000.0))
+    n_layer = int(get("block_count"))
+    deltas = family_deltas(reader, arch, get, dim=dim, n_head=n_head, head_dim=head_dim, n_layer=n_layer)
+    # Biases are where the file has them (qwen2 always; attention_bias models of the other families).
+    deltas.update(qkv_bias="blk.0.attn_q.bias" in tensor_names, o_bias="blk.0.attn_output.bias" in tensor_names)
+    if rope_freqs is not None:
+        if arch not in PERMUTED_ROPE_ARCHITECTURES:
+            raise ValueError(f"the GGUF file of a {arch!r} model has a rope_freqs tensor, which Redline does not "
+                             f"implement for it")
+        deltas["rope_scaling"] = llama3_scaling(rope_freqs, base, head_dim)
     return ModelArgs(
-        dim=dim, n_layer=int(get("block_count")), n_head=n_head,
+        **deltas, dim=dim, n_layer=n_layer, n_head=n_head,
         n_kv_heads=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
         intermediate_size=int(get("feed_forward_length")), vocab_size=int(vocab),
         block_size=int(get("context_length", 2048)), rope_base=base,
-        rope_scaling=llama3_scaling(rope_freqs, base, head_dim) if rope_freqs is not None else None,
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings="output.weight" not in tensor_names,
     )
+
+
+def architecture(reader: Any) -> str:
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; Redline converts {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def family_deltas(reader: Any, arch: str, get: Any, dim: int, n_head: int, head_dim: int,
+                  n_layer: int) -> dict[str, Any]:
+    """The ModelArgs fields in which the architecture differs from Llama, from its GGUF metadata (and llama.cpp's
+    fixed choices where the metadata is silent: Gemma's layer patterns, local rope base and attention scale)."""
+    key = lambda name, default=None: field_value(reader, f"{arch}.{name}", default)  # noqa: E731
+    if arch == "llama":
+        return {}
+    if arch == "qwen2":  # q/k/v biases, read off the tensors; llama.cpp keeps no sliding window for qwen2
+        return {}
+    if arch == "qwen3":
+        return dict(qk_norm="head")
+    if arch == "olmo2":
+        return dict(norm_placement="post", qk_norm="full", norm_scale_fp32=True)
+    if arch == "granite":
+        return dict(embedding_scale=float(key("embedding_scale", 1.0)),
+                    residual_scale=float(key("residual_scale", 1.0)), attention_scale=float(key("attention.scale", 0.0)), logits_divisor=float(key("logit_scale", 1.0)))
+    if arch == "phi3":
+        return phi3_deltas(reader, key, head_dim, n_layer)
+    # gemma2, gemma3: the 27B models scale attention by (dim / n_head) ** -0.5, the others by head_dim ** -0.5.
+    big = n_layer == (46 if arch == "gemma2" else 62)
+    deltas = dict(GEMMA_NORMS, embedding_scale=dim ** 0.5, attention_scale=float(key(
+        "attention.scale", (dim // n_head if big else head_dim) ** -0.5)),
+        layer_windows=gemma_windows(reader, arch, n_layer, int(get("attention.sliding_window"))),
+        final_softcap=float(key("final_logit_softcapping", 0.0) or 0.0))
+    if arch == "gemma2":
+        return dict(deltas, attn_softcap=float(key("attn_logit_softcapping", 0.0) or 0.0))
+    factor = key("rope.scaling.factor")
+    return dict(deltas, qk_norm="head", local_rope_base=float(key("rope.freq_base_swa", 10000.0)),
+                rope_scaling=RopeScaling(rope_type="linear", factor=float(factor)) if factor else None)
+
+
+def gemma_windows(reader: Any, arch: str, n_layer: int, window: int) -> tuple[int, ...]:
+    """Gemma's per-layer windows: the file's sliding_window_pattern (every n-th layer global, or one flag per layer)
+    when present, else llama.cpp's fixed pattern (every 2nd layer global for gemma2, every 6th for gemma3)."""
+    pattern = field_value(reader, f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layer:
+            raise ValueError(f"{arch}.attention.sliding_window_pattern lists {len(pattern)} layers, not {n_layer}")
+        return tuple(window if flag else 0 for flag in pattern)
+    return tuple(0 if (i + 1) % int(pattern) == 0 else window for i in range(n_layer))
+
+
+def phi3_deltas(reader: Any, key: Any, head_dim: int, n_layer: int) -> dict[str, Any]:
+    """Partial rotary, LongRoPE from the rope_factors_short/long tensors, and the window on every layer."""
+    rotary_dim = int(key("rope.dimension_count", head_dim))
+    factors = {t.name: tensor_to_float(t).reshape(-1) for t in reader.tensors if t.name.startswith("rope_factors_")}
+    deltas: dict[str, Any] = dict(rotary_dim=rotary_dim)
+    if factors:
+        if set(factors) != {"rope_factors_long.weight", "rope_factors_short.weight"}:
+            raise ValueError("the GGUF file has only one of rope_factors_long and rope_factors_short; it is incomplete")
+        deltas["rope_scaling"] = RopeScaling(
+            rope_type="longrope", original_max_position_embeddings=int(key("rope.scaling.original_context_length")),
+            attention_factor=float(key("rope.scaling.attn_factor", 1.0)),
+            short_factor=tuple(factors["rope_factors_short.weight"].tolist()),
+            long_factor=tuple(factors["rope_factors_long.weight"].tolist()))
+    window = int(key("attention.sliding_window", 0) or 0)
+    context = int(key("context_length", 0) or 0)
+    if window and window < context:
+        deltas["layer_windows"] = (window,) * n_layer
+    return deltas
 
 
 def llama3_scaling(rope_freqs: np.ndarray, base: float, head_dim: int) -> RopeScaling:
@@ -243,8 +335,11 @@ def native_int4_targets(reader: Any, args: ModelArgs) -> set[str]:
 
 
 def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()) -> dict[str, Any]:
-    """Every GGUF tensor under its Redline name, q/k unpermuted, qkv and gate/up fused: float32 tensors, and for
-    the targets in `native` (codes, scales) int4 parts (tensor_to_int4)."""
+    """Every GGUF tensor under its Redline name, q/k unpermuted (llama, granite), qkv and gate/up fused: float32
+    tensors, and for the targets in `native` (codes, scales) int4 parts (tensor_to_int4)."""
+    arch = architecture(reader)
+    layer_parts = PHI3_PARTS if arch == "phi3" else LAYER_PARTS
+    permuted = arch in PERMUTED_ROPE_ARCHITECTURES
     parts: dict[str, list[Any]] = {}
     out: dict[str, Any] = {}
     for t in progress(reader.tensors, len(reader.tensors), "converting"):
@@ -254,13 +349,14 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
             target, index, local = TOP_LEVEL[t.name], None, t.name
         else:
             match = re.fullmatch(r"blk\.(\d+)\.(.+)", t.name)
-            if not match or match.group(2) not in LAYER_PARTS or int(match.group(1)) >= args.n_layer:
-                raise ValueError(f"unexpected tensor {t.name} in the GGUF file; it is not a Llama weight")
+            if not match or match.group(2) not in layer_parts or int(match.group(1)) >= args.n_layer:
+                raise ValueError(f"unexpected tensor {t.name} in the GGUF file; it is not a {arch} weight")
             local = match.group(2)
-            name, index = LAYER_PARTS[local]
+            name, index = layer_parts[local]
             target = f"layers.{match.group(1)}.{name}"
         check_gguf_shape(t, local, args)
         heads = args.n_head if local == "attn_q.weight" else args.n_kv_heads if local == "attn_k.weight" else 0
+        heads = heads if permuted else 0
         if target in native:
             w = tuple(unpermute_rope_rows(a, heads) if heads else a for a in tensor_to_int4(t))
         else:
@@ -270,6 +366,8 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
             out[target] = w if target in native else torch.from_numpy(np.array(w, dtype=np.float32))
         else:
             parts.setdefault(target, [None] * FUSED_PARTS[target.split(".", 2)[2]])[index] = w
+        if index is None and target in parts or index is not None and target in out:
+            raise ValueError(f"tensor {t.name} duplicates another tensor of the GGUF file ({target})")
     for target, pieces in parts.items():
         if any(p is None for p in pieces):
             raise ValueError(f"the GGUF file lacks part of {target}; the file is incomplete")

@@ -1,9 +1,11 @@
-"""Convert a Hugging Face Llama/Mistral checkpoint folder into one Redline .safetensors file.
+"""Convert a Hugging Face checkpoint folder into one Redline .safetensors file (Llama, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3, OLMo 2, Granite).
 
 python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [--out FILE] [--dtype bfloat16]
 """
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import re
@@ -19,25 +21,63 @@ from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_che
                                 dtype_from_name, expected_shapes, is_redline_file, progress, run_cli, save_checkpoint)
 from redline.model import ModelArgs
 from redline.outputs import check_inside
+from redline.scripts.hf_config import args_from_hf_config, hf_family
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
 # HF buffers that are recomputed, not weights.
 IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# HF layer tensor -> (Redline tensor, its index among the parts fused into it, or None).
 LAYER_PARTS = {
     "self_attn.q_proj.weight": ("attention.wqkv.weight", 0),
     "self_attn.k_proj.weight": ("attention.wqkv.weight", 1),
     "self_attn.v_proj.weight": ("attention.wqkv.weight", 2),
+    "self_attn.qkv_proj.weight": ("attention.wqkv.weight", None),  # Phi-3: already fused, in q, k, v order
     "self_attn.o_proj.weight": ("attention.wo.weight", None),
+    "self_attn.q_proj.bias": ("attention.wqkv_bias", 0),
+    "self_attn.k_proj.bias": ("attention.wqkv_bias", 1),
+    "self_attn.v_proj.bias": ("attention.wqkv_bias", 2),
+    "self_attn.o_proj.bias": ("attention.wo_bias", None),
+    "self_attn.q_norm.weight": ("attention.q_norm.weight", None),
+    "self_attn.k_norm.weight": ("attention.k_norm.weight", None),
     "mlp.gate_proj.weight": ("feed_forward.w13.weight", 0),
     "mlp.up_proj.weight": ("feed_forward.w13.weight", 1),
+    "mlp.gate_up_proj.weight": ("feed_forward.w13.weight", None),  # Phi-3: already fused, gate first
     "mlp.down_proj.weight": ("feed_forward.w2.weight", None),
     "input_layernorm.weight": ("attention_norm.weight", None),
-    "post_attention_layernorm.weight": ("ffn_norm.weight", None),
+    "post_attention_layernorm.weight": ("ffn_norm.weight", None),  # Llama's name for the feed-forward's input norm
+    "pre_feedforward_layernorm.weight": ("ffn_norm.weight", None),
+    "post_feedforward_layernorm.weight": ("post_ffn_norm.weight", None),
 }
+# Where norms sit on the sub-layers' outputs (Gemma, OLMo 2), post_attention_layernorm is the attention's output norm.
+POST_NORM_PARTS = {"post_attention_layernorm.weight": ("post_attention_norm.weight", None)}
 TOP_LEVEL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
              "lm_head.weight": "output.weight"}
-FUSED_PARTS = {"attention.wqkv.weight": 3, "feed_forward.w13.weight": 2}
+FUSED_PARTS = {"attention.wqkv.weight": 3, "attention.wqkv_bias": 3, "feed_forward.w13.weight": 2}
+# Gemma3ForConditionalGeneration: the language model's prefixes (transformers 5, then 4) and the vision parts, which
+# a text-only conversion leaves out.
+MULTIMODAL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+VISION_TENSORS = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..+")
+
+
+def layer_parts(args: ModelArgs) -> dict[str, tuple[str, int | None]]:
+    """The layer tensors a model of args reads from an HF checkpoint."""
+    return {**LAYER_PARTS, **POST_NORM_PARTS} if args.norm_placement != "pre" else LAYER_PARTS
+
+
+def language_model_tensors(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's text tensors under the causal LM's names; the vision tower's are dropped."""
+    out = {}
+    for name, tensor in hf.items():
+        if VISION_TENSORS.fullmatch(name):
+            continue
+        for prefix, replacement in MULTIMODAL_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        out[name] = tensor
+    return out
 
 
 @dataclass(frozen=True)
@@ -49,6 +89,10 @@ class ConvertArgs:
 
 
 def read_hf_config(checkpoint_dir: Path) -> ModelArgs:
+    return args_from_hf_config(read_hf_config_json(checkpoint_dir))
+
+
+def read_hf_config_json(checkpoint_dir: Path) -> dict:
     config_path = checkpoint_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found; download the model first (scripts/download.py)")
@@ -58,7 +102,7 @@ def read_hf_config(checkpoint_dir: Path) -> ModelArgs:
         raise ValueError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
     except OSError as exc:
         raise ValueError(f"cannot read {config_path} ({exc.strerror}); check its permissions") from None
-    return ModelArgs.from_hf_config(config)
+    return config
 
 
 def hf_weight_files(checkpoint_dir: Path) -> list[Path]:
@@ -108,19 +152,40 @@ def read_torch_file(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+@functools.lru_cache(maxsize=4)
+def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """checkpoint.expected_shapes, built once per config (it builds a model on the meta device)."""
+    return expected_shapes(args)
+
+
 def hf_shape(name: str, args: ModelArgs) -> tuple[int, ...]:
     """The shape config.json implies for one HF tensor (checked before fusing, so a mis-split q/k/v or gate/up
     whose concatenation has the right size is still caught)."""
-    part = re.sub(r"^model\.layers\.\d+\.", "", name)
-    return {
-        "model.embed_tokens.weight": (args.vocab_size, args.dim), "lm_head.weight": (args.vocab_size, args.dim),
-        "model.norm.weight": (args.dim,), "input_layernorm.weight": (args.dim,),
-        "post_attention_layernorm.weight": (args.dim,),
-        "self_attn.q_proj.weight": (args.q_size, args.dim), "self_attn.k_proj.weight": (args.kv_size, args.dim),
-        "self_attn.v_proj.weight": (args.kv_size, args.dim), "self_attn.o_proj.weight": (args.dim, args.q_size),
-        "mlp.gate_proj.weight": (args.intermediate_size, args.dim), "mlp.up_proj.weight": (args.intermediate_size, args.dim),
-        "mlp.down_proj.weight": (args.dim, args.intermediate_size),
-    }[part]
+    target, index = hf_target(name, args)
+    shape = model_shapes(args)[target]
+    if index is None:
+        return shape
+    sizes = {3: [args.q_size, args.kv_size, args.kv_size], 2: [args.intermediate_size] * 2}
+    return (sizes[FUSED_PARTS[target.split(".", 2)[-1]]][index], *shape[1:])
+
+
+def hf_target(name: str, args: ModelArgs) -> tuple[str, int | None]:
+    """The Redline tensor an HF tensor goes into, and its index among the fused parts (None: the whole tensor)."""
+    if name in TOP_LEVEL:
+        return TOP_LEVEL[name], None
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    parts = layer_parts(args)
+    if not match or match.group(2) not in parts:
+        raise ValueError(f"unexpected tensor {name} in the HF checkpoint; it is not a weight of this architecture")
+    layer = int(match.group(1))
+    if layer >= args.n_layer:
+        raise ValueError(f"tensor {name} belongs to layer {layer}, but config.json has {args.n_layer} layers")
+    local, index = parts[match.group(2)]
+    target = f"layers.{layer}.{local}"
+    if target not in model_shapes(args):
+        raise ValueError(f"tensor {name} is not used by this config (it has no {local.split('.')[-2]}); the weights "
+                         f"do not belong to this config")
+    return target, index
 
 
 def check_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> None:
@@ -139,18 +204,10 @@ def map_hf_tensors(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
     for name, tensor in hf.items():
         if IGNORED_HF_TENSORS.fullmatch(name):
             continue
-        if name in TOP_LEVEL:
-            target, index = TOP_LEVEL[name], None
-        else:
-            match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-            if not match or match.group(2) not in LAYER_PARTS:
-                raise ValueError(f"unexpected tensor {name} in the HF checkpoint; it is not a Llama weight")
-            layer, part = int(match.group(1)), match.group(2)
-            if layer >= args.n_layer:
-                raise ValueError(f"tensor {name} belongs to layer {layer}, but config.json has {args.n_layer} layers")
-            local, index = LAYER_PARTS[part]
-            target = f"layers.{layer}.{local}"
+        target, index = hf_target(name, args)
         check_hf_tensor(name, tensor, args)
+        if target in out or (index is None and target in parts):
+            raise ValueError(f"tensor {name} duplicates another tensor of the HF checkpoint ({target}); remove one")
         if index is None:
             out[target] = tensor
         else:
@@ -171,8 +228,10 @@ def hf_names(target: str) -> list[str]:
         if redline == target:
             return [hf]
     layer, local = re.fullmatch(r"layers\.(\d+)\.(.+)", target).groups()
-    parts = sorted((index or 0, part) for part, (name, index) in LAYER_PARTS.items() if name == local)
-    return [f"model.layers.{layer}.{part}" for _, part in parts]
+    parts = sorted((index or 0, part) for part, (name, index) in {**LAYER_PARTS, **POST_NORM_PARTS}.items()
+                   if name == local)
+    parts = [p for p in parts if p[1] not in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")] or parts
+    return [f"model.layers.{layer}.{part}" for _, part in parts] or [target]
 
 
 def check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs) -> None:
@@ -211,13 +270,17 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     an earlier Redline checkpoint there is replaced only with `overwrite`."""
     checkpoint_dir = checkpoint_folder(Path(checkpoint_dir))
     dtype = dtype_from_name(dtype)
-    args = read_hf_config(checkpoint_dir)
+    config = read_hf_config_json(checkpoint_dir)
+    args = args_from_hf_config(config)
     files = hf_weight_files(checkpoint_dir)
     out_path = Path(out) if out is not None else checkpoint_dir / DEFAULT_OUT_NAME
     inputs = [check_inside(p, checkpoint_dir) for p in [checkpoint_dir / "config.json", *files]]  # no symlink out
     check_checkpoint_output(out_path, inputs, overwrite)
     tokenizer_files_to_copy(checkpoint_dir, out_path.parent, overwrite, inputs)
-    tensors = map_hf_tensors(read_hf_tensors(files), args)
+    hf = read_hf_tensors(files)
+    if hf_family(config) == "gemma3":
+        hf = language_model_tensors(hf)
+    tensors = map_hf_tensors(hf, args)
     check_shapes(tensors, args)
     tensors = {name: t.to(dtype) for name, t in progress(tensors.items(), len(tensors), "converting")}
     info = CheckpointInfo(path=out_path, args=args, dtype=dtype)

@@ -112,6 +112,73 @@ def tiny_llm_checkpoint(tmp_path_factory, sp_tokenizer_dir):
     return convert_hf_checkpoint(hf_dir, dtype="float32"), hf_model
 
 
+# Tiny configs of the other families, each option at both values somewhere: (transformers class, config overrides).
+# Every one has head_dim != hidden / heads or a family default that differs from Llama's.
+_FAMILY_BASE = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=96, vocab_size=512, max_position_embeddings=256, rms_norm_eps=1e-5,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+             "short_factor": [1.0, 1.3, 1.9, 2.6, 3.1, 4.0], "long_factor": [1.2, 2.0, 3.5, 5.0, 7.5, 11.0]}
+FAMILY_VARIANTS: dict[str, tuple[str, dict]] = {
+    "qwen2_tied": ("Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen2_window": ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("Qwen3ForCausalLM", dict(head_dim=24, rope_theta=1e6)),
+    "qwen3_tied_bias": ("Qwen3ForCausalLM", dict(head_dim=8, tie_word_embeddings=True, attention_bias=True)),
+    "gemma3": ("Gemma3ForCausalLM", dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    "gemma3_untied_softcap": ("Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=6, tie_word_embeddings=False,
+        final_logit_softcapping=3.0, attn_logit_softcapping=2.0)),
+    "gemma2": ("Gemma2ForCausalLM", dict(head_dim=24, query_pre_attn_scalar=20, sliding_window=8,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "phi3_longrope": ("Phi3ForCausalLM", dict(max_position_embeddings=1024, original_max_position_embeddings=256,
+                                              partial_rotary_factor=0.75,
+                                              rope_parameters=dict(_LONGROPE, partial_rotary_factor=0.75),
+                                              tie_word_embeddings=True)),
+    "phi3_window": ("Phi3ForCausalLM", dict(sliding_window=8, num_key_value_heads=4)),
+    "olmo2": ("Olmo2ForCausalLM", dict(rope_theta=5e5)),
+    "olmo2_bias": ("Olmo2ForCausalLM", dict(attention_bias=True, tie_word_embeddings=True, num_key_value_heads=1)),
+    "granite": ("GraniteForCausalLM", dict(embedding_multiplier=3.0, attention_multiplier=0.3,
+                                           residual_multiplier=0.6, logits_scaling=4.0, tie_word_embeddings=True)),
+}
+
+
+def randomize_parameters(model, gemma: bool) -> None:
+    """Every parameter random, norms and biases included (transformers initializes those to constants, which hide
+    a wrong mapping): norms around 1 (Gemma's around 0, since they scale by 1 + w), biases around 0."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                base = 0.0 if gemma or not name.endswith("norm.weight") else 1.0
+                p.copy_(base + 0.2 * torch.randn_like(p))
+
+
+def save_family_checkpoint(out_dir: Path, variant: str, seed: int = 0, **overrides):
+    """Save a random model of FAMILY_VARIANTS[variant] in HF layout; returns (out_dir, fp32 HF model in eval mode)."""
+    import transformers
+
+    arch, extra = FAMILY_VARIANTS[variant]
+    model_class = getattr(transformers, arch)
+    torch.manual_seed(seed)
+    config = model_class.config_class(**{**_FAMILY_BASE, **extra, **overrides}, attn_implementation="eager")
+    model = model_class(config).eval()
+    randomize_parameters(model, arch.startswith("Gemma"))
+    model.save_pretrained(out_dir)
+    return out_dir, model
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILY_VARIANTS))
+def family_checkpoint(request, tmp_path_factory):
+    """(variant, HF dir, HF model, converted fp32 Redline file) for every family variant."""
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir, hf_model = save_family_checkpoint(tmp_path_factory.mktemp(f"hf-{request.param}"), request.param)
+    return request.param, hf_dir, hf_model, convert_hf_checkpoint(hf_dir, dtype="float32")
+
+
 class ChatTemplateTokenizer:
     """A real tokenizer plus a small chat template of its own: `<role>\\ncontent\\n` per message, then
     `<assistant>\\n`, BOS first. Records each conversation it renders (in `calls`)."""

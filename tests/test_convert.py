@@ -219,7 +219,7 @@ def edit_config(hf_dir, change) -> None:
     (lambda c: {**c, "rope_parameters": {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
      "rope parameters has no 'factor'"),
     (lambda c: {**c, "rope_parameters": "linear"}, "rope_parameters must be an object or null"),
-    (lambda c: {**c, "rope_scaling": {"type": "linear", "factor": 4.0}}, "rope type 'linear'"),
+    (lambda c: {**c, "rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope type 'dynamic'"),
 ])
 def test_bad_config_is_one_line(hf_dir, capsys, change, message):
     edit_config(hf_dir, change)

@@ -276,3 +276,34 @@ def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
     assert merged.returncode == 0, merged.stderr[-4000:]
     assert "Tensor parallel against one GPU" in merged.stdout
     assert "| debug-tiny TP2 | int8 | 1 |" in merged.stdout
+
+
+# Families with biases, per-head q/k norms, Gemma's sandwich norms and windows, partial rotary with LongRoPE, and
+# Granite's multipliers.
+TP_FAMILIES = ["qwen2_tied", "qwen3_tied_bias", "gemma3", "phi3_longrope", "granite"]
+
+
+def test_family_models_over_two_ranks_give_one_process_logits(tmp_path):
+    """Each rank holds its rows of the q/k/v bias and the whole norms; the all-reduced logits equal the single
+    process's."""
+    from conftest import save_family_checkpoint
+    from redline.checkpoint import read_checkpoint_info
+    from redline.quantize import load_model
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from tp_worker import logits
+
+    paths = [convert_hf_checkpoint(save_family_checkpoint(tmp_path / v, v)[0], dtype="float32") for v in TP_FAMILIES]
+    proc = torchrun([str(WORKER), "--logits", str(tmp_path), *map(str, paths)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for i, path in enumerate(paths):
+        want = logits(load_model(read_checkpoint_info(path), "cpu", torch.float32))
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"logits-{i}-rank{rank}.pt", weights_only=True)
+            assert (got - want).abs().max().item() <= 1e-4, (TP_FAMILIES[i], rank)
+
+
+def test_olmo2_full_width_qk_norm_is_refused_over_several_ranks():
+    from redline.model import ModelArgs
+
+    with pytest.raises(ValueError, match="q/k norm over the whole projection width"):
+        tp.shard_args(ModelArgs.from_name("OLMo-2-7B"), 2)

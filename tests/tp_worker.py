@@ -8,6 +8,7 @@ generate.py's CLI on the first checkpoint: only rank 0 may print its text.
 
     torchrun --nproc_per_node 2 tests/tp_worker.py --fused OUT_DIR CHECKPOINT   # GPUs: fused against unfused decode
     torchrun --nproc_per_node 2 tests/tp_worker.py --gpu-greedy OUT_DIR PROMPT CHECKPOINT...  # GPUs: greedy tokens
+    torchrun --nproc_per_node 2 tests/tp_worker.py --logits OUT_DIR CHECKPOINT...  # CPU: logits only (no tokenizer)
 """
 from __future__ import annotations
 
@@ -98,7 +99,22 @@ def gpu_greedy(out_dir: Path, prompt: str, checkpoints: list[str]) -> int:
     return 0
 
 
+def logits_only(out_dir: Path, checkpoints: list[str]) -> int:
+    """OUT_DIR/logits-<i>-rank<r>.pt: each checkpoint's float32 logits through this rank's sharded model."""
+    from redline import tensor_parallel
+    from redline.checkpoint import read_checkpoint_info
+
+    world = tensor_parallel.start("cpu")
+    for i, path in enumerate(checkpoints):
+        model = tensor_parallel.load_sharded_model(read_checkpoint_info(path), world, torch.float32)
+        torch.save(logits(tensor_parallel.apply_tensor_parallel(model, world)),
+                   out_dir / f"logits-{i}-rank{world.rank}.pt")
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--logits":
+        sys.exit(logits_only(Path(sys.argv[2]), sys.argv[3:]))
     if sys.argv[1] == "--fused":
         sys.exit(fused_check(Path(sys.argv[2]), sys.argv[3]))
     if sys.argv[1] == "--gpu-greedy":
