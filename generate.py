@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from redline.checkpoint import CheckpointInfo, dtype_from_name, dtype_name, read_checkpoint_info
-from redline.kernels import use_kernels
+from redline.kernels import use_cpu_kernels, use_kernels
 from redline.kernels import available as kernels_available
 from redline.model import Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
@@ -152,6 +152,8 @@ class LLM:
             use_kernels(model)
             if self.fuse:
                 self._step_model = tensor_parallel.fused_decode(model)  # a rank's model: the TP one
+        elif device.type == "cpu":
+            use_cpu_kernels(model)  # int8/int4 linears on torch's weight-only CPU kernels (int4 repacked once, now)
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile

@@ -14,7 +14,9 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
     configs.py         the launch config tables (gemv_config, dot_config, attention_config), and the tensor-core
                        and attention choices fitted to the GPU's shared memory (fitted_dot_config, ...)
     linear.py          redline::linear, int8_linear, int4_linear, fused_linear; KernelLinear, KernelInt8Linear,
-                       KernelInt4Linear
+                       KernelInt4Linear; use_cpu_kernels (the quantized linears on the ops' CPU kernels)
+    cpu_linear.py      the quantized ops on the CPU: cpu_gemv.cpp (int8 / int4 GEMV, built once per machine) for few
+                       rows, dequantize-then-F.linear for more
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
     fused_decode.py    FusedDecode
     triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_attention.py, triton_common.py: the Triton
@@ -29,10 +31,10 @@ from redline.model import Attention, Transformer
 from .attention import KernelAttention
 from .device import DeviceCaps, device_caps, triton_importable
 from .fused_decode import FusedDecode
-from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears
+from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears, use_cpu_kernels
 
 __all__ = ["DeviceCaps", "FusedDecode", "KernelAttention", "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
-           "device_caps", "use_kernels"]
+           "device_caps", "use_cpu_kernels", "use_kernels"]
 
 
 def available() -> bool:
