@@ -33,7 +33,7 @@ GEMV_ROWS = 8
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 EXTENSION_NAME = "redline_cpu_gemv"
 # -march=native: the build is for the machine that compiles it (the cache is per machine).
-CFLAGS = ["-O3", "-march=native", "-std=c++17"]
+CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp"]
 
 
 @functools.cache
