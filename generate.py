@@ -176,15 +176,20 @@ class LLM:
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
              compile: bool | None = None, compile_prefill: bool = False, quantize: str | None = None,
-             kernels: bool | None = None, fuse: bool | None = None, name: str | None = None) -> LLM:
-        """Load a Redline checkpoint (file or folder); its tokenizer is found beside it."""
+             kernels: bool | None = None, fuse: bool | None = None, name: str | None = None,
+             threads: int | None = None) -> LLM:
+        """Load a Redline checkpoint (file or folder); its tokenizer is found beside it. threads: torch's CPU threads,
+        set process-wide (default on the CPU: the physical cores)."""
         return cls.from_config(path, EngineConfig(device, dtype, compile, compile_prefill, quantize, kernels, fuse,
-                                                  name))
+                                                  name, threads))
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, config: EngineConfig) -> LLM:
         world = tensor_parallel.start(config.device)  # None unless torchrun launched several ranks
         device = config.torch_device() if world is None else world.device
+        threads = config.cpu_threads(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
         info = read_checkpoint_info(path)
         tokenizer = load_tokenizer(info.path)
         dtype = dtype_from_name(config.dtype) if config.dtype is not None else None
@@ -490,6 +495,7 @@ class LLM:
             decode_tok_s=decode_rate * batch, model_bytes_per_token=self.bytes_per_token,
             bandwidth_gb_s=steps * self.bytes_per_token / 1e9, peak_memory_gb=peak,
             compile_s=compile_s, batch_size=batch, **(speculation or {}),
+            threads=torch.get_num_threads() if self.device.type == "cpu" else None,
         )
 
     # -- profiling -----------------------------------------------------------------------------------------------------
@@ -554,6 +560,7 @@ class GenerateArgs:
     draft_checkpoint_path: Path | None = None
     draft_quantize: str | None = None
     speculate_k: int | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         # Validate every engine and generation setting before any work (a draft model's k as prompt lookup's).
@@ -576,7 +583,7 @@ class GenerateArgs:
     @property
     def engine(self) -> EngineConfig:
         return EngineConfig(self.device, self.dtype, self.compile, self.compile_prefill, self.quantize, self.kernels,
-                            self.fuse)
+                            self.fuse, threads=self.threads)
 
     def options(self, sample: int, draft: Any = None) -> GenerationOptions:
         """Sample i's options: seed + i, and the trace for the first sample only; `draft`: the loaded draft model."""
@@ -621,6 +628,8 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="speculate with this draft model")
     p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
     p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step (default 5)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default on the CPU: the physical cores); reported in the stats")
     ns = p.parse_args(argv)
     return GenerateArgs(**{**vars(ns), "stop": tuple(ns.stop)})
 
