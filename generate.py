@@ -108,6 +108,8 @@ def model_bytes_per_token(model: Transformer) -> int:
         total += t.numel() * t.element_size()
     if not model.args.tie_word_embeddings:  # a tied table is read whole by the output head
         total -= embedding.numel() * embedding.element_size()
+    elif hasattr(model.output, "read_bytes"):  # ...unless the head reads a smaller exact form (kernels.ExactInt8Head)
+        total += model.output.read_bytes() - embedding.numel() * embedding.element_size()
     return total
 
 

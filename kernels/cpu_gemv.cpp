@@ -6,6 +6,8 @@
 //   redline_cpu::int4_gemv(x fp32 (M, K), weight uint8 (N, K/2), scales fp16 (N, K/G, 2)) -> fp32 (M, N)
 //       quantize.py's layout: input k of row n in byte k / 2 (even k in the low nibble), w = scale * q + offset
 //       per (row, group of G inputs); y[m, n] = sum_g scale * (sum_{k in g} x[m, k] q[n, k]) + offset * sum_{k in g} x[m, k]
+//   redline_cpu::int8_group_gemv(x fp32 (M, K), weight int8 (N, K), scales fp16 (N, K/G)) -> fp32 (M, N)
+//       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k]   (the exact form of a Q8_0 table)
 //
 // Rows of the weight are split over torch's intra-op threads (at::parallel_for, so torch.set_num_threads sets
 // them). The inner loops are written in GCC/Clang vector types, LANES independent fp32 accumulators each.
@@ -107,6 +109,41 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return out;
 }
 
+// int8 codes in groups of `group` inputs, each with its own fp16 scale (GGUF's Q8_0 blocks, for an output head).
+at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == k,
+              "weight must be contiguous int8 (N, K)");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+              scales.size(0) == n && scales.size(1) > 0 && k % scales.size(1) == 0 &&
+              (k / scales.size(1)) % LANES == 0, "scales must be contiguous fp16 (N, K/G), G a multiple of 16");
+  const int64_t groups = scales.size(1), group = k / groups;
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(weight.data_ptr<int8_t>());
+  const at::Half* sp = scales.data_ptr<at::Half>();
+  float* yp = out.data_ptr<float>();
+  at::parallel_for(0, n, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = n0; r < n1; ++r) {
+      for (int64_t i = 0; i < m; ++i) {
+        floats lanes = {};
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* xg = xp + i * k + g * group;
+          const uint8_t* wg = wp + r * k + g * group;
+          floats acc = {};
+          for (int64_t j = 0; j < group; j += LANES) {
+            acc += load<floats>(xg + j) * (to_floats(load<ubytes>(wg + j) ^ 128) - 128.f);
+          }
+          lanes += half_to_float(sp + r * groups + g) * acc;
+        }
+        yp[i * n + r] = lane_sum(lanes);
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
@@ -160,4 +197,5 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 TORCH_LIBRARY(redline_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor", int8_gemv);
   m.def("int4_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor", int4_gemv);
+  m.def("int8_group_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor", int8_group_gemv);
 }

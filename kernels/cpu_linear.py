@@ -74,3 +74,42 @@ def int4_linear_cpu(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
         cpu_ops()
         out = torch.ops.redline_cpu.int4_gemv(x2.float().contiguous(), weight.contiguous(), scales.contiguous())
     return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
+# The group of an exact int8 form of a float output head: GGUF's Q8_0 block (32 codes under one fp16 scale).
+HEAD_GROUP = 32
+# Rows of the head checked at a time (bounds the temporaries to a few MB per row block).
+HEAD_CHECK_ROWS = 4096
+
+
+def exact_int8_groups(weight: Tensor, group: int = HEAD_GROUP) -> tuple[Tensor, Tensor] | None:
+    """weight (N, K) as int8 codes (N, K) and fp16 scales (N, K/group) with codes * scale == weight exactly for
+    every element (in fp32), or None when the weight has no such form. A table dequantized from GGUF's Q8_0 (the
+    demo model's embedding) has one; a trained float table does not, and stays as it is."""
+    n, k = weight.shape
+    if k % group or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // group, dtype=torch.float16)
+    for r0 in range(0, n, HEAD_CHECK_ROWS):
+        w = weight[r0:r0 + HEAD_CHECK_ROWS].view(-1, k // group, group)  # (R, K/G, G)
+        scale = (w.abs().amax(dim=-1) / 127).to(torch.float16)  # (R, K/G)
+        s = scale.float().unsqueeze(-1)
+        q = torch.where(s > 0, torch.round(w / s.clamp(min=torch.finfo(torch.float32).tiny)), 0.0).clamp(-127, 127)
+        if not torch.equal(q * s, w):
+            return None
+        codes[r0:r0 + HEAD_CHECK_ROWS] = q.view(-1, k).to(torch.int8)
+        scales[r0:r0 + HEAD_CHECK_ROWS] = scale
+    return codes, scales
+
+
+def exact_head_linear_cpu(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """F.linear(x, weight) for a weight that equals codes * scales exactly (exact_int8_groups): up to GEMV_ROWS rows
+    read the int8 form (a quarter of the fp32 bytes), more rows run F.linear on the float weight."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)  # (M, K)
+    if x2.shape[0] > GEMV_ROWS or x2.shape[0] == 0:
+        return F.linear(x2, weight).view(*x.shape[:-1], n)
+    cpu_ops()
+    out = torch.ops.redline_cpu.int8_group_gemv(x2.float().contiguous(), codes, scales)  # (M, N)
+    return out.to(x.dtype).view(*x.shape[:-1], n)

@@ -29,7 +29,7 @@ from torch import Tensor
 from redline.model import rms_norm
 from redline.quantize import Int4Linear, Int8Linear, dequantize_int4
 
-from .cpu_linear import cpu_ops, int4_linear_cpu, int8_linear_cpu
+from .cpu_linear import cpu_ops, exact_head_linear_cpu, exact_int8_groups, int4_linear_cpu, int8_linear_cpu
 from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
 from .device import device_caps, triton_importable
 
@@ -460,10 +460,40 @@ def swap_linears(model: nn.Module) -> None:
             module.__class__ = KernelInt4Linear
 
 
+@torch.library.custom_op("redline::exact_head_linear", mutates_args=())
+def exact_head_linear(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """F.linear(x, weight) where weight == codes * scales exactly (int8 (N, K), fp16 (N, K/32): a Q8_0 table); on the
+    CPU up to cpu_linear.GEMV_ROWS rows read the int8 form."""
+    return exact_head_linear_cpu(x, weight, codes, scales)
+
+
+@exact_head_linear.register_fake
+def _exact_head_linear_fake(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class ExactInt8Head(nn.Linear):
+    """A float output head tied to the embedding whose table is exactly int8 codes times fp16 scales per 32 inputs
+    (GGUF's Q8_0, as in the demo model): decode reads the int8 form. The codes and scales are plain attributes, not
+    buffers: the state dict, the checkpoint and the tying stay as they were."""
+
+    codes: Tensor  # int8 (N, K)
+    group_scales: Tensor  # fp16 (N, K/32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline.exact_head_linear(x, self.weight, self.codes, self.group_scales)
+
+    def read_bytes(self) -> int:
+        """Bytes one decode step reads for this head (its int8 form), in place of the float table's."""
+        return self.codes.numel() + self.group_scales.numel() * self.group_scales.element_size()
+
+
 def use_cpu_kernels(model: nn.Module) -> nn.Module:
     """Run a model's int8 and int4 linears through the ops' CPU kernels (cpu_linear.py): Int8Linear ->
     KernelInt8Linear and Int4Linear -> KernelInt4Linear in place (weights shared, nothing repacked), the C++ kernel
-    built or loaded now rather than on the first token. Float linears stay as they are; applying it twice is a no-op."""
+    built or loaded now rather than on the first token. In a quantized model a float output head tied to the
+    embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked element by
+    element, else it stays as it is). Other float linears stay as they are; applying it twice is a no-op."""
     quantized = False
     for module in model.modules():
         if type(module) is Int8Linear:
@@ -471,6 +501,13 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
         elif type(module) is Int4Linear:
             module.__class__ = KernelInt4Linear
         quantized = quantized or isinstance(module, (Int8Linear, Int4Linear))
-    if quantized:
-        cpu_ops()
+    if not quantized:
+        return model
+    cpu_ops()
+    head = getattr(model, "output", None)
+    if type(head) is nn.Linear and head.bias is None and getattr(model.args, "tie_word_embeddings", False):
+        form = exact_int8_groups(head.weight.detach())
+        if form is not None:
+            head.__class__ = ExactInt8Head
+            head.codes, head.group_scales = form
     return model

@@ -156,3 +156,48 @@ def test_q4_1_import_greedy_text_equals_its_float32_dequantization(smollm2_check
         want = float32.generate(prompt, max_new_tokens=48, temperature=0, ignore_eos=True)
         got = native.generate(prompt, max_new_tokens=48, temperature=0, ignore_eos=True)
         assert got.token_ids == want.token_ids and got.text == want.text, prompt
+
+
+def test_exact_int8_head_form_and_op():
+    torch.manual_seed(2)
+    codes = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    codes[:, 0] = 127  # every group's largest code is 127, as GGUF's Q8_0 writes them
+    codes[:, 32] = -127
+    scales = (torch.rand(40, 2) * 0.01 + 1e-3).to(torch.float16)
+    table = (codes.float().view(40, 2, 32) * scales.float().unsqueeze(-1)).view(40, 64)
+    form = cpu_linear.exact_int8_groups(table)
+    assert form is not None and torch.equal(form[0], codes) and torch.equal(form[1], scales)
+    assert cpu_linear.exact_int8_groups(torch.randn(40, 64)) is None  # a trained float table has no exact form
+    for rows in ROWS:
+        x = torch.randn(rows, 64)
+        out = torch.ops.redline.exact_head_linear(x, table, *form)
+        assert rel_err(out, F.linear(x.double(), table.double())) <= 1e-6
+
+
+def test_a_quantized_models_q8_0_head_reads_its_int8_form():
+    from redline.generate import model_bytes_per_token
+    from redline.kernels.linear import ExactInt8Head
+
+    torch.manual_seed(0)
+    args = ModelArgs.from_name("debug-tiny")
+    args = type(args)(**{**args.__dict__, "tie_word_embeddings": True})
+    model = Transformer(args).eval()
+    model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():  # make the table a Q8_0 table, as in a GGUF import
+        q = torch.randint(-127, 128, model.tok_embeddings.weight.shape)
+        q[:, 0::32] = 127
+        s = (torch.rand(q.shape[0], q.shape[1] // 32) * 0.01 + 1e-3).half().float()
+        model.tok_embeddings.weight.copy_((q.float().view(q.shape[0], -1, 32) * s.unsqueeze(-1)).view(q.shape))
+    reference = quantize_(model, "int4", 32)
+    fast = use_cpu_kernels(copy.deepcopy(reference))
+    assert type(fast.output) is ExactInt8Head and fast.output.weight is fast.tok_embeddings.weight
+    assert set(fast.state_dict()) == set(reference.state_dict())  # the checkpoint's tensors are unchanged
+    table_bytes = fast.tok_embeddings.weight.numel() * 4
+    assert model_bytes_per_token(fast) == model_bytes_per_token(reference) - table_bytes + fast.output.read_bytes()
+    ids = torch.randint(0, args.vocab_size, (1, 12))
+    with torch.no_grad():
+        for m in (reference, fast):
+            m.setup_caches(1, 32)
+        torch.testing.assert_close(fast(ids, torch.arange(12)), reference(ids, torch.arange(12)), rtol=1e-4, atol=1e-4)
+        want = reference(ids[:, :1], torch.tensor([12]))
+        torch.testing.assert_close(fast(ids[:, :1], torch.tensor([12])), want, rtol=1e-4, atol=1e-4)
