@@ -155,7 +155,7 @@ class LLM:
             if self.fuse:
                 self._step_model = tensor_parallel.fused_decode(model)  # a rank's model: the TP one
         elif device.type == "cpu":
-            use_cpu_kernels(model)  # int8/int4 linears on torch's weight-only CPU kernels (int4 repacked once, now)
+            use_cpu_kernels(model)  # int8/int4 linears (and an exact Q8_0 head) on the C++ GEMV of kernels/cpu_linear.py
         self.tokenizer = tokenizer
         self.device = device
         self.compile = compile
@@ -180,8 +180,7 @@ class LLM:
              compile: bool | None = None, compile_prefill: bool = False, quantize: str | None = None,
              kernels: bool | None = None, fuse: bool | None = None, name: str | None = None,
              threads: int | None = None) -> LLM:
-        """Load a Redline checkpoint (file or folder); its tokenizer is found beside it. threads: torch's CPU threads,
-        set process-wide (default on the CPU: the physical cores)."""
+        """Load a Redline checkpoint (file or folder); its tokenizer is found beside it."""
         return cls.from_config(path, EngineConfig(device, dtype, compile, compile_prefill, quantize, kernels, fuse,
                                                   name, threads))
 
@@ -189,9 +188,7 @@ class LLM:
     def from_config(cls, path: str | os.PathLike, config: EngineConfig) -> LLM:
         world = tensor_parallel.start(config.device)  # None unless torchrun launched several ranks
         device = config.torch_device() if world is None else world.device
-        threads = config.cpu_threads(device)
-        if threads is not None:
-            torch.set_num_threads(threads)
+        config.set_threads(device)
         info = read_checkpoint_info(path)
         tokenizer = load_tokenizer(info.path)
         dtype = dtype_from_name(config.dtype) if config.dtype is not None else None
@@ -630,8 +627,7 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="speculate with this draft model")
     p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
     p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step (default 5)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch (default on the CPU: the physical cores); reported in the stats")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default on the CPU: the physical cores)")
     ns = p.parse_args(argv)
     return GenerateArgs(**{**vars(ns), "stop": tuple(ns.stop)})
 

@@ -91,7 +91,7 @@ class EngineConfig:
     kernels: bool | None = None  # Redline's Triton kernels; None: on where they run (a CUDA/HIP GPU with Triton)
     fuse: bool | None = None  # the fused batch-1 decode step (needs kernels); None: follows kernels
     name: str | None = None  # for stats and traces; None: the checkpoint's folder name
-    threads: int | None = None  # CPU threads for torch's ops (process-wide); None: the physical cores (on the CPU)
+    threads: int | None = None  # torch's CPU threads, set process-wide on load; None: the physical cores (on the CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -123,6 +123,12 @@ class EngineConfig:
         if self.threads is not None:
             return int(self.threads)
         return physical_cores() if device.type == "cpu" else None
+
+    def set_threads(self, device: torch.device) -> None:
+        """torch.set_num_threads(cpu_threads(device)) (process-wide), unless that is None."""
+        threads = self.cpu_threads(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
     def torch_device(self) -> torch.device:
         if self.device is None:
