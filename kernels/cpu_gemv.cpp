@@ -91,6 +91,7 @@ floats int4_group_lanes(const float* even, const float* odd, const uint8_t* w, i
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
+  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && scales.is_cpu(), "redline_cpu ops take CPU tensors");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
               weight.size(1) == x.size(1), "weight must be contiguous int8 (N, K)");
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
@@ -112,6 +113,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
 // int8 codes in groups of `group` inputs, each with its own fp16 scale (GGUF's Q8_0 blocks, for an output head).
 at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
+  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && scales.is_cpu(), "redline_cpu ops take CPU tensors");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == k,
               "weight must be contiguous int8 (N, K)");
@@ -146,6 +148,7 @@ at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& weight, const 
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
+  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && scales.is_cpu(), "redline_cpu ops take CPU tensors");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
               weight.size(1) * 2 == k, "weight must be contiguous packed uint8 (N, K/2)");

@@ -4,7 +4,8 @@ Up to GEMV_ROWS rows of x (decode, speculative verify steps) run cpu_gemv.cpp: a
 the checkpoint's own int8 / packed int4 weight once and turns each byte into fp32 in registers, with fp32
 accumulation (the references' arithmetic, to fp32 rounding). Its layout is quantize.py's, so nothing is repacked.
 More rows (prefills) are a matrix product: the references' own dequantize-then-F.linear, whose cost is spread over
-the rows.
+the rows. A float output head whose table is exactly int8 codes times fp16 scales per 32 inputs (GGUF's Q8_0) runs
+the same way on that int8 form (exact_int8_groups, exact_head_linear_cpu).
 
 Why not torch's kernels: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (torch 2.6-2.13) are
 fast only in bf16 (their fp32 paths are scalar loops, 6-30x slower than an fp32 F.linear on this AVX-512 machine),
@@ -108,7 +109,7 @@ def exact_head_linear_cpu(x: Tensor, weight: Tensor, codes: Tensor, scales: Tens
     read the int8 form (a quarter of the fp32 bytes), more rows run F.linear on the float weight."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)  # (M, K)
-    if x2.shape[0] > GEMV_ROWS or x2.shape[0] == 0:
+    if x2.shape[0] > GEMV_ROWS or x2.shape[0] == 0 or x.device.type != "cpu":  # a model moved to a GPU: F.linear
         return F.linear(x2, weight).view(*x.shape[:-1], n)
     cpu_ops()
     out = torch.ops.redline_cpu.int8_group_gemv(x2.float().contiguous(), codes, scales)  # (M, N)

@@ -172,6 +172,7 @@ def test_exact_int8_head_form_and_op():
         x = torch.randn(rows, 64)
         out = torch.ops.redline.exact_head_linear(x, table, *form)
         assert rel_err(out, F.linear(x.double(), table.double())) <= 1e-6
+    torch.library.opcheck(torch.ops.redline.exact_head_linear.default, (torch.randn(2, 64), table, *form))
 
 
 def test_a_quantized_models_q8_0_head_reads_its_int8_form():
