@@ -86,16 +86,18 @@ class LLM:
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
              compile: bool | None = None, compile_prefill: bool = False, quantize: str | None = None,
              kernels: bool | None = None, fuse: bool | None = None, name: str | None = None,
-             max_kv_tokens: int | None = None) -> LLM:
+             max_kv_tokens: int | None = None, threads: int | None = None) -> LLM:
         """Load a Redline checkpoint (file or folder); its tokenizer is found beside it. max_kv_tokens caps the
-        batching engine's page pool (LLM.engine, generate_batch)."""
+        batching engine's page pool (LLM.engine, generate_batch); threads sets torch's CPU threads (default: the
+        physical cores, on the CPU)."""
         return cls.from_config(path, EngineConfig(device, dtype, compile, compile_prefill, quantize, kernels, fuse,
-                                                  name, max_kv_tokens))
+                                                  name, max_kv_tokens, threads))
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, config: EngineConfig) -> LLM:
         world = tensor_parallel.start(config.device)  # None unless torchrun launched several ranks
         device = config.torch_device() if world is None else world.device
+        config.set_threads(device)
         info = read_checkpoint_info(path)
         tokenizer = load_tokenizer(info.path)
         dtype = dtype_from_name(config.dtype) if config.dtype is not None else None
@@ -285,6 +287,7 @@ class LLM:
             decode_tok_s=decode_rate * batch, model_bytes_per_token=self.bytes_per_token,
             bandwidth_gb_s=steps * self.bytes_per_token / 1e9, peak_memory_gb=peak,
             compile_s=compile_s, batch_size=batch, **(speculation or {}),
+            threads=torch.get_num_threads() if self.device.type == "cpu" else None,
         )
 
     # -- profiling -----------------------------------------------------------------------------------------------------
@@ -439,8 +442,10 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--draft_checkpoint_path", type=Path, default=None, help="speculate with this draft model")
     p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
     p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step; None means 5")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads; None means the physical cores")
     ns = p.parse_args(argv)
-    engine = EngineConfig(ns.device, ns.dtype, ns.compile, ns.compile_prefill, ns.quantize, ns.kernels, ns.fuse)
+    engine = EngineConfig(ns.device, ns.dtype, ns.compile, ns.compile_prefill, ns.quantize, ns.kernels, ns.fuse,
+                          threads=ns.threads)
     lookup = ns.prompt_lookup
     options = GenerationOptions(
         ns.max_new_tokens, ns.temperature, ns.top_k, ns.top_p, tuple(ns.stop), ns.seed,

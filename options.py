@@ -49,6 +49,20 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def physical_cores() -> int:
+    """The physical cores this process may run on (hyper-thread siblings counted once), from Linux's CPU topology;
+    the usable logical CPUs where the topology cannot be read."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
+
+
 def prompt_token_ids(prompt: Any) -> list[int]:
     """A sequence of int token ids (numpy integers too) as a list; anything else is refused in one line."""
     if isinstance(prompt, Tensor):
@@ -76,6 +90,7 @@ class EngineConfig:
     fuse: bool | None = None  # the fused batch-1 decode step (needs kernels); None: follows kernels
     name: str | None = None  # for stats and traces; None: the checkpoint's folder name
     max_kv_tokens: int | None = None  # the batching engine's page pool in tokens; None: from free GPU memory
+    threads: int | None = None  # torch's CPU threads, set process-wide on load; None: the physical cores (on the CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -100,6 +115,21 @@ class EngineConfig:
             raise ValueError("fuse=True needs the Triton kernels; drop kernels=False (--no-kernels) or fuse")
         if self.compile_prefill and self.compile is False:
             raise ValueError("compile_prefill needs compile; drop compile=False (--no-compile) or compile_prefill")
+        if self.threads is not None and (not is_int(self.threads) or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer (the CPU threads to use), got {self.threads!r}")
+
+    def cpu_threads(self, device: torch.device) -> int | None:
+        """The torch threads to set for this engine: `threads` when given, the physical cores for a CPU device,
+        else None (a GPU engine leaves torch's setting alone)."""
+        if self.threads is not None:
+            return int(self.threads)
+        return physical_cores() if device.type == "cpu" else None
+
+    def set_threads(self, device: torch.device) -> None:
+        """torch.set_num_threads(cpu_threads(device)) (process-wide), unless that is None."""
+        threads = self.cpu_threads(device)
+        if threads is not None:
+            torch.set_num_threads(threads)
 
     def torch_device(self) -> torch.device:
         if self.device is None:
@@ -200,12 +230,14 @@ class GenerationStats:
     acceptance_rate: float | None = None  # accepted / drafted tokens over the verify steps; None without a draft
     verify_steps: int | None = None  # speculative decoding: steps that verified drafts (each reads the weights once)
     plain_steps: int | None = None  # speculative decoding: one-token decode steps (nothing drafted, or at the end)
+    threads: int | None = None  # torch's CPU threads during a CPU generation; None on a GPU
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def summary(self) -> str:
         mem = f", peak memory {self.peak_memory_gb:.2f} GB" if self.peak_memory_gb is not None else ""
+        mem += f", {self.threads} threads" if self.threads is not None else ""
         compiled = f", warm-up {self.compile_s:.1f} s" if self.compile_s else ""  # compiling, capture, cost gate
         if self.mean_accepted is not None:
             compiled += f", {self.mean_accepted:.2f} drafts accepted per step ({self.acceptance_rate:.0%})"

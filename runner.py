@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from redline import tensor_parallel
-from redline.kernels import FusedDecode, fused_decode_refusal, use_kernels
+from redline.kernels import FusedDecode, fused_decode_refusal, use_cpu_kernels, use_kernels
 from redline.kernels import available as kernels_available
 from redline.model import Transformer
 from redline.sampling import SamplingParams, is_int, next_token
@@ -93,6 +93,8 @@ def model_bytes_per_token(model: Transformer) -> int:
         total += t.numel() * t.element_size()
     if not model.args.tie_word_embeddings:  # a tied table is read whole by the output head
         total -= embedding.numel() * embedding.element_size()
+    elif hasattr(model.output, "read_bytes"):  # ...unless the head reads a smaller exact form (kernels.ExactInt8Head)
+        total += model.output.read_bytes() - embedding.numel() * embedding.element_size()
     return total
 
 
@@ -170,6 +172,8 @@ class Runner:
             use_kernels(model)
             if self.fuse:
                 self.step_model = FusedDecode(model)
+        elif device.type == "cpu":
+            use_cpu_kernels(model)  # int8/int4 linears (and an exact Q8_0 head) on kernels/cpu_linear.py's C++ GEMV
         self.device = device
         self.compile = compile
         self.compile_prefill = compile_prefill

@@ -5,8 +5,9 @@
         kernels.use_kernels(model)        # swaps linears and attention for the kernel modules, in place
         step = kernels.FusedDecode(model)  # batch-1 decode in five kernels per block; else model(...)
 
-Every op is a torch.library custom op (torch.ops.redline.*) with a plain PyTorch reference, which is what runs
-on the CPU and what the tests compare against; importing this package registers them. Triton is imported only
+Every op is a torch.library custom op (torch.ops.redline.*) with a plain PyTorch reference, which the tests compare
+against; importing this package registers them. On the CPU the float ops run their references and the quantized ones
+a C++ GEMV (`use_cpu_kernels(model)`, which LLM applies to a CPU model; cpu_linear.py). Triton is imported only
 when a GPU kernel first runs, so the package imports on a machine without Triton or a GPU.
 
     device.py          what the running GPU supports (DeviceCaps, device_caps; target_caps and simulated for
@@ -14,7 +15,9 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
     configs.py         the launch config tables (gemv_config, dot_config, attention_config), and the tensor-core
                        and attention choices fitted to the GPU's shared memory (fitted_dot_config, ...)
     linear.py          redline::linear, int8_linear, int4_linear, fused_linear; KernelLinear, KernelInt8Linear,
-                       KernelInt4Linear
+                       KernelInt4Linear; exact_head_linear, ExactInt8Head; use_cpu_kernels
+    cpu_linear.py      the quantized ops on the CPU: cpu_gemv.cpp (int8 / int4 GEMV, built once per machine) for few
+                       rows, dequantize-then-F.linear for more
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
     paged_attention.py redline::paged_decode_attention, paged_prefill_attention (a paged KV cache)
     fused_decode.py    FusedDecode
@@ -31,11 +34,11 @@ from . import paged_attention  # noqa: F401  (registers torch.ops.redline.paged_
 from .attention import KernelAttention
 from .device import DeviceCaps, device_caps, triton_importable
 from .fused_decode import FusedDecode, fused_decode_refusal
-from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears
+from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears, use_cpu_kernels
 
 __all__ = ["DeviceCaps", "FusedDecode", "fused_decode_refusal", "kernel_attention_fits", "KernelAttention",
            "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
-           "device_caps", "use_kernels"]
+           "device_caps", "use_cpu_kernels", "use_kernels"]
 
 
 def available() -> bool:

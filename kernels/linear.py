@@ -10,7 +10,8 @@ decode) runs the matrix-vector kernel, which reads every weight byte once; more 
 kernel. With more rows (long prompts) the work is a matrix product: cuBLAS does it (for int8 on the
 weight dequantized in row blocks). int4: one row runs the int4 GEMV (triton_int4.py), 2..SMALL_M rows the int4
 tensor-core kernel (triton_int4_dot.py, which dequantizes in registers too), more rows (or a GPU whose shared
-memory fits no config) dequantize the weight in row blocks for cuBLAS. On the CPU: plain PyTorch.
+memory fits no config) dequantize the weight in row blocks for cuBLAS. On the CPU the float op is F.linear and the
+quantized ops run a C++ matrix-vector kernel on the int8 / packed int4 weights for few rows (cpu_linear.py).
 
 The ops are opaque to torch.compile (custom_op + register_fake), so `fullgraph=True` traces
 through them and `mode="reduce-overhead"` captures their kernels in the model's CUDA graph.
@@ -28,6 +29,7 @@ from torch import Tensor
 from redline.model import rms_norm
 from redline.quantize import Int4Linear, Int8Linear, dequantize_int4
 
+from .cpu_linear import cpu_ops, exact_head_linear_cpu, exact_int8_groups, int4_linear_cpu, int8_linear_cpu
 from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
 from .device import device_caps, triton_importable
 
@@ -273,12 +275,15 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 
 @torch.library.custom_op("redline::int8_linear", mutates_args=())
 def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
-    """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,)."""
+    """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,).
+    On the CPU: up to cpu_linear.GEMV_ROWS rows run its C++ GEMV on the int8 weight."""
     _check_int8_linear(x, weight, scales)
     if _takes_triton(x, weight, quantized=True):
         return _small_m(x, weight, scales)
     if x.is_cuda:
         return _int8_matmul(x, weight, scales)
+    if x.device.type == "cpu":
+        return int8_linear_cpu(x, weight, scales)
     return int8_linear_reference(x, weight, scales)
 
 
@@ -345,7 +350,8 @@ def fused_linear_reference(x: Tensor, weight: Tensor, scales: Tensor | None, nor
 def int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """x @ W.T in x.dtype, W = scale * q + offset per group (quantize.py's int4 layout): weight uint8 (N, K/2),
     scales fp16 (N, K/G, 2). On a GPU: one row runs the int4 GEMV, 2..SMALL_M rows the int4 tensor-core kernel (both
-    dequantize in registers, fp32 accumulation); more rows, or no config that fits the GPU, cuBLAS on row blocks."""
+    dequantize in registers, fp32 accumulation); more rows, or no config that fits the GPU, cuBLAS on row blocks.
+    On the CPU: up to cpu_linear.GEMV_ROWS rows run its C++ GEMV on the packed weight."""
     _check_int4_linear(x, weight, scales)
     if gemv_supported(x, quantized=True):
         if x.numel() == x.shape[-1]:
@@ -357,6 +363,8 @@ def int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
             return _int4_small_m(x, weight, scales, config)
     if x.is_cuda:
         return _int4_matmul(x, weight, scales)
+    if x.device.type == "cpu":
+        return int4_linear_cpu(x, weight, scales)
     return int4_linear_reference(x, weight, scales)
 
 
@@ -450,3 +458,56 @@ def swap_linears(model: nn.Module) -> None:
             module.__class__ = KernelInt8Linear
         elif type(module) is Int4Linear:
             module.__class__ = KernelInt4Linear
+
+
+@torch.library.custom_op("redline::exact_head_linear", mutates_args=())
+def exact_head_linear(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """F.linear(x, weight) where weight == codes * scales exactly (int8 (N, K), fp16 (N, K/32): a Q8_0 table); on the
+    CPU up to cpu_linear.GEMV_ROWS rows read the int8 form."""
+    return exact_head_linear_cpu(x, weight, codes, scales)
+
+
+@exact_head_linear.register_fake
+def _exact_head_linear_fake(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class ExactInt8Head(nn.Linear):
+    """A float output head tied to the embedding whose table is exactly int8 codes times fp16 scales per 32 inputs
+    (GGUF's Q8_0, as in the demo model): decode reads the int8 form. The codes and scales are plain attributes, not
+    buffers: the state dict, the checkpoint and the tying stay as they were."""
+
+    codes: Tensor  # int8 (N, K)
+    group_scales: Tensor  # fp16 (N, K/32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline.exact_head_linear(x, self.weight, self.codes, self.group_scales)
+
+    def read_bytes(self) -> int:
+        """Bytes one decode step reads for this head (its int8 form), in place of the float table's."""
+        return self.codes.numel() + self.group_scales.numel() * self.group_scales.element_size()
+
+
+def use_cpu_kernels(model: nn.Module) -> nn.Module:
+    """Run a model's int8 and int4 linears through the ops' CPU kernels (cpu_linear.py): Int8Linear ->
+    KernelInt8Linear and Int4Linear -> KernelInt4Linear in place (weights shared, nothing repacked), the C++ kernel
+    built or loaded now rather than on the first token. In a quantized model a float output head tied to the
+    embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked element by
+    element, else it stays as it is). Other float linears stay as they are; applying it twice is a no-op."""
+    quantized = False
+    for module in model.modules():
+        if type(module) is Int8Linear:
+            module.__class__ = KernelInt8Linear
+        elif type(module) is Int4Linear:
+            module.__class__ = KernelInt4Linear
+        quantized = quantized or isinstance(module, (Int8Linear, Int4Linear))
+    if not quantized:
+        return model
+    cpu_ops()
+    head = getattr(model, "output", None)
+    if type(head) is nn.Linear and head.bias is None and getattr(model.args, "tie_word_embeddings", False):
+        form = exact_int8_groups(head.weight.detach())
+        if form is not None:
+            head.__class__ = ExactInt8Head
+            head.codes, head.group_scales = form
+    return model

@@ -71,7 +71,9 @@ def test_int4_linear_op_cpu_and_fused_reference():
     w, sz = quantize_int4(torch.randn(48, 128), 32)
     x = torch.randn(2, 3, 128, dtype=torch.bfloat16)
     y = torch.ops.redline.int4_linear(x, w, sz)
-    assert y.shape == (2, 3, 48) and torch.equal(y, int4_linear_reference(x, w, sz))
+    # The CPU GEMV sums in another order than the reference: equal to fp32 rounding, then one rounding to bf16.
+    assert y.shape == (2, 3, 48)
+    torch.testing.assert_close(y, int4_linear_reference(x, w, sz))
     g = torch.rand(128, dtype=torch.bfloat16) + 0.5
     out = torch.ops.redline.fused_linear(x[:1, :1], w, sz, g, 1e-5, None, True, None, -1, -1)
     assert torch.equal(out, fused_linear_reference(x[:1, :1], w, sz, g, 1e-5, None, True))

@@ -1,0 +1,204 @@
+"""Tests for kernels/cpu_linear.py and cpu_gemv.cpp: redline::int8_linear / int4_linear on the CPU against their
+references (decode rows on the C++ GEMV, more rows on the matrix product), within test_quantize*.py's accuracy
+bounds, use_cpu_kernels, and the demo model's native Q4_1 import against its float32 dequantization."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from redline.kernels import cpu_linear, use_cpu_kernels
+from redline.kernels.linear import KernelInt4Linear, KernelInt8Linear, int4_linear_reference, int8_linear_reference
+from redline.model import ModelArgs, Transformer
+from redline.quantize import Int4Linear, Int8Linear, dequantize_int4, quantize_, quantize_int4, quantize_int8
+
+# Rows of x: the GEMV (1 .. GEMV_ROWS) and the matrix product just above it.
+ROWS = [1, 3, cpu_linear.GEMV_ROWS, cpu_linear.GEMV_ROWS + 1]
+# The accuracy bounds of test_quantize.py (int8 per layer) and test_quantize_int4.py (int4 per group size).
+MAX_LAYER_REL_ERROR = 0.01
+INT4_BOUNDS = {32: 0.085, 64: 0.095, 128: 0.105, 256: 0.115}
+# Relative error of the op against its reference: fp32 sums in another order, then one rounding to x's dtype.
+OP_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nk", [(48, 64), (50, 72), (7, 13), (960, 576), (33, 4100)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_linear_cpu_matches_reference(rows, nk, dtype):
+    n, k = nk
+    torch.manual_seed(0)
+    q, s = quantize_int8(torch.randn(n, k) * 0.02)
+    x = torch.randn(rows, k).to(dtype)
+    out = torch.ops.redline.int8_linear(x, q, s)
+    assert out.shape == (rows, n) and out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, int8_linear_reference(x, q, s).float()) <= OP_TOLERANCE[dtype]
+    exact = (x.double() @ q.double().T) * s.double()  # the formula in fp64
+    assert rel_err(out, exact) <= OP_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", [(48, 512, 32), (50, 576, 64), (7, 1024, 128), (960, 512, 256), (3, 32, 32)])
+@pytest.mark.parametrize("rows", ROWS)
+def test_int4_linear_cpu_matches_reference(rows, n, k, group, dtype):
+    torch.manual_seed(1)
+    w, sz = quantize_int4(torch.randn(n, k) * 0.02, group)
+    x = torch.randn(2, rows, k).to(dtype)
+    out = torch.ops.redline.int4_linear(x, w, sz)
+    assert out.shape == (2, rows, n) and out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, int4_linear_reference(x, w, sz).float()) <= OP_TOLERANCE[dtype]
+    exact = x.double() @ dequantize_int4(w, sz).double().T
+    assert rel_err(out, exact) <= OP_TOLERANCE[dtype]
+
+
+def test_gemv_reads_the_layout_of_quantize_py():
+    """One weight code at a time: each nibble, scale and offset lands on its own input and output."""
+    n, k, group = 3, 64, 32
+    codes = torch.zeros(n, k, dtype=torch.uint8)
+    codes[1, 5], codes[2, 40] = 15, 7  # an odd input (high nibble) and an even one (low nibble), two groups
+    w = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    sz = torch.zeros(n, k // group, 2, dtype=torch.float16)
+    sz[..., 0] = torch.tensor([[1.0, 2.0], [0.5, 0.25], [4.0, 0.125]])
+    sz[0, 1, 1] = 3.0  # an offset: every input of row 0's second group adds 3 * x
+    x = torch.arange(1, k + 1, dtype=torch.float32)[None]  # x[i] = i + 1
+    out = torch.ops.redline.int4_linear(x, w, sz)[0]
+    assert out.tolist() == [3.0 * sum(range(33, 65)), 0.5 * 15 * 6, 0.125 * 7 * 41]
+
+
+def test_cpu_paths_within_the_quantization_bounds():
+    """The bounds test_quantize*.py sets for the quantized formats hold on the CPU kernels: int8 per layer within
+    1% of the float product, int4 within each group size's bound."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024) * 0.02
+    x = torch.randn(16, 1024)
+    ref = F.linear(x, w)
+    for rows in (1, 16):
+        q, s = quantize_int8(w)
+        assert rel_err(torch.ops.redline.int8_linear(x[:rows], q, s), ref[:rows]) <= MAX_LAYER_REL_ERROR
+        for group, bound in INT4_BOUNDS.items():
+            packed, sz = quantize_int4(w, group)
+            assert rel_err(torch.ops.redline.int4_linear(x[:rows], packed, sz), ref[:rows]) < bound
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_use_cpu_kernels_swaps_quantized_linears_and_keeps_the_model(mode):
+    torch.manual_seed(0)
+    reference = quantize_(Transformer(ModelArgs.from_name("debug-tiny")).eval(), mode, 32 if mode == "int4" else None)
+    kind, plain = (KernelInt8Linear, Int8Linear) if mode == "int8" else (KernelInt4Linear, Int4Linear)
+    model = copy.deepcopy(reference)
+    weights = [m.weight for m in model.modules() if isinstance(m, plain)]
+    use_cpu_kernels(use_cpu_kernels(model))  # twice: the second call changes nothing
+    quantized = [m for m in model.modules() if isinstance(m, plain)]
+    assert not model.args.tie_word_embeddings  # debug-tiny: an untied head, quantized with the blocks
+    assert len(quantized) == 2 * 4 + 1 and all(type(m) is kind for m in quantized)
+    assert all(m.weight is w for m, w in zip(quantized, weights))  # only the classes changed
+    ids = torch.randint(0, model.args.vocab_size, (2, 24))
+    with torch.no_grad():
+        for m in (reference, model):
+            m.setup_caches(2, 64)
+        want = reference(ids, torch.arange(24))
+        got = model(ids, torch.arange(24))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        step_want = reference(ids[:, :1], torch.tensor([24]))  # a decode step: the GEMV
+        step_got = model(ids[:, :1], torch.tensor([24]))
+        torch.testing.assert_close(step_got, step_want, rtol=1e-4, atol=1e-4)
+
+
+def test_llm_on_the_cpu_runs_the_kernels_with_the_references_tokens(tiny_llm_checkpoint):
+    from redline.generate import LLM
+
+    path = tiny_llm_checkpoint[0]
+    llm = LLM.load(path, device="cpu", quantize="int4-g32", compile=False)
+    assert all(type(m) is KernelInt4Linear for m in llm.model.modules() if isinstance(m, Int4Linear))
+    got = llm.generate("def f(x):", max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
+    reference = LLM.load(path, device="cpu", quantize="int4-g32", compile=False)
+    for m in reference.model.modules():  # back to the plain PyTorch modules: the references
+        if type(m) is KernelInt4Linear:
+            m.__class__ = Int4Linear
+    want = reference.generate("def f(x):", max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
+    assert got == want
+
+
+def test_a_failed_build_is_a_one_line_error(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_linear, "SOURCE", broken)
+    monkeypatch.setattr(cpu_linear, "EXTENSION_NAME", "redline_cpu_gemv_broken_test")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    cpu_linear.cpu_ops.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"could not build Redline's CPU int8/int4 kernel .*install a C\+\+ "
+                                               r"compiler") as info:
+            cpu_linear.cpu_ops()
+        assert "\n" not in str(info.value)
+    finally:
+        cpu_linear.cpu_ops.cache_clear()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_q4_1_import_greedy_text_equals_its_float32_dequantization(smollm2_checkpoint):
+    """The demo model's native Q4_1 import (int4 g32 on the CPU GEMV) writes the float32 dequantization's text."""
+    from redline.generate import LLM
+    from redline.scripts.demo_model import demo_checkpoint
+
+    native = LLM.load(demo_checkpoint(smollm2_checkpoint.parents[1], int4=True), device="cpu")
+    float32 = LLM.load(smollm2_checkpoint, device="cpu")
+    assert all(type(m) is KernelInt4Linear for m in native.model.modules() if isinstance(m, Int4Linear))
+    for prompt in ("The capital of France is", "def fibonacci(n):", "Explain gravity to a child."):
+        want = float32.generate(prompt, max_new_tokens=48, temperature=0, ignore_eos=True)
+        got = native.generate(prompt, max_new_tokens=48, temperature=0, ignore_eos=True)
+        assert got.token_ids == want.token_ids and got.text == want.text, prompt
+
+
+def test_exact_int8_head_form_and_op():
+    torch.manual_seed(2)
+    codes = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
+    codes[:, 0] = 127  # every group's largest code is 127, as GGUF's Q8_0 writes them
+    codes[:, 32] = -127
+    scales = (torch.rand(40, 2) * 0.01 + 1e-3).to(torch.float16)
+    table = (codes.float().view(40, 2, 32) * scales.float().unsqueeze(-1)).view(40, 64)
+    form = cpu_linear.exact_int8_groups(table)
+    assert form is not None and torch.equal(form[0], codes) and torch.equal(form[1], scales)
+    assert cpu_linear.exact_int8_groups(torch.randn(40, 64)) is None  # a trained float table has no exact form
+    for rows in ROWS:
+        x = torch.randn(rows, 64)
+        out = torch.ops.redline.exact_head_linear(x, table, *form)
+        assert rel_err(out, F.linear(x.double(), table.double())) <= 1e-6
+    torch.library.opcheck(torch.ops.redline.exact_head_linear.default, (torch.randn(2, 64), table, *form))
+
+
+def test_a_quantized_models_q8_0_head_reads_its_int8_form():
+    from redline.generate import model_bytes_per_token
+    from redline.kernels.linear import ExactInt8Head
+
+    torch.manual_seed(0)
+    args = ModelArgs.from_name("debug-tiny")
+    args = type(args)(**{**args.__dict__, "tie_word_embeddings": True})
+    model = Transformer(args).eval()
+    model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():  # make the table a Q8_0 table, as in a GGUF import
+        q = torch.randint(-127, 128, model.tok_embeddings.weight.shape)
+        q[:, 0::32] = 127
+        s = (torch.rand(q.shape[0], q.shape[1] // 32) * 0.01 + 1e-3).half().float()
+        model.tok_embeddings.weight.copy_((q.float().view(q.shape[0], -1, 32) * s.unsqueeze(-1)).view(q.shape))
+    reference = quantize_(model, "int4", 32)
+    fast = use_cpu_kernels(copy.deepcopy(reference))
+    assert type(fast.output) is ExactInt8Head and fast.output.weight is fast.tok_embeddings.weight
+    assert set(fast.state_dict()) == set(reference.state_dict())  # the checkpoint's tensors are unchanged
+    table_bytes = fast.tok_embeddings.weight.numel() * 4
+    assert model_bytes_per_token(fast) == model_bytes_per_token(reference) - table_bytes + fast.output.read_bytes()
+    ids = torch.randint(0, args.vocab_size, (1, 12))
+    with torch.no_grad():
+        for m in (reference, fast):
+            m.setup_caches(1, 32)
+        torch.testing.assert_close(fast(ids, torch.arange(12)), reference(ids, torch.arange(12)), rtol=1e-4, atol=1e-4)
+        want = reference(ids[:, :1], torch.tensor([12]))
+        torch.testing.assert_close(fast(ids[:, :1], torch.tensor([12])), want, rtol=1e-4, atol=1e-4)
