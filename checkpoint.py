@@ -380,6 +380,12 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model_state_dict(model).items()}
 
 
+@functools.lru_cache(maxsize=4)
+def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """expected_shapes, built once per config (it builds a model on the meta device); callers must not change it."""
+    return expected_shapes(args)
+
+
 def model_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint stores (a tied output weight is stored once, as the embedding)."""
     state = model.state_dict()

@@ -14,6 +14,7 @@ Everything else, and every tensor with --dequantize, is dequantized to --dtype.
 """
 from __future__ import annotations
 
+
 import re
 import sys
 import warnings
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_layer_count,
-                                dtype_from_name, expected_shapes, progress, run_cli, save_checkpoint)
+                                dtype_from_name, model_shapes, progress, run_cli, save_checkpoint)
 from redline.model import ModelArgs, RopeScaling
 from redline.outputs import side_files_to_write
 from redline.scripts import gguf_metadata
@@ -354,7 +355,7 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
             local = match.group(2)
             name, index = layer_parts[local]
             target = f"layers.{match.group(1)}.{name}"
-        check_gguf_shape(t, local, args)
+        check_gguf_shape(t, target, index, args)
         heads = args.n_head if local == "attn_q.weight" else args.n_kv_heads if local == "attn_k.weight" else 0
         heads = heads if permuted else 0
         if target in native:
@@ -380,28 +381,33 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
     return out
 
 
-def gguf_shape(local: str, args: ModelArgs) -> tuple[int, ...]:
-    """The (rows, cols) shape the metadata implies for one GGUF tensor (by its name inside a block, or top level)."""
-    return {
-        "token_embd.weight": (args.vocab_size, args.dim), "output.weight": (args.vocab_size, args.dim),
-        "output_norm.weight": (args.dim,), "attn_norm.weight": (args.dim,), "ffn_norm.weight": (args.dim,),
-        "attn_q.weight": (args.q_size, args.dim), "attn_k.weight": (args.kv_size, args.dim),
-        "attn_v.weight": (args.kv_size, args.dim), "attn_output.weight": (args.dim, args.q_size),
-        "ffn_gate.weight": (args.intermediate_size, args.dim), "ffn_up.weight": (args.intermediate_size, args.dim),
-        "ffn_down.weight": (args.dim, args.intermediate_size),
-    }[local]
+def gguf_shape(target: str, index: int | None, args: ModelArgs) -> tuple[int, ...]:
+    """The (rows, cols) shape the metadata implies for the GGUF tensor that goes into the Redline tensor `target`
+    (whole, or its index-th fused part: q, k or v rows; gate or up rows)."""
+    if target == "output.weight":  # stored once as the embedding when tied, so absent from the model's shapes
+        return (args.vocab_size, args.dim)
+    shape = model_shapes(args).get(target)
+    if shape is None:
+        raise ValueError(f"the GGUF file holds {target}, which this model's metadata does not use; the file is "
+                         f"damaged or its metadata is wrong")
+    if index is None:
+        return shape
+    rows = [args.q_size, args.kv_size, args.kv_size] if FUSED_PARTS[target.split(".", 2)[2]] == 3 else \
+        [args.intermediate_size] * 2
+    return (rows[index], *shape[1:])
 
 
-def check_gguf_shape(t: Any, local: str, args: ModelArgs) -> None:
+def check_gguf_shape(t: Any, target: str, index: int | None, args: ModelArgs) -> None:
     """Refuse a tensor whose shape disagrees with the metadata before its data is read or reshaped."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    if shape != gguf_shape(local, args):
-        raise ValueError(f"tensor {t.name} has shape {shape}, but the GGUF metadata implies {gguf_shape(local, args)}; "
-                         f"the file is damaged")
+    expected = gguf_shape(target, index, args)
+    if shape != expected:
+        raise ValueError(f"tensor {t.name} has shape {shape}, but the GGUF metadata implies {expected}; the file is "
+                         f"damaged")
 
 
 def check_shapes(tensors: dict[str, Any], args: ModelArgs) -> None:
-    expected = expected_shapes(args)
+    expected = model_shapes(args)
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"the GGUF file lacks tensor {missing[0]} ({len(missing)} missing); the file is incomplete")

@@ -5,7 +5,6 @@ python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [-
 """
 from __future__ import annotations
 
-import functools
 import json
 import pickle
 import re
@@ -18,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_layer_count,
-                                dtype_from_name, expected_shapes, is_redline_file, progress, run_cli, save_checkpoint)
+                                dtype_from_name, model_shapes, is_redline_file, progress, run_cli, save_checkpoint)
 from redline.model import ModelArgs
 from redline.outputs import check_inside
 from redline.scripts.hf_config import args_from_hf_config, hf_family
@@ -150,12 +149,6 @@ def read_torch_file(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise ValueError(f"{path} is not a state dict of named tensors; use the model's safetensors weights")
     return state
-
-
-@functools.lru_cache(maxsize=4)
-def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """checkpoint.expected_shapes, built once per config (it builds a model on the meta device)."""
-    return expected_shapes(args)
 
 
 def hf_shape(name: str, args: ModelArgs) -> tuple[int, ...]:

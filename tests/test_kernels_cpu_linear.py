@@ -176,7 +176,7 @@ def test_exact_int8_head_form_and_op():
 
 
 def test_a_quantized_models_q8_0_head_reads_its_int8_form():
-    from redline.generate import model_bytes_per_token
+    from redline.runner import model_bytes_per_token
     from redline.kernels.linear import ExactInt8Head
 
     torch.manual_seed(0)
