@@ -569,9 +569,14 @@ def moe_dot_smem_bytes(cfg: MoeDotConfig, elt_bytes: int, weight_tiles: int, cap
 
 
 def fitted_moe_dot_config(n_pairs: int, n_experts: int, elt_bytes: int, caps: DeviceCaps) -> MoeDotConfig | None:
-    """moe_dot_config's choice made smaller until both grouped kernels fit caps' shared memory (fewer stages, a
-    shorter K block, fewer columns, fewer rows, as fitted_dot_config does), or None: the op takes the reference."""
+    """moe_dot_config's choice (8 warps for 64-row tiles on RDNA) made smaller until both grouped kernels fit caps'
+    shared memory (fewer stages, a shorter K block, fewer columns, fewer rows, as fitted_dot_config does), or None:
+    the op takes the reference."""
     cfg = moe_dot_config(n_pairs, n_experts, elt_bytes)
+    if caps.vendor == "amd" and caps.warp_size == 32 and cfg.block_m >= 64:
+        # RDNA (wave32, 256 VGPRs a lane): 64-row tiles at 4 warps spilled registers in Triton 3.6 (gfx1100, the
+        # first kernel's two accumulators); 8 warps share them
+        cfg = replace(cfg, num_warps=8)
     for c in _smaller_dot_configs(cfg, cfg.block_m):
         if moe_dot_smem_bytes(c, elt_bytes, 2, caps) <= caps.shared_memory_per_block:
             return c

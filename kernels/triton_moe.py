@@ -40,7 +40,9 @@ import triton.language as tl
 from .configs import MoeDotConfig, MoeGemvConfig, fitted_moe_dot_config, moe_gemv_config
 from .device import device_caps
 
-GELU_TANH_SCALE = 1.5957691216057308  # 2 * sqrt(2 / pi): gelu_tanh(g) = g * sigmoid(GELU_TANH_SCALE * (g + 0.044715 g^3))
+# 2 * sqrt(2 / pi): gelu_tanh(g) = g * sigmoid(GELU_TANH_SCALE * (g + 0.044715 g^3)); a constexpr, as Triton reads
+# globals in kernels
+GELU_TANH_SCALE: tl.constexpr = tl.constexpr(1.5957691216057308)
 
 
 @triton.jit
@@ -226,7 +228,7 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
              down_config: MoeGemvConfig | None = None) -> torch.Tensor:
     """The layer for few tokens by the GEMV kernels; x (T, dim), w13 (E, 2I, dim), w2 (E, dim, I), topk_ids and
     topk_weights (T, k). Returns (T, dim) in x's dtype. config / down_config: the first / second kernel's
-    (default: configs.moe_gemv_config)."""
+    (default: configs.moe_gemv_config). Registers only: the tiles take no shared memory (one pipeline stage)."""
     n_tokens, dim = x.shape
     top_k = topk_ids.shape[1]
     hidden = w2.shape[2]
@@ -242,12 +244,12 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
         _gate_up_gemv_kernel[(n_tokens * top_k, triton.cdiv(hidden, config.block_n))](
             x, w13, ids, h, x.stride(0), w13.stride(0), w13.stride(1),
             DIM=dim, HIDDEN=hidden, TOP_K=top_k, GELU=gelu, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            num_warps=config.num_warps,
+            num_warps=config.num_warps, num_stages=1,
         )
         _down_gemv_kernel[(n_tokens, triton.cdiv(dim, down_config.block_n))](
             h, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0),
             DIM=dim, HIDDEN=hidden, TOP_K=top_k, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
-            num_warps=down_config.num_warps,
+            num_warps=down_config.num_warps, num_stages=1,
         )
     return out
 
