@@ -10,6 +10,8 @@ reasoning behind each row is next to it. Plain Python: importing this module nee
     attention_config(batch, ..., sms)      one decode token: the split flash-decoding kernel (triton_attention)
     paged_prefill_config(group, ...)       query chunks over a paged cache (triton_paged_attention); paged decode
                                            takes attention_config's splits over the block table's key capacity
+    moe_gemv_config(n, k, elt_bytes)       few tokens through their chosen experts (triton_moe's GEMV kernels)
+    moe_dot_config(pairs, experts, ...)    more tokens grouped by expert (triton_moe's grouped tensor-core kernels)
 """
 from __future__ import annotations
 
@@ -479,4 +481,103 @@ def fitted_paged_prefill_config(group: int, head_dim: int, elt_bytes: int,
                     return PagedPrefillConfig(block_m, block_n, warps, stages)
             block_n //= 2
         block_m //= 2
+    return None
+
+
+# --- the mixture-of-experts kernels ---
+
+# Tokens up to which redline::moe_experts runs the GEMV kernels (each (token, expert) pair reads its expert's rows);
+# more take the grouped tensor-core kernels (each chosen expert's weights read once per tile of its rows). Not yet
+# measured on a GPU: a decode step of a few sequences is GEMV-bound either way.
+MOE_GEMV_MAX_TOKENS = 4
+MOE_MAX_BLOCK_M = 64  # the most (token, expert) rows per grouped tile
+
+
+@dataclass(frozen=True)
+class MoeGemvConfig:
+    """Launch parameters of the MoE GEMV kernels: block_n weight rows per program (block_n gate rows and their up
+    rows in the first kernel), block_k inputs per step, an fp32 accumulator tile of (block_n, block_k)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"MoeGemvConfig.{name} must be a power of two, got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"invalid num_warps {self.num_warps}")
+
+
+@dataclass(frozen=True)
+class MoeDotConfig:
+    """Launch parameters of the grouped MoE kernels: block_m (token, expert) rows of one expert per tile against
+    block_n weight rows, block_k inputs per step (the first kernel holds a gate and an up weight tile)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MoeDotConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
+
+def moe_gemv_config(n: int, k: int, elt_bytes: int) -> MoeGemvConfig:
+    """The GEMV kernels' config for n weight rows of k inputs (first kernel: n = I, k = dim; second: n = dim, k = I).
+    Not measured yet: 4 rows a program (a few hundred to a few thousand programs on the Qwen3-MoE and Mixtral
+    shapes) and 16 bytes per thread per row and step at 4 warps (8 fp32 accumulators a row); clamped to small
+    shapes so a program's tile is not mostly masked."""
+    block_k = 2048 // elt_bytes if elt_bytes < 4 else 256
+    block_k = min(block_k, max(16, 1 << max(k - 1, 0).bit_length()))
+    block_n = min(4, max(1, 1 << max(n - 1, 0).bit_length()))
+    return MoeGemvConfig(block_n, block_k, 4 if block_k >= 512 else 2)
+
+
+def moe_block_m(n_pairs: int, n_experts: int) -> int:
+    """Rows per grouped tile: the mean rows per expert rounded up to a power of two in [16, MOE_MAX_BLOCK_M], so few
+    tokens pad each expert's rows little and many fill whole tiles."""
+    rows = -(-n_pairs // max(n_experts, 1))
+    return min(MOE_MAX_BLOCK_M, max(16, 1 << max(rows - 1, 0).bit_length()))
+
+
+def moe_dot_config(n_pairs: int, n_experts: int, elt_bytes: int) -> MoeDotConfig:
+    """The grouped kernels' config (both kernels take it) for n_pairs = tokens x top-k rows over n_experts. Not
+    measured yet: 64-wide weight tiles and 64-input steps in 3 stages for 16-bit (two 64 x 64 fp32 accumulators
+    in the first kernel at block_m 64); fp32 (full-precision dots on FMAs) half the tile in 2 stages."""
+    block_m = moe_block_m(n_pairs, n_experts)
+    if elt_bytes == 4:
+        return MoeDotConfig(block_m, 32, 32, 4, 2)
+    return MoeDotConfig(block_m, 64, 64, 4, 3)
+
+
+def moe_dot_smem_bytes(cfg: MoeDotConfig, elt_bytes: int, weight_tiles: int, caps: DeviceCaps) -> int:
+    """Shared memory of one grouped kernel: the tensor-core kernel's estimate (dot_smem_bytes) with weight_tiles
+    weight tiles a step (2: the gate and up tiles of the first kernel), plus the gathered rows' indices. Checked
+    against the compiled kernels by scripts/check_targets.py."""
+    tiles = dot_smem_bytes(cfg.block_m, weight_tiles * cfg.block_n, cfg.block_k, cfg.num_stages, elt_bytes,
+                           elt_bytes, caps)
+    return tiles + 8 * cfg.block_m
+
+
+def fitted_moe_dot_config(n_pairs: int, n_experts: int, elt_bytes: int, caps: DeviceCaps) -> MoeDotConfig | None:
+    """moe_dot_config's choice (8 warps for 64-row tiles on RDNA) made smaller until both grouped kernels fit caps'
+    shared memory (fewer stages, a shorter K block, fewer columns, fewer rows, as fitted_dot_config does), or None:
+    the op takes the reference."""
+    cfg = moe_dot_config(n_pairs, n_experts, elt_bytes)
+    if caps.vendor == "amd" and caps.warp_size == 32 and cfg.block_m >= 64:
+        # RDNA (wave32, 256 VGPRs a lane): 64-row tiles at 4 warps spilled registers in Triton 3.6 (gfx1100, the
+        # first kernel's two accumulators); 8 warps share them
+        cfg = replace(cfg, num_warps=8)
+    for c in _smaller_dot_configs(cfg, cfg.block_m):
+        if moe_dot_smem_bytes(c, elt_bytes, 2, caps) <= caps.shared_memory_per_block:
+            return c
     return None

@@ -1,6 +1,6 @@
 """Cross-compile every Triton kernel configuration the dispatcher can choose, for GPUs this machine does not have.
 
-    python scripts/check_targets.py [--targets sm80,...] [--kernels linear,attention,paged] [--jobs N] [--failures-only]
+    python scripts/check_targets.py [--targets sm80,...] [--kernels paged,moe,...] [--jobs N] [--failures-only]
 
 For each target (kernels.device.TARGETS: sm80, sm86, sm89, sm90, gfx90a, gfx942, gfx1100 by default) the
 project's own launchers run on meta tensors under that target's capability description
@@ -8,11 +8,11 @@ project's own launchers run on meta tensors under that target's capability descr
 (bf16, fp16, fp32; int8 weights, and int4 weights in every group size the quantizer offers), row count 1-256,
 decode batch, cache length and prompt length up to 2048, paged-attention page size and prefill layout
 (scripts/attention_target_calls.py), for the shapes of the demo model (SmolLM2-135M), Llama-2-7B, Llama-3-8B and
-Llama-3-70B (--kernels limits the check to some kernel groups: linear, attention, paged). A Triton JIT hook
-records each launch instead of compiling it (nothing runs). Each configuration is then compiled for the target
-(Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU backend for AMD) and its shared memory (LDS on AMD) and
-registers are checked against the target's limits, and its shared memory against the dispatcher's estimate (which
-is what keeps configurations within the limit at run time).
+Llama-3-70B, and the MoE op on three MoE models (scripts/moe_target_calls.py) (--kernels limits the check to some
+kernel groups: linear, attention, paged, moe). A Triton JIT hook records each launch instead of compiling it
+(nothing runs). Each configuration is then compiled for the target (Triton's own compiler: ptxas for NVIDIA, the
+LLVM AMDGPU backend for AMD) and its shared memory (LDS on AMD) and registers are checked against the target's
+limits, and its shared memory against the dispatcher's estimate (which keeps them within the limit at run time).
 
 A configuration is what Triton compiles: the kernel, its argument dtypes and specialization (integers and pointers
 divisible by 16 or not; on AMD, tensors within 32-bit offsets or not), its constexprs, num_warps, num_stages and
@@ -52,6 +52,7 @@ import torch
 from redline.kernels import configs
 from redline.kernels.device import DEFAULT_TARGETS, DeviceCaps, simulated, target_caps
 from redline.scripts.attention_target_calls import attention_calls, paged_attention_calls
+from redline.scripts.moe_target_calls import MOE_MODELS, grouped_moe_smem, moe_calls
 
 # Register limits the compilers must stay within: NVIDIA has 64K 32-bit registers per block and at most 255 per
 # thread; an AMD wave's VGPRs (arch + accumulation registers) are limited per lane.
@@ -109,15 +110,16 @@ NORM_SUM_LANES = 32
 SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS", "PAGE_SIZE"}
 # Integer arguments whose divisibility by 16 is compiled once (one variant stands for both), by kernel: the split
 # count of the attention kernels, whose two variants compiled to identical binaries on every default target, and
-# the tensor-core kernel's row count M, which only bounds the row mask of x (its loads vectorize along K): its
-# variants have the same TTGIR (tiles, layouts, pipelining) and shared memory and differ in a few predicates.
-# tests/test_check_targets.py checks both on an NVIDIA and an AMD target; compiling every variant would add about
-# 5 minutes on 2 cores.
+# the row counts M of the tensor-core kernel and n_pairs of the grouped MoE kernels, which only mask rows (the loads
+# vectorize along K): their variants have the same TTGIR (tiles, layouts, pipelining) and shared memory and differ
+# in a few predicates. tests/test_check_targets.py checks both on an NVIDIA and an AMD target; compiling every
+# variant would add about 5 minutes on 2 cores.
 ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_split_kernel": {"num_splits"},
                          "_combine_kernel": {"num_splits"}, "_paged_split_kernel": {"num_splits", "max_keys"},
                          "_paged_combine_kernel": {"num_splits", "max_keys"},
-                         "_paged_prefill_kernel": {"n_seqs", "n_steps", "max_keys"}}
-KERNEL_GROUPS = ("linear", "attention", "paged")
+                         "_paged_prefill_kernel": {"n_seqs", "n_steps", "max_keys"},
+                         "_grouped_gate_up_kernel": {"n_pairs"}, "_grouped_down_kernel": {"n_pairs"}}
+KERNEL_GROUPS = ("linear", "attention", "paged", "moe")
 
 
 @dataclass
@@ -347,8 +349,8 @@ def _dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, 
 
 def target_launches(name: str, device_index: int = 1000, models: tuple[ModelShape, ...] = MODELS,
                     groups: tuple[str, ...] = KERNEL_GROUPS) -> tuple[list[Launch], list[str]]:
-    """The distinct kernel configurations the dispatcher chooses on target `name` for these models (of the kernel
-    groups named), and the calls that take a fallback (cuBLAS/hipBLAS or the reference attention) because no
+    """The distinct kernel configurations the dispatcher chooses on target `name` for these models (MOE_MODELS for
+    moe) of the kernel groups named, and the calls that take a fallback (cuBLAS/hipBLAS, a reference) because no
     configuration fits."""
     from triton import knobs
 
@@ -363,6 +365,8 @@ def target_launches(name: str, device_index: int = 1000, models: tuple[ModelShap
                 fallbacks += attention_calls(record, models, FLOAT_DTYPES, DECODE_BATCHES, CACHE_LENGTHS, MAX_PROMPT)
             if "paged" in groups:
                 fallbacks += paged_attention_calls(record, models, FLOAT_DTYPES, DECODE_BATCHES, CACHE_LENGTHS)
+            if "moe" in groups:
+                fallbacks += moe_calls(record, MOE_MODELS, FLOAT_DTYPES)
     finally:
         knobs.runtime.jit_cache_hook = previous
     return list(record.launches.values()), fallbacks
@@ -506,6 +510,8 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
     if kernel == "_paged_prefill_kernel":
         return configs.paged_prefill_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["HEAD_DIM"],
                                                 _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)
+    if kernel in ("_grouped_gate_up_kernel", "_grouped_down_kernel"):
+        return grouped_moe_smem(kernel, named, options, _pointer_bytes(signature["h_ptr"]), caps)
     if kernel in ("_split_kernel", "_paged_split_kernel"):
         return configs.attention_smem_bytes(named["BLOCK_G"], named["BLOCK_S"], named["HEAD_DIM"],
                                             _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)
@@ -596,7 +602,7 @@ def _task_seconds(task: list[Job]) -> float:
     _, target, launch, _ = task[0]
     kind = launch.kernel.rsplit(".", 1)[1]
     seconds = {"_small_m_dot_kernel": 1.0, "_split_kernel": 1.2, "_paged_split_kernel": 1.2,
-               "_paged_prefill_kernel": 1.5}.get(kind, 0.4)
+               "_paged_prefill_kernel": 1.5, "_grouped_gate_up_kernel": 1.0, "_grouped_down_kernel": 1.0}.get(kind, 0.4)
     seconds *= (2 if "(fp32" in launch.summary else 1) * (2 if target == "gfx1100" else 1)
     return seconds * (1 + 0.4 * (len(task) - 1))
 

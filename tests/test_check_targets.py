@@ -55,7 +55,8 @@ def test_each_target_gets_the_paths_it_supports(launches):
     kinds = {x.kernel.rsplit(".", 1)[1] for x in gfx90a if not x.kernel.startswith("redline.kernels.triton_int4.")}
     assert kinds == {"_gemv_kernel", "_small_m_dot_kernel", "_int4_dot_kernel", "_split_kernel", "_combine_kernel",
                      "_prefill_rope_cache_kernel", "_paged_split_kernel", "_paged_combine_kernel",
-                     "_paged_prefill_kernel"}
+                     "_paged_prefill_kernel", "_gate_up_gemv_kernel", "_down_gemv_kernel",
+                     "_grouped_gate_up_kernel", "_grouped_down_kernel"}
     assert any(x.kernel.startswith("redline.kernels.triton_int4.") for x in gfx90a)
     # the int4 tensor-core kernel converts nibbles with inline PTX on NVIDIA only
     assert _find(sm90, "_int4_dot_kernel", "PTX=True") and not _find(sm90, "_int4_dot_kernel", "PTX=False")
@@ -263,10 +264,42 @@ def test_paged_variants_compiled_once_compile_alike(target, device_index):
         assert re.sub(r"\d+", "N", other_page.asm["ttgir"]) == re.sub(r"\d+", "N", second.asm["ttgir"])
 
 
+@pytest.mark.parametrize("target, device_index", [("sm90", 3900), ("gfx90a", 3901)])
+def test_moe_pair_count_variants_compiled_once_compile_alike(target, device_index):
+    """ONE_DIVISIBILITY_ARGS: the grouped MoE kernels' pair count n_pairs (24 against 32: 12 and 16 tokens, two
+    experts each) gives the same TTGIR but for that argument's attribute, and the same shared memory."""
+    from redline.kernels import triton_moe
+    from redline.kernels.configs import MoeDotConfig
+
+    fp16 = ct.torch.float16
+    w13, w2 = ct._meta(8, 256, 128, dtype=fp16), ct._meta(8, 128, 128, dtype=fp16)
+
+    def launch_both(_):
+        for tokens in (12, 16):
+            ids, weights = ct._meta(tokens, 2, dtype=ct.torch.int64), ct._meta(tokens, 2, dtype=ct.torch.float32)
+            triton_moe.moe_grouped(ct._meta(tokens, 128, dtype=fp16), w13, w2, ids, weights, False,
+                                   MoeDotConfig(16, 64, 64, 4, 3))
+
+    log = _CallLog()
+    launches = _capture(target, ct.target_caps(target), launch_both, device_index, log)
+    assert len(launches) == 2 and len(log.log) == 4 and not any("%16" in x.summary for x in launches)
+    assert len({spec for _, _, spec in log.log}) == 4  # the variants are distinct to Triton
+    compiled = _compiled(target, device_index, log)
+    for kernel in ("_grouped_gate_up_kernel", "_grouped_down_kernel"):
+        first, second = ((k.metadata.shared, re.sub(r" \{tt\.divisibility = 16 : i32\}", "", k.asm["ttgir"]))
+                         for k in compiled[kernel])
+        assert first == second
+
+
 def test_kernel_groups_limit_the_capture():
     paged = ct.target_launches("sm90", 3800, DEMO, ("paged",))[0]
     assert paged and all("_paged_" in x.kernel for x in paged)
+    moe = ct.target_launches("gfx90a", 3801, DEMO, ("moe",))[0]
+    assert moe and all(x.kernel.startswith("redline.kernels.triton_moe.") for x in moe)
+    assert {x.kernel.rsplit(".", 1)[1] for x in moe} == {"_gate_up_gemv_kernel", "_down_gemv_kernel",
+                                                         "_grouped_gate_up_kernel", "_grouped_down_kernel"}
     assert ct.parse_args(["--kernels", "paged, attention"]).kernels == ("paged", "attention")
+    assert ct.parse_args(["--kernels", "moe"]).kernels == ("moe",)
     assert ct.main(["--kernels", "paged,gemm"]) == 2
 
 

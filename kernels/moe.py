@@ -1,0 +1,170 @@
+"""A mixture-of-experts layer's experts as one op, with a plain-PyTorch reference, and the module that calls it.
+
+    torch.ops.redline.moe_experts(x, w13, w2, topk_ids, topk_weights, gelu=False)  -> (T, dim)
+
+x (T, dim) bf16/fp16/fp32; w13 (E, 2I, dim) in x's dtype, expert e's gate projection in rows 0..I-1 and its up
+projection in rows I..2I-1; w2 (E, dim, I); topk_ids (T, k) int64 or int32, each in [0, E); topk_weights (T, k)
+fp32. Token t's output is sum_j topk_weights[t, j] * w2[e] @ (act(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])) with
+e = topk_ids[t, j] and act silu, or gelu with the tanh approximation when gelu=True (GeGLU experts), accumulated in
+fp32 and returned in x's dtype.
+
+On a CUDA/HIP device with Triton, for weights with unit stride along their rows, the op runs the kernels of
+triton_moe.py, which read only the chosen experts' weights: up to configs.MOE_GEMV_MAX_TOKENS tokens the GEMV
+kernels (each (token, expert) pair reads its expert's rows), more tokens the grouped tensor-core kernels (the pairs
+sorted by expert on the device, each expert's weight tiles read once per tile of its rows), where a config fits the
+GPU's shared memory (configs.fitted_moe_dot_config, fitted to device.DeviceCaps). Elsewhere (the CPU, no config)
+the reference below runs. Neither reads a tensor on the host and every shape follows from the input shapes, so the
+op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register_fake).
+
+`kernel_moe_class()` builds KernelMoE, model.MoEFeedForward with its experts on this op, where model.py has that
+class; kernels.use_kernels swaps it in.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .configs import MOE_GEMV_MAX_TOKENS, MoeDotConfig, fitted_moe_dot_config
+from .device import device_caps, triton_importable
+from .linear import FLOAT_DTYPES
+
+ID_DTYPES = (torch.int64, torch.int32)
+# Elements of gathered expert weights the reference holds at once: it takes this many tokens' experts per step, so
+# a long batch on the fallback path does not gather every token's k experts at once.
+REFERENCE_CHUNK_ELEMENTS = 1 << 24
+
+
+@functools.cache
+def triton_moe():
+    """kernels.triton_moe, imported on first use (it imports triton)."""
+    from . import triton_moe as module
+
+    return module
+
+
+# --- dispatch ---
+
+
+def kernel_supported(x: Tensor, w13: Tensor, w2: Tensor) -> bool:
+    """The Triton kernels take these tensors: on a CUDA/HIP device, weights with unit stride along their rows,
+    Triton importable."""
+    return x.is_cuda and w13.stride(-1) == 1 and w2.stride(-1) == 1 and triton_importable()
+
+
+def uses_gemv(x: Tensor) -> bool:
+    """Whether the op takes the GEMV kernels (few tokens) rather than the grouped ones."""
+    return x.shape[0] <= MOE_GEMV_MAX_TOKENS
+
+
+def grouped_config(x: Tensor, w13: Tensor, topk_ids: Tensor) -> MoeDotConfig | None:
+    """The grouped kernels' config on x's GPU, or None where none fits its shared memory (the op then runs the
+    reference)."""
+    return fitted_moe_dot_config(topk_ids.numel(), w13.shape[0], x.element_size(), device_caps(x.device))
+
+
+# --- reference (plain PyTorch, fp32) ---
+
+
+def activation(gate: Tensor, gelu: bool) -> Tensor:
+    """silu(gate), or gelu(gate) with the tanh approximation."""
+    return F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)
+
+
+def moe_experts_reference(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                          gelu: bool = False) -> Tensor:
+    """The op in fp32 with PyTorch ops: each token's k experts' weights gathered (a few tokens per step), their
+    gated MLPs of the token, weighted and summed; returned in x's dtype, (T, dim)."""
+    n_tokens, dim = x.shape
+    top_k, hidden = topk_ids.shape[1], w2.shape[2]
+    out = torch.zeros((n_tokens, dim), dtype=torch.float32, device=x.device)  # (T, dim)
+    step = max(1, REFERENCE_CHUNK_ELEMENTS // max(top_k * 3 * hidden * dim, 1))
+    for start in range(0, n_tokens, step):  # fixed by the shapes: no host sync
+        rows = slice(start, start + step)
+        ids = topk_ids[rows].long()  # (n, k)
+        gate_up = torch.einsum("nd,nkhd->nkh", x[rows].float(), w13[ids].float())  # (n, k, 2I)
+        h = activation(gate_up[..., :hidden], gelu) * gate_up[..., hidden:]  # (n, k, I)
+        down = torch.einsum("nki,nkdi->nkd", h, w2[ids].float())  # (n, k, dim)
+        out[rows] = (down * topk_weights[rows].float().unsqueeze(-1)).sum(dim=1)
+    return out.to(x.dtype)
+
+
+# --- validation ---
+
+
+def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
+    name = "redline.moe_experts"
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{name}: x must be (T, dim), w13 (E, 2I, dim) and w2 (E, dim, I), got "
+                         f"{tuple(x.shape)}, {tuple(w13.shape)} and {tuple(w2.shape)}")
+    n_experts, dim, hidden = w2.shape
+    if w13.shape != (n_experts, 2 * hidden, dim) or x.shape[1] != dim:
+        raise ValueError(f"{name}: w13 {tuple(w13.shape)} must be (E, 2I, dim) = {(n_experts, 2 * hidden, dim)} "
+                         f"for w2 {tuple(w2.shape)} (E, dim, I), and x {tuple(x.shape)} must have dim={dim}")
+    if n_experts == 0 or hidden == 0:
+        raise ValueError(f"{name}: the layer needs at least one expert and I > 0, got w2 {tuple(w2.shape)}")
+    if x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"{name}: x, w13 and w2 must share one dtype of bf16, fp16 or fp32, "
+                         f"got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"{name}: topk_ids must be int64 or int32 of shape (T, k) with T={x.shape[0]}, "
+                         f"got {tuple(topk_ids.shape)} of {topk_ids.dtype}")
+    if not 1 <= topk_ids.shape[1] <= n_experts:
+        raise ValueError(f"{name}: k={topk_ids.shape[1]} experts per token must be in 1..E={n_experts}")
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(f"{name}: topk_weights must be fp32 of topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)} of {topk_weights.dtype}")
+    devices = {t.device for t in (x, w13, w2, topk_ids, topk_weights)}
+    if len(devices) != 1:
+        raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+# --- the custom op ---
+
+
+@torch.library.custom_op("redline::moe_experts", mutates_args=())
+def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                gelu: bool = False) -> Tensor:
+    """sum_j topk_weights[t, j] * expert topk_ids[t, j]'s gated MLP of x[t]; x (T, dim) -> (T, dim)."""
+    _check_moe(x, w13, w2, topk_ids, topk_weights)
+    if kernel_supported(x, w13, w2):
+        if uses_gemv(x):
+            return triton_moe().moe_gemv(x, w13, w2, topk_ids, topk_weights, gelu)
+        config = grouped_config(x, w13, topk_ids)
+        if config is not None:
+            return triton_moe().moe_grouped(x, w13, w2, topk_ids, topk_weights, gelu, config)
+    return moe_experts_reference(x, w13, w2, topk_ids, topk_weights, gelu).contiguous()
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                      gelu: bool = False) -> Tensor:
+    _check_moe(x, w13, w2, topk_ids, topk_weights)
+    return x.new_empty(x.shape)  # (T, dim)
+
+
+# --- the module use_kernels swaps in ---
+
+
+@functools.cache
+def kernel_moe_class() -> type | None:
+    """KernelMoE: model.MoEFeedForward whose experts run torch.ops.redline.moe_experts (routing unchanged), built
+    on first use; None where model.py has no MoEFeedForward."""
+    from redline import model
+
+    base = getattr(model, "MoEFeedForward", None)
+    if base is None:
+        return None
+
+    def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The weighted sum (T, dim) of the chosen experts' gated MLPs of x2d (T, dim), by the fused op; weights
+        not in x's float dtype (a quantized subclass's) take MoEFeedForward's own path."""
+        if self.w13.dtype != x2d.dtype or self.w2.dtype != x2d.dtype:
+            return base.experts(self, x2d, topk_ids, topk_weights)
+        return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(),
+                                             bool(getattr(self, "gelu", False)))
+
+    return type("KernelMoE", (base,), {"experts": experts, "__module__": __name__, "__qualname__": "KernelMoE",
+                                       "__doc__": "model.MoEFeedForward with its experts on redline::moe_experts."})

@@ -1,0 +1,289 @@
+"""Triton kernels for a mixture-of-experts layer: each token through its top-k experts, reading only those experts.
+
+Expert e holds w13[e] (2I, dim): its I gate rows, then its I up rows, and w2[e] (dim, I). For token t and its
+chosen experts e_j = topk_ids[t, j] the layer computes sum_j topk_weights[t, j] * w2[e_j] @ h_tj, with
+h_tj = act(w13[e_j, :I] @ x[t]) * (w13[e_j, I:] @ x[t]) and act silu, or gelu (tanh approximation). Each (token,
+chosen expert) is a "pair", numbered t * k + j. Two ways, both in two kernels, fp32 accumulation:
+
+`moe_gemv` (a few tokens: decode) reads each pair's expert rows as a matrix-vector product:
+
+- `_gate_up_gemv_kernel`, grid (pairs, I / BLOCK_N): BLOCK_N gate rows and the matching up rows of the pair's expert
+  against x[t], fp32 accumulator tiles reduced once at the end; stores h (pairs, I) in fp32;
+- `_down_gemv_kernel`, grid (T, dim / BLOCK_N): one program owns a tile of token t's output and loops over its k
+  experts (w2[e_j] rows against h_tj, scaled by the routing weight), so the sum over j is deterministic and the
+  output is written once, in x's dtype.
+
+`moe_grouped` (more tokens: batches, prefill) groups the pairs by expert so that a tile of rows choosing the same
+expert reads that expert's weight tile once:
+
+- `expert_blocks` sorts the pairs by expert on the device (a stable argsort, per-expert counts and offsets by
+  searchsorted and cumsum: no host synchronisation) into a padded layout where each expert's rows start at a
+  multiple of BLOCK_M; padding rows hold the sentinel `pairs`. Its size is fixed by the shapes: pairs plus
+  BLOCK_M - 1 padding rows for each expert that can be chosen (min(E, pairs)), so it is CUDA-graph capturable;
+- `_grouped_gate_up_kernel`, grid (padded blocks, I / BLOCK_N): gathers the block's x rows, tl.dot against the
+  expert's gate and up tiles, stores h (pairs, I) in x's dtype (the second dot's operand);
+- `_grouped_down_kernel`, grid (padded blocks, dim / BLOCK_N): h rows against w2[e], scaled by each row's routing
+  weight, stored as fp32 partials (pairs, dim); torch sums each token's k partials (deterministic).
+  Blocks past the last expert's rows exit at once.
+
+Configs come from configs.py (moe_gemv_config, fitted_moe_dot_config); only kernels/moe.py imports this module,
+lazily. The caller validates shapes; expert ids must lie in [0, E) (not checked: that would read the device).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import MoeDotConfig, MoeGemvConfig, fitted_moe_dot_config, moe_gemv_config
+from .device import device_caps
+
+# 2 * sqrt(2 / pi): gelu_tanh(g) = g * sigmoid(GELU_TANH_SCALE * (g + 0.044715 g^3)); a constexpr, as Triton reads
+# globals in kernels
+GELU_TANH_SCALE: tl.constexpr = tl.constexpr(1.5957691216057308)
+
+
+@triton.jit
+def _activation(g, GELU: tl.constexpr):
+    """silu(g), or gelu(g) with the tanh approximation (0.5 (1 + tanh u) == sigmoid(2u)); g fp32."""
+    if GELU:
+        z = GELU_TANH_SCALE * (g + 0.044715 * g * g * g)
+    else:
+        z = g
+    return g / (1.0 + tl.exp(-z))
+
+
+# --- few tokens: matrix-vector products per (token, expert) pair ---
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, w13_ptr, ids_ptr, h_ptr, stride_xt, stride_we, stride_wn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, GELU: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)  # t * TOP_K + j
+    t = pair // TOP_K
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) rows of the gate (and the up) half
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < HIDDEN
+    gate_rows = w13_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    up_rows = gate_rows + HIDDEN * stride_wn
+    x_row = x_ptr + t * stride_xt + offs_k
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, DIM, BLOCK_K):
+        k_ok = k0 + offs_k < DIM
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        xk = tl.load(x_row + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_K)
+        acc_g += tl.load(gate_rows + k0, mask=w_ok, other=0.0).to(tl.float32) * xk
+        acc_u += tl.load(up_rows + k0, mask=w_ok, other=0.0).to(tl.float32) * xk
+    h = _activation(tl.sum(acc_g, axis=1), GELU) * tl.sum(acc_u, axis=1)  # (BLOCK_N,)
+    tl.store(h_ptr + pair * HIDDEN + offs_n, h, mask=n_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_ot,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < DIM
+    out = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):  # this program owns the tile: the sum over the experts is in a fixed order
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w2_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        h_row = h_ptr + pair * HIDDEN + offs_k
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            k_ok = k0 + offs_k < HIDDEN
+            hk = tl.load(h_row + k0, mask=k_ok, other=0.0)[None, :]  # (1, BLOCK_K) fp32
+            acc += tl.load(rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hk
+        out += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
+    tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# --- more tokens: grouped by expert, tensor-core tiles ---
+
+
+@triton.jit
+def _grouped_gate_up_kernel(
+    x_ptr, w13_ptr, pairs_ptr, block_expert_ptr, h_ptr, n_pairs, stride_xt, stride_we, stride_wn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, N_EXPERTS: tl.constexpr, GELU: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if e < N_EXPERTS:  # else a block past the last expert's rows
+        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+        row_ok = pair < n_pairs  # padding rows hold n_pairs
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < HIDDEN
+        x_rows = x_ptr + (pair // TOP_K)[:, None] * stride_xt + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+        gate_rows = w13_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        up_rows = gate_rows + HIDDEN * stride_wn  # (BLOCK_N, BLOCK_K)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, DIM, BLOCK_K):
+            k_ok = (k0 + offs_k < DIM)[None, :]
+            xk = tl.load(x_rows + k0, mask=row_ok[:, None] & k_ok, other=0.0)
+            wg = tl.load(gate_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
+            wu = tl.load(up_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
+            acc_g = tl.dot(xk, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(xk, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+        h = _activation(acc_g, GELU) * acc_u  # (BLOCK_M, BLOCK_N)
+        tl.store(h_ptr + pair[:, None] * HIDDEN + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_kernel(
+    h_ptr, w2_ptr, pairs_ptr, block_expert_ptr, weights_ptr, partial_ptr, n_pairs, stride_we, stride_wn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, N_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if e < N_EXPERTS:
+        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+        row_ok = pair < n_pairs
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < DIM
+        h_rows = h_ptr + pair[:, None] * HIDDEN + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+        w_rows = w2_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            k_ok = (k0 + offs_k < HIDDEN)[None, :]
+            hk = tl.load(h_rows + k0, mask=row_ok[:, None] & k_ok, other=0.0)
+            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
+            acc = tl.dot(hk, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)  # (BLOCK_M,) fp32
+        tl.store(partial_ptr + pair[:, None] * DIM + offs_n[None, :], acc * routing[:, None],
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+# --- launchers ---
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Every buffer the launchers allocate (the tests fill them with NaN to check the kernels overwrite them)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _device_context(t: torch.Tensor):
+    """Launch on t's GPU (Triton uses the current device); the nullcontext serves Triton's CPU interpreter."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its last dim has unit stride (the kernels index rows by their strides), else a copy."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def dot_precision(dtype: torch.dtype, caps) -> str:
+    """tf32 where the operands are 16-bit anyway and the GPU takes it, else full fp32 (ieee) dots."""
+    return "tf32" if dtype != torch.float32 and caps.supports_tf32 else "ieee"
+
+
+def padded_rows(n_pairs: int, n_experts: int, block_m: int) -> int:
+    """Rows of the expert-sorted layout: every pair, plus up to block_m - 1 padding rows for each expert that can be
+    chosen (at most min(E, pairs) are), rounded up to whole blocks."""
+    rows = n_pairs + min(n_experts, n_pairs) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def expert_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs sorted by expert, each expert's rows padded to whole blocks of block_m, computed on the device:
+    (pairs (P,) int32: pair numbers t * k + j, the sentinel T * k in padding rows; block_expert (P / block_m,) int32:
+    the expert of each block, n_experts for blocks past the last expert's rows). P = padded_rows(T * k, ...)."""
+    flat = topk_ids.reshape(-1).long()  # (T k,) the expert of each pair
+    n_pairs = flat.numel()
+    device = flat.device
+    order = torch.argsort(flat, stable=True)  # (T k,) pair numbers grouped by expert, in pair order within one
+    sorted_ids = flat[order]  # (T k,) ascending
+    experts = torch.arange(n_experts, device=device)  # (E,)
+    starts = torch.searchsorted(sorted_ids, experts)  # (E,) first sorted slot of each expert
+    counts = torch.searchsorted(sorted_ids, experts, right=True) - starts  # (E,)
+    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)  # (E,) end row of each expert
+    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    rank = torch.arange(n_pairs, device=device) - starts[sorted_ids]  # (T k,) place among its expert's pairs
+    dest = padded_starts[sorted_ids] + rank  # (T k,) row of each sorted pair in the padded layout
+    rows = padded_rows(n_pairs, n_experts, block_m)
+    pairs = torch.full((rows,), n_pairs, dtype=torch.int32, device=device).scatter_(0, dest, order.int())
+    block_starts = torch.arange(0, rows, block_m, device=device)  # (P / block_m,)
+    block_expert = torch.searchsorted(padded_ends, block_starts, right=True, out_int32=True)
+    return pairs, block_expert
+
+
+def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+             topk_weights: torch.Tensor, gelu: bool, config: MoeGemvConfig | None = None,
+             down_config: MoeGemvConfig | None = None) -> torch.Tensor:
+    """The layer for few tokens by the GEMV kernels; x (T, dim), w13 (E, 2I, dim), w2 (E, dim, I), topk_ids and
+    topk_weights (T, k). Returns (T, dim) in x's dtype. config / down_config: the first / second kernel's
+    (default: configs.moe_gemv_config). Registers only: the tiles take no shared memory (one pipeline stage)."""
+    n_tokens, dim = x.shape
+    top_k = topk_ids.shape[1]
+    hidden = w2.shape[2]
+    config = config or moe_gemv_config(hidden, dim, x.element_size())
+    down_config = down_config or moe_gemv_config(dim, hidden, x.element_size())
+    x, w13, w2 = _unit_stride(x), _unit_stride(w13), _unit_stride(w2)
+    ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    out = _empty((n_tokens, dim), x.dtype, x.device)  # (T, dim)
+    if out.numel() == 0:
+        return out
+    h = _empty((n_tokens * top_k, hidden), torch.float32, x.device)  # (T k, I) act(gate) * up per pair
+    with _device_context(x):
+        _gate_up_gemv_kernel[(n_tokens * top_k, triton.cdiv(hidden, config.block_n))](
+            x, w13, ids, h, x.stride(0), w13.stride(0), w13.stride(1),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, GELU=gelu, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=1,
+        )
+        _down_gemv_kernel[(n_tokens, triton.cdiv(dim, down_config.block_n))](
+            h, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
+            num_warps=down_config.num_warps, num_stages=1,
+        )
+    return out
+
+
+def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, gelu: bool, config: MoeDotConfig | None = None) -> torch.Tensor:
+    """The layer for more tokens by the grouped kernels (shapes as moe_gemv). Returns (T, dim) in x's dtype."""
+    n_tokens, dim = x.shape
+    n_experts, top_k, hidden = w13.shape[0], topk_ids.shape[1], w2.shape[2]
+    n_pairs = n_tokens * top_k
+    caps = device_caps(x.device)
+    config = config or fitted_moe_dot_config(n_pairs, n_experts, x.element_size(), caps)
+    if config is None:  # kernels.moe checks first and takes the reference
+        raise ValueError("no grouped MoE config fits this GPU's shared memory")
+    x, w13, w2 = _unit_stride(x), _unit_stride(w13), _unit_stride(w2)
+    if n_pairs == 0 or dim == 0:
+        return _empty((n_tokens, dim), x.dtype, x.device).zero_()
+    pairs, block_expert = expert_blocks(topk_ids, n_experts, config.block_m)
+    weights = topk_weights.contiguous()
+    h = _empty((n_pairs, hidden), x.dtype, x.device)  # (T k, I): the second kernel's tl.dot operand
+    partial = _empty((n_pairs, dim), torch.float32, x.device)  # (T k, dim) each pair's weighted output
+    precision = dot_precision(x.dtype, caps)
+    n_blocks = block_expert.shape[0]
+    with _device_context(x):
+        _grouped_gate_up_kernel[(n_blocks, triton.cdiv(hidden, config.block_n))](
+            x, w13, pairs, block_expert, h, n_pairs, x.stride(0), w13.stride(0), w13.stride(1),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, N_EXPERTS=n_experts, GELU=gelu, BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_PRECISION=precision,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        _grouped_down_kernel[(n_blocks, triton.cdiv(dim, config.block_n))](
+            h, w2, pairs, block_expert, weights, partial, n_pairs, w2.stride(0), w2.stride(1),
+            DIM=dim, HIDDEN=hidden, N_EXPERTS=n_experts, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, DOT_PRECISION=precision, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return partial.view(n_tokens, top_k, dim).sum(dim=1).to(x.dtype)  # (T, dim), the k partials in a fixed order

@@ -1,0 +1,82 @@
+"""The mixture-of-experts calls scripts/check_targets.py records on each target, on meta tensors through the
+launchers redline::moe_experts calls (kernels/triton_moe.py): the GEMV kernels for a few tokens, the grouped
+kernels for more, for each MoE model shape, dtype, token count, activation and expert-id dtype (moe_calls); and
+the shared memory the dispatcher assumed for a grouped kernel's compiled configuration (grouped_moe_smem).
+
+Kept apart from check_targets.py (which imports it) so that module stays within one readable file; nothing here
+compiles. `record` is check_targets' launch recorder: its `call` names the call being made.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from redline.kernels import configs, moe
+from redline.kernels.device import DeviceCaps
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The expert shapes of one MoE model."""
+
+    name: str
+    dim: int
+    n_experts: int
+    top_k: int
+    hidden: int  # I, each expert's intermediate width
+
+
+MOE_MODELS = (
+    MoeShape("olmoe-1b-7b", 2048, 64, 8, 1024),
+    MoeShape("qwen3-30b-a3b", 2048, 128, 8, 768),
+    MoeShape("mixtral-8x7b", 4096, 8, 2, 14336),
+)
+# Tokens per call: the GEMV kernels up to kernels.configs.MOE_GEMV_MAX_TOKENS, then batches and prompts whose rows
+# per expert give each grouped tile height (configs.moe_block_m).
+MOE_TOKENS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+ID_DTYPES = (torch.int64, torch.int32)
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
+def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
+              tokens: Iterable[int] = MOE_TOKENS) -> list[str]:
+    """Run the op's launcher for every model shape, dtype, token count, activation (silu, gelu) and expert-id dtype
+    (int64, int32; the grouped kernels read the sorted layout's int32 instead), with the path and config the op
+    would choose, setting record.call before each; returns the calls that take the reference (no config fits)."""
+    from redline.kernels import triton_moe
+
+    fallbacks = []
+    for shape, dtype, n_tokens in itertools.product(models, dtypes, tokens):
+        x = _meta(n_tokens, shape.dim, dtype=dtype)
+        w13 = _meta(shape.n_experts, 2 * shape.hidden, shape.dim, dtype=dtype)
+        w2 = _meta(shape.n_experts, shape.dim, shape.hidden, dtype=dtype)
+        weights = _meta(n_tokens, shape.top_k, dtype=torch.float32)
+        label = f"{shape.name} moe {str(dtype)[6:]} tokens={n_tokens}"
+        gemv = moe.uses_gemv(x)
+        for gelu, id_dtype in itertools.product((False, True), ID_DTYPES if gemv else ID_DTYPES[:1]):
+            record.call = f"{label} gelu={gelu} ids={str(id_dtype)[6:]}"
+            ids = _meta(n_tokens, shape.top_k, dtype=id_dtype)
+            if gemv:
+                triton_moe.moe_gemv(x, w13, w2, ids, weights, gelu)
+                continue
+            config = moe.grouped_config(x, w13, ids)
+            if config is None:
+                fallbacks.append(record.call)
+                continue
+            triton_moe.moe_grouped(x, w13, w2, ids, weights, gelu, config)
+    return fallbacks
+
+
+def grouped_moe_smem(kernel: str, constexprs: dict, options: dict, elt_bytes: int, caps: DeviceCaps) -> int:
+    """The shared memory configs.moe_dot_smem_bytes estimates for a grouped kernel's configuration (kernel: its
+    name; constexprs and options: its specialization's), with two weight tiles in the gate/up kernel, one in the
+    down kernel."""
+    cfg = configs.MoeDotConfig(constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_K"],
+                               options["num_warps"], options["num_stages"])
+    return configs.moe_dot_smem_bytes(cfg, elt_bytes, 2 if kernel == "_grouped_gate_up_kernel" else 1, caps)

@@ -1,0 +1,419 @@
+"""kernels/moe.py: the reference against a per-token loop, the op's dispatch and validation, the configs, the
+expert-sorted layout, KernelMoE, the Triton kernels against the reference in Triton's interpreter (a child process,
+as tests/test_kernels_interpreter.py runs them), and on a GPU (real Qwen3-MoE and Mixtral shapes)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from redline import kernels, model
+from redline.kernels import configs
+from redline.kernels import moe
+from redline.kernels.device import target_caps
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETER_TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+
+
+def moe_inputs(n_tokens, n_experts, top_k, dim, hidden, dtype=torch.float32, device="cpu", seed=0,
+               ids_dtype=torch.int64):
+    """x (T, dim), w13 (E, 2I, dim), w2 (E, dim, I) scaled to unit-size outputs, and routing where expert 0 is
+    chosen by every token (first choice), the last expert by none, the others at random without repeats."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tokens, dim, generator=gen)
+    w13 = torch.randn(n_experts, 2 * hidden, dim, generator=gen) / math.sqrt(dim)
+    w2 = torch.randn(n_experts, dim, hidden, generator=gen) / math.sqrt(hidden)
+    others = [torch.randperm(n_experts - 2, generator=gen)[:top_k - 1] + 1 for _ in range(n_tokens)]
+    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.int64), o]) for o in others]) if n_tokens else \
+        torch.zeros(0, top_k, dtype=torch.int64)
+    weights = torch.rand(n_tokens, top_k, generator=gen)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (x.to(dtype).to(device), w13.to(dtype).to(device), w2.to(dtype).to(device), ids.to(ids_dtype).to(device),
+            weights.to(device))
+
+
+def per_token_loop(x, w13, w2, ids, weights, gelu):
+    """Each token through each of its experts one at a time, in float64."""
+    hidden = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xt = x[t].double()
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate = w13[e, :hidden].double() @ xt
+            up = w13[e, hidden:].double() @ xt
+            if gelu:
+                act = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+            else:
+                act = gate / (1 + torch.exp(-gate))
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (act * up))
+    return out
+
+
+def rel_err(got, want) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-6)).item()
+
+
+# --- the reference ---
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_reference_matches_per_token_loop_in_float64(gelu, ids_dtype):
+    x, w13, w2, ids, weights = moe_inputs(7, 6, 2, 32, 24, dtype=torch.float64, ids_dtype=ids_dtype)
+    got = moe.moe_experts_reference(x, w13, w2, ids, weights, gelu)
+    assert got.dtype == torch.float64
+    assert rel_err(got, per_token_loop(x, w13, w2, ids, weights, gelu)) <= 1e-6
+
+
+def test_reference_chunks_tokens_like_one_pass(monkeypatch):
+    args = moe_inputs(9, 5, 3, 16, 8)
+    whole = moe.moe_experts_reference(*args)
+    monkeypatch.setattr(moe, "REFERENCE_CHUNK_ELEMENTS", 1)  # one token per step
+    assert torch.allclose(moe.moe_experts_reference(*args), whole, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_low_precision_accumulates_in_fp32(dtype):
+    x, w13, w2, ids, weights = moe_inputs(5, 4, 2, 64, 32, dtype=dtype)
+    got = moe.moe_experts_reference(x, w13, w2, ids, weights)
+    assert got.dtype == dtype
+    assert rel_err(got, per_token_loop(x, w13, w2, ids, weights, False)) <= 1e-2
+
+
+# --- the op on the CPU: dispatch, validation, torch.compile ---
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n_tokens", [0, 1, 6])
+def test_op_runs_the_reference_on_cpu(dtype, n_tokens):
+    args = moe_inputs(n_tokens, 4, 2, 32, 16, dtype=dtype)
+    assert not moe.kernel_supported(*args[:3])
+    got = torch.ops.redline.moe_experts(*args, gelu=True)
+    assert got.shape == (n_tokens, 32) and got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, moe.moe_experts_reference(*args, gelu=True))
+
+
+def _args(**change):
+    x, w13, w2, ids, weights = moe_inputs(3, 4, 2, 16, 8)
+    args = dict(x=x, w13=w13, w2=w2, topk_ids=ids, topk_weights=weights)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(x=torch.randn(3, 1, 16)), "x must be \\(T, dim\\)"),
+    (dict(w13=torch.randn(4, 15, 16)), "must be \\(E, 2I, dim\\)"),
+    (dict(x=torch.randn(3, 8)), "must have dim=16"),
+    (dict(w13=torch.randn(0, 16, 16), w2=torch.randn(0, 16, 8)), "at least one expert"),
+    (dict(x=torch.randn(3, 16).half()), "one dtype"),
+    (dict(topk_ids=torch.zeros(3, 2, dtype=torch.int16)), "topk_ids must be int64 or int32"),
+    (dict(topk_ids=torch.zeros(4, 2, dtype=torch.int64)), "with T=3"),
+    (dict(topk_ids=torch.zeros(3, 5, dtype=torch.int64), topk_weights=torch.rand(3, 5)), "must be in 1..E=4"),
+    (dict(topk_weights=torch.rand(3, 2).half()), "topk_weights must be fp32"),
+    (dict(topk_weights=torch.rand(3, 3)), "topk_weights must be fp32 of topk_ids' shape"),
+    (dict(topk_weights=torch.rand(3, 2, device="meta")), "one device"),
+])
+def test_validation_errors(change, match):
+    with pytest.raises(ValueError, match=match):
+        torch.ops.redline.moe_experts(*_args(**change).values())
+
+
+def test_opcheck_cpu():
+    for gelu in (False, True):
+        torch.library.opcheck(torch.ops.redline.moe_experts.default, moe_inputs(5, 4, 2, 16, 8), {"gelu": gelu})
+
+
+def test_torch_compile_fullgraph_cpu():
+    x, w13, w2, ids, weights = moe_inputs(4, 4, 2, 16, 8)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def step(x, w13, w2, ids, weights):
+        return torch.ops.redline.moe_experts(x * 2, w13, w2, ids, weights, True) + 1
+
+    want = moe.moe_experts_reference(x * 2, w13, w2, ids, weights, True) + 1
+    assert torch.equal(step(x, w13, w2, ids, weights), want)
+
+
+# --- the configs ---
+
+
+@pytest.mark.parametrize("target", ["sm80", "sm86", "sm89", "sm90", "gfx90a", "gfx942", "gfx1100"])
+@pytest.mark.parametrize("pairs,experts", [(5 * 8, 128), (4096 * 8, 128), (64 * 2, 8), (4096 * 2, 8)])
+@pytest.mark.parametrize("elt_bytes", [2, 4])
+def test_grouped_config_fits_every_target(target, pairs, experts, elt_bytes):
+    caps = target_caps(target)
+    cfg = configs.fitted_moe_dot_config(pairs, experts, elt_bytes, caps)
+    assert cfg is not None and cfg.block_m == configs.moe_block_m(pairs, experts)
+    assert configs.moe_dot_smem_bytes(cfg, elt_bytes, 2, caps) <= caps.shared_memory_per_block
+
+
+def test_grouped_config_none_when_nothing_fits():
+    tiny = configs.DeviceCaps("nvidia", "sm80", 2048, 32, 108, True, False, True)
+    assert configs.fitted_moe_dot_config(1000, 8, 2, tiny) is None
+    assert configs.fitted_moe_dot_config(1000, 8, 2, configs.DeviceCaps("cpu", "cpu", 0, 1, 0, False, False,
+                                                                        False)) is None
+
+
+def test_block_m_follows_the_rows_per_expert():
+    assert configs.moe_block_m(5 * 8, 128) == 16  # a few tokens over many experts: little padding
+    assert configs.moe_block_m(40 * 2, 8) == 16
+    assert configs.moe_block_m(100 * 2, 8) == 32
+    assert configs.moe_block_m(4096 * 8, 128) == configs.MOE_MAX_BLOCK_M
+
+
+def test_gemv_config_clamps_to_small_shapes():
+    assert configs.moe_gemv_config(768, 2048, 2) == configs.MoeGemvConfig(4, 1024, 4)
+    assert configs.moe_gemv_config(2, 40, 4) == configs.MoeGemvConfig(2, 64, 2)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        configs.MoeDotConfig(16, 48, 32)
+    with pytest.raises(ValueError, match="power of two"):
+        configs.MoeGemvConfig(3, 64)
+
+
+# --- the expert-sorted layout (torch ops on the device; needs triton_moe's module only) ---
+
+
+@pytest.mark.parametrize("n_tokens,n_experts,block_m", [(1, 4, 16), (17, 6, 16), (40, 8, 32), (3, 128, 16)])
+def test_expert_blocks_group_every_pair_once(n_tokens, n_experts, block_m):
+    pytest.importorskip("triton")
+    from redline.kernels import triton_moe as tm
+
+    top_k = 2
+    _, _, _, ids, _ = moe_inputs(n_tokens, n_experts, top_k, 8, 8)
+    pairs, block_expert = tm.expert_blocks(ids, n_experts, block_m)
+    n_pairs = n_tokens * top_k
+    assert pairs.shape == (tm.padded_rows(n_pairs, n_experts, block_m),) and pairs.dtype == torch.int32
+    assert block_expert.shape == (pairs.shape[0] // block_m,) and block_expert.dtype == torch.int32
+    real = pairs[pairs < n_pairs]
+    assert sorted(real.tolist()) == list(range(n_pairs))  # each pair once, the rest the sentinel
+    assert (pairs[pairs >= n_pairs] == n_pairs).all()
+    flat = ids.reshape(-1)
+    for b, e in enumerate(block_expert.tolist()):
+        rows = pairs[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < n_pairs].long()
+        if e == n_experts:
+            assert rows.numel() == 0  # past the last expert's rows
+        else:
+            assert rows.numel() > 0 and (flat[rows] == e).all()
+            assert rows.tolist() == sorted(rows.tolist())  # pair order within an expert (a stable sort)
+    assert n_experts - 1 not in block_expert.tolist()  # the expert no token chose has no block
+
+
+# --- KernelMoE ---
+
+
+class FakeMoEFeedForward(nn.Module):
+    """What model.MoEFeedForward offers KernelMoE: router, stacked expert weights, route and experts."""
+
+    def __init__(self, dim=16, n_experts=4, hidden=8, top_k=2, gelu=False):
+        super().__init__()
+        self.n_experts, self.top_k, self.hidden, self.gelu, self.norm_topk_prob = n_experts, top_k, hidden, gelu, True
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.w13 = nn.Parameter(torch.randn(n_experts, 2 * hidden, dim) / 4)
+        self.w2 = nn.Parameter(torch.randn(n_experts, dim, hidden) / 3)
+
+    def route(self, x2d):
+        weights, ids = self.gate(x2d).float().softmax(dim=-1).topk(self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), ids
+
+    def experts(self, x2d, topk_ids, topk_weights):
+        return per_token_loop(x2d, self.w13, self.w2, topk_ids, topk_weights, self.gelu).to(x2d.dtype)
+
+    def forward(self, x):
+        x2d = x.reshape(-1, x.shape[-1])
+        weights, ids = self.route(x2d)
+        return self.experts(x2d, ids, weights).view_as(x)
+
+
+@pytest.fixture
+def fake_moe_model(monkeypatch):
+    monkeypatch.setattr(model, "MoEFeedForward", FakeMoEFeedForward, raising=False)
+    moe.kernel_moe_class.cache_clear()
+    yield
+    moe.kernel_moe_class.cache_clear()
+
+
+def test_kernel_moe_absent_without_moe_feed_forward(monkeypatch):
+    monkeypatch.delattr(model, "MoEFeedForward", raising=False)
+    moe.kernel_moe_class.cache_clear()
+    try:
+        assert moe.kernel_moe_class() is None
+        layer = nn.Sequential(nn.Linear(4, 4, bias=False))
+        assert kernels.use_kernels(layer) is layer  # harmless before the class exists
+    finally:
+        moe.kernel_moe_class.cache_clear()
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_use_kernels_swaps_moe_layers_for_kernel_moe(fake_moe_model, gelu):
+    torch.manual_seed(0)
+    layer = FakeMoEFeedForward(gelu=gelu)
+    net = nn.Sequential(layer)
+    x = torch.randn(2, 3, 16)
+    want = layer(x)
+    kernels.use_kernels(net)
+    kernel_moe = moe.kernel_moe_class()
+    assert type(layer) is kernel_moe and kernel_moe.__name__ == "KernelMoE"
+    assert isinstance(layer, FakeMoEFeedForward) and type(layer.gate) is kernels.KernelLinear
+    kernels.use_kernels(net)  # twice: a no-op
+    assert type(layer) is kernel_moe
+    got = layer(x)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    weights, ids = layer.route(x.reshape(-1, 16))
+    assert torch.equal(layer.experts(x.reshape(-1, 16), ids, weights),
+                       moe.moe_experts_reference(x.reshape(-1, 16), layer.w13, layer.w2, ids, weights, gelu))
+
+
+# --- the Triton kernels in the interpreter ---
+
+# (tokens, experts, dim, I, gelu) per token count: dims and widths that are not multiples of the tiles included.
+INTERPRETER_SHAPES = {1: (4, 64, 32, False), 3: (8, 128, 96, True), 17: (6, 96, 48, False), 40: (8, 64, 64, True)}
+INTERPRETER_CASES = [(f"{path}_{t}", d) for path in ("gemv", "grouped") for t in INTERPRETER_SHAPES
+                     for d in ("float32", "float16")]
+
+
+def run_interpreted_case(name: str, dtype_name: str) -> float:
+    """The largest relative error of one path against the reference (run under TRITON_INTERPRET=1), with every
+    buffer the launchers allocate filled with NaN first (inf when the output still holds one)."""
+    from redline.kernels import triton_moe as tm
+
+    dtype = getattr(torch, dtype_name)
+    path, _, tokens = name.partition("_")
+    n_tokens = int(tokens)
+    n_experts, dim, hidden, gelu = INTERPRETER_SHAPES[n_tokens]
+    args = moe_inputs(n_tokens, n_experts, 2, dim, hidden, dtype=dtype, seed=n_tokens,
+                      ids_dtype=torch.int32 if n_tokens == 17 else torch.int64)
+    tm._empty = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if path == "gemv":
+        got = tm.moe_gemv(*args, gelu, configs.MoeGemvConfig(4, 32, 2), configs.MoeGemvConfig(8, 16, 2))
+    else:
+        block_m = 32 if n_tokens == 40 else 16  # 40 tokens: tiles of 32 rows, partly padding
+        got = tm.moe_grouped(*args, gelu, configs.MoeDotConfig(block_m, 32, 32, 2, 1))
+    if torch.isnan(got).any():
+        return float("inf")
+    return rel_err(got, moe.moe_experts_reference(*args, gelu))
+
+
+@pytest.fixture(scope="module")
+def interpreted_errors() -> dict[str, float]:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name,dtype", INTERPRETER_CASES, ids=[f"{n}-{d}" for n, d in INTERPRETER_CASES])
+def test_kernel_matches_reference_in_interpreter(interpreted_errors, name, dtype):
+    err = interpreted_errors[f"{name}/{dtype}"]
+    assert err <= INTERPRETER_TOLERANCE[dtype], f"{name} in {dtype}: relative error {err:.2e}"
+
+
+# --- on a GPU ---
+
+# (E, k, dim, I) of the real models
+GPU_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+GPU_TOKENS = (1, 3, 4, 5, 40, 300)  # the GEMV kernels up to MOE_GEMV_MAX_TOKENS, the grouped ones after
+
+
+def _gpu_inputs(shape: str, n_tokens: int, seed: int = 0):
+    """Real-size bf16 inputs on the GPU with random top-k routing (distinct experts per token)."""
+    n_experts, top_k, dim, hidden = GPU_SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n_tokens, dim, device="cuda", generator=gen).bfloat16()
+    w13 = (torch.randn(n_experts, 2 * hidden, dim, device="cuda", generator=gen) / math.sqrt(dim)).bfloat16()
+    w2 = (torch.randn(n_experts, dim, hidden, device="cuda", generator=gen) / math.sqrt(hidden)).bfloat16()
+    scores = torch.rand(n_tokens, n_experts, device="cuda", generator=gen)
+    weights, ids = scores.softmax(dim=-1).topk(top_k, dim=-1)
+    return x, w13, w2, ids, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _fp32_reference(x, w13, w2, ids, weights, gelu=False):
+    return moe.moe_experts_reference(x.float(), w13.float(), w2.float(), ids, weights, gelu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", GPU_TOKENS)
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_bf16_matches_fp32_reference(shape, n_tokens):
+    x, w13, w2, ids, weights = _gpu_inputs(shape, n_tokens)
+    assert moe.kernel_supported(x, w13, w2)
+    assert moe.uses_gemv(x) or moe.grouped_config(x, w13, ids) is not None
+    for gelu in (False, True):
+        got = torch.ops.redline.moe_experts(x, w13, w2, ids, weights, gelu)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        assert rel_err(got, _fp32_reference(x, w13, w2, ids, weights, gelu)) <= 1e-2
+    got32 = torch.ops.redline.moe_experts(x, w13, w2, ids.int(), weights)  # int32 ids
+    assert rel_err(got32, _fp32_reference(x, w13, w2, ids, weights)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes_match_reference(dtype):
+    for n_tokens in (2, 33):
+        x, w13, w2, ids, weights = moe_inputs(n_tokens, 8, 2, 256, 192, dtype=dtype, device="cuda")
+        got = torch.ops.redline.moe_experts(x, w13, w2, ids, weights)
+        assert rel_err(got, moe.moe_experts_reference(x, w13, w2, ids, weights)) <= \
+            (1e-4 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", [1, 64])
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_cuda_graph_replay_with_changing_routing(shape, n_tokens):
+    x, w13, w2, ids, weights = _gpu_inputs(shape, n_tokens)
+    x, ids, weights = x.clone(), ids.clone(), weights.clone()
+
+    def call():
+        return torch.ops.redline.moe_experts(x, w13, w2, ids, weights)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (1, 2, 3):
+        new_x, _, _, new_ids, new_weights = _gpu_inputs(shape, n_tokens, seed)
+        if seed == 3:
+            new_ids[:, 0] = 0  # every token on one expert
+            new_ids[:, 1:] = torch.arange(1, ids.shape[1], device="cuda")
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        assert rel_err(out, _fp32_reference(x, w13, w2, ids, weights)) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_reduce_overhead():
+    x, w13, w2, ids, weights = _gpu_inputs("qwen3-30b-a3b", 8)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(x, ids, weights):
+        return torch.ops.redline.moe_experts(x * 2, w13, w2, ids, weights) + 1
+
+    for _ in range(3):  # warm-up, recording, replay
+        got = step(x, ids, weights)
+    assert rel_err(got, _fp32_reference(x * 2, w13, w2, ids, weights) + 1) <= 1e-2
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 (the kernels run in Triton's interpreter)")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_kernels_interpreter import _allow_one_element_loop_bounds
+
+    _allow_one_element_loop_bounds()
+    print(json.dumps({f"{n}/{d}": run_interpreted_case(n, d) for n, d in INTERPRETER_CASES}))
