@@ -47,6 +47,7 @@ class BenchServeConfig:
     dtype: str | None = None
     max_kv_tokens: int | None = None
     max_running: int = 256
+    max_concurrency: int | None = None  # requests in flight at once at most (1: one client); None: no limit
 
     def __post_init__(self) -> None:
         lo, hi = self.input_len
@@ -55,6 +56,8 @@ class BenchServeConfig:
         for name in ("num_prompts", "output_len", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be positive, got {self.max_concurrency}")
         if not self.request_rates or not all(r > 0 for r in self.request_rates):
             raise ValueError("--request-rate takes positive numbers or inf, comma-separated")
         if self.offline and (self.random_weights is None) == (self.checkpoint_path is None):
@@ -133,7 +136,18 @@ def summarize(timings: list[RequestTiming], duration: float, rate: float) -> dic
         "tpot_ms": distribution_ms([t.tpot for t in done if t.tpot is not None]),
         "itl_ms": distribution_ms(itl),
         "e2e_latency_ms": distribution_ms([t.latency for t in done]),
+        "peak_concurrency": peak_concurrency(done),
     }
+
+
+def peak_concurrency(done: list[RequestTiming]) -> int:
+    """The most requests in flight at once, each from its start to its last piece of output."""
+    events = sorted([(t.start, 1) for t in done] + [(t.arrivals[-1], -1) for t in done])  # an end sorts first
+    peak = running = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,11 +193,17 @@ async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: floa
             raise ValueError(f"{cfg.base_url}/v1/models answered {models.status_code}; is the server up and ready?")
         model = models.json()["data"][0]["id"]
         timings = [RequestTiming(len(p)) for p in prompts]
+        slots = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
+
+        async def limited(prompt: list[int], timing: RequestTiming) -> None:
+            async with slots:  # the request's clock starts once it is sent
+                await one_request(client, cfg, model, prompt, timing)
+
         start = time.perf_counter()
         tasks = []
         for prompt, timing, offset in zip(prompts, timings, arrival_offsets(cfg, rate)):
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(one_request(client, cfg, model, prompt, timing)))
+            tasks.append(asyncio.create_task(limited(prompt, timing)))
         await asyncio.gather(*tasks)
         return summarize(timings, time.perf_counter() - start, rate)
 
@@ -206,17 +226,22 @@ def run_offline(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]], ra
 
     options = GenerationOptions(max_new_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
     timings = [RequestTiming(len(p)) for p in prompts]
+    slots = threading.BoundedSemaphore(cfg.max_concurrency or len(prompts))
 
     def follow(handle: Any, timing: RequestTiming) -> None:
-        for out in handle:
-            if out.token_ids:
-                timing.arrivals.append(time.perf_counter())
-                timing.output_tokens += len(out.token_ids)
+        try:
+            for out in handle:
+                if out.token_ids:
+                    timing.arrivals.append(time.perf_counter())
+                    timing.output_tokens += len(out.token_ids)
+        finally:
+            slots.release()
 
     threads = []
     start = time.perf_counter()
     for prompt, timing, offset in zip(prompts, timings, arrival_offsets(cfg, rate)):
         time.sleep(max(0.0, start + offset - time.perf_counter()))
+        slots.acquire()
         timing.start = time.perf_counter()
         thread = threading.Thread(target=follow, args=(engine.add_request(prompt, options), timing), daemon=True)
         thread.start()
@@ -330,6 +355,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--request-rate", dest="request_rates", default="inf",
                    help="requests/s, comma-separated for a sweep; inf: all at once")
     p.add_argument("--vocab-size", type=int, default=32000, help="random prompt ids are drawn below this")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at once at most (1: one client at a time); default: no limit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", dest="plot_path", type=Path, default=None, help="write a PNG of a rate sweep here")

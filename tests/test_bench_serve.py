@@ -27,7 +27,8 @@ def test_poisson_arrivals_have_the_asked_rate():
 
 
 @pytest.mark.parametrize("argv, message", [(["--input-len", "9:3"], "input-len"), (["--request-rate", "0"], "rate"),
-                                           (["--offline"], "offline"), (["--input-len", "x"], "input-len")])
+                                           (["--offline"], "offline"), (["--input-len", "x"], "input-len"),
+                                           (["--max-concurrency", "0"], "max-concurrency")])
 def test_bad_arguments_get_one_line(argv, message, capsys):
     assert bench_serve.main(argv) == 2
     err = capsys.readouterr().err
@@ -48,5 +49,17 @@ def test_a_rate_sweep_against_a_live_server(tiny_chat_checkpoint, tmp_path, caps
         assert run["completed"] == 6 and run["failed"] == 0 and run["output_tokens"] == 30
         assert 4 * 6 <= run["prompt_tokens"] <= 12 * 6 and run["output_tok_s"] > 0
         assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] and run["itl_ms"]["p50"] > 0
+    assert report["runs"][1]["peak_concurrency"] > 1  # all at once: the requests overlap
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
     assert capsys.readouterr().out.count("req/s |") == 2
+
+
+def test_one_client_at_a_time_never_overlaps(tiny_chat_checkpoint, tmp_path):
+    """--max-concurrency 1: each request is sent after the one before has finished, as one client would."""
+    llm = LLM.load(tiny_chat_checkpoint[0], device="cpu")
+    settings = ServeSettings(checkpoint_path=tiny_chat_checkpoint[0])
+    with ServerThread(create_app(PacedEngine(llm), llm, settings)) as url:
+        code = bench_serve.main(["--base-url", url, "--num-prompts", "4", "--input-len", "6", "--output-len", "4",
+                                 "--vocab-size", "512", "--max-concurrency", "1", "--json", str(tmp_path / "o.json")])
+    run = json.loads((tmp_path / "o.json").read_text())["runs"][0]
+    assert code == 0 and run["completed"] == 4 and run["peak_concurrency"] == 1

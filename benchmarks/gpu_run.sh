@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU measurements behind BENCHMARKS.md's serving, family and MoE tables, in parts that each fit a 10-minute
+# call on one GPU (an H200 for the published tables). Run from the repository root:
+#
+#   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu)
+#   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
+#   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4, and the MoE models
+#   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py, against offline
+#
+# RESULTS (default benchmarks/results/gpu-run) receives every JSON, log and plot; the last line of each part prints
+# where. Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
+# are installed into /tmp/site first.
+set -uo pipefail
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|families|serve}
+RESULTS=${RESULTS:-benchmarks/results/gpu-run}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# Run from the checkout without an install: the package is the repository root under the name redline.
+if ! python3 -c "import redline" 2>/dev/null; then
+    mkdir -p /tmp/redline-pkg && ln -sfn "$PWD" /tmp/redline-pkg/redline
+    export PYTHONPATH=/tmp/redline-pkg${PYTHONPATH:+:$PYTHONPATH}
+fi
+run() {  # run NAME COMMAND...: the command's output goes to RESULTS/NAME.log and to the terminal
+    local name=$1; shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$RESULTS/$name.log"
+}
+
+case $part in
+tests)
+    run gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+    ;;
+engine)
+    bench=benchmarks/bench_serving.py
+    run engine-single python3 $bench --model Llama-3-8B --workload single --json "$RESULTS/engine-single.json"
+    run engine-fixed python3 $bench --model Llama-3-8B --workload fixed --num-requests 1024 \
+        --json "$RESULTS/engine-fixed.json"
+    run engine-mixed python3 $bench --model Llama-3-8B --workload mixed --compare hf --hf-requests 32 \
+        --json "$RESULTS/engine-mixed.json"
+    run engine-prefix python3 $bench --model Llama-3-8B --workload prefix --json "$RESULTS/engine-prefix.json"
+    ;;
+families)
+    for model in Qwen2.5-7B Qwen3-8B Gemma-3-12B Phi-4-mini; do
+        run "decode-$model" python3 benchmarks/bench.py --model "$model" --quant none,int4 --runs 3 \
+            --new-tokens 200 --json "$RESULTS/decode-$model.json"
+    done
+    for model in Qwen3-30B-A3B Mixtral-8x7B; do
+        run "decode-$model" python3 benchmarks/bench.py --model "$model" --quant none,int8 --runs 3 \
+            --new-tokens 200 --json "$RESULTS/decode-$model.json"
+    done
+    ;;
+serve)
+    port=8321
+    python3 serve.py --random-weights Llama-3-8B --dtype bfloat16 --port $port >"$RESULTS/server.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null' EXIT
+    for _ in $(seq 300); do  # the server answers /health with 200 once the model is loaded and compiled
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server.log"; exit 1; }
+        sleep 2
+    done
+    url="--base-url http://127.0.0.1:$port"
+    run serve-one python3 benchmarks/bench_serve.py $url --num-prompts 8 --max-concurrency 1 --input-len 128 \
+        --output-len 256 --vocab-size 128256 --json "$RESULTS/serve-one.json"
+    run serve-64 python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 --output-len 256 \
+        --vocab-size 128256 --json "$RESULTS/serve-64.json"
+    # 300 prompts a rate keeps the sweep inside one call (at 2 requests/s their arrivals alone take 150 s).
+    run serve-sweep python3 benchmarks/bench_serve.py $url --request-rate 2,8,32 --num-prompts 300 \
+        --input-len 100:1024 --output-len 256 --vocab-size 128256 --json "$RESULTS/serve-sweep.json" \
+        --plot "$RESULTS/serve-sweep.png"
+    kill -TERM $server && wait $server
+    run serve-64-offline python3 benchmarks/bench_serve.py --offline --random-weights Llama-3-8B --dtype bfloat16 \
+        --num-prompts 64 --input-len 512 --output-len 256 --vocab-size 128256 --json "$RESULTS/serve-64-offline.json"
+    ;;
+*)
+    echo "unknown part '$part'; use tests, engine, families or serve" >&2
+    exit 2
+    ;;
+esac
+echo "results in $RESULTS"
