@@ -155,6 +155,9 @@ def check_all_reduce(mode: str, device: torch.device, world_size: int, what: str
 
 def shard_args(args: ModelArgs, world_size: int) -> ModelArgs:
     """One rank's ModelArgs: n_head, n_kv_heads and intermediate_size divided by the number of ranks."""
+    if args.n_experts and world_size > 1:
+        raise ValueError("tensor parallel does not split a mixture of experts (Mixtral, Qwen3-MoE) yet; run this model "
+                         "on one process")
     if args.qk_norm == "full" and world_size > 1:
         raise ValueError("tensor parallel cannot split a q/k norm over the whole projection width (OLMo 2): each "
                          "rank would normalize its own heads only; run this model on one process")
