@@ -393,7 +393,8 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
             local = match.group(2)
             name, index = layer_parts[local]
             target = f"layers.{match.group(1)}.{name}"
-        check_gguf_shape(t, local, args)
+        check_gguf_shape(t, "ffn_up_gate.weight" if layer_parts is PHI3_PARTS and local == "ffn_up.weight" else local,
+                         args)
         heads = args.n_head if local == "attn_q.weight" else args.n_kv_heads if local == "attn_k.weight" else 0
         heads = heads if permuted else 0
         if target in native:
@@ -428,6 +429,12 @@ def gguf_shape(local: str, args: ModelArgs) -> tuple[int, ...]:
         "attn_v.weight": (args.kv_size, args.dim), "attn_output.weight": (args.dim, args.q_size),
         "ffn_gate.weight": (args.intermediate_size, args.dim), "ffn_up.weight": (args.intermediate_size, args.dim),
         "ffn_down.weight": (args.dim, args.intermediate_size),
+        "ffn_up_gate.weight": (2 * args.intermediate_size, args.dim),  # phi3's fused gate and up, under ffn_up
+        "attn_q.bias": (args.q_size,), "attn_k.bias": (args.kv_size,), "attn_v.bias": (args.kv_size,),
+        "attn_output.bias": (args.dim,), "post_attention_norm.weight": (args.dim,), "post_ffw_norm.weight": (args.dim,),
+        "attn_qkv.weight": (args.q_size + 2 * args.kv_size, args.dim),
+        "attn_q_norm.weight": (args.head_dim if args.qk_norm == "head" else args.q_size,),
+        "attn_k_norm.weight": (args.head_dim if args.qk_norm == "head" else args.kv_size,),
         "ffn_gate_inp.weight": (args.n_experts, args.dim),
         "ffn_gate_exps.weight": (args.n_experts, args.moe_intermediate_size, args.dim),
         "ffn_up_exps.weight": (args.n_experts, args.moe_intermediate_size, args.dim),
@@ -438,7 +445,7 @@ def gguf_shape(local: str, args: ModelArgs) -> tuple[int, ...]:
 def check_gguf_shape(t: Any, local: str, args: ModelArgs) -> None:
     """Refuse a tensor whose shape disagrees with the metadata before its data is read or reshaped."""
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-    if shape != gguf_shape(local, args):
+    if shape != gguf_shape(local, args):  # local: the tensor's name in its block (phi3's fused ffn_up: ffn_up_gate)
         raise ValueError(f"tensor {t.name} has shape {shape}, but the GGUF metadata implies {gguf_shape(local, args)}; "
                          f"the file is damaged")
 
