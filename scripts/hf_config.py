@@ -226,7 +226,8 @@ def _qwen3_moe_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str,
     step = _hf_field(config, "decoder_sparse_step", int, 1)
     only = _hf_field(config, "mlp_only_layers", list, [])
     if not all(type(i) is int and 0 <= i < n for i in only):
-        raise ValueError(f"config.json mlp_only_layers must list layer indices 0..{n - 1}, got {only!r}; fix the config")
+        raise ValueError(f"config.json mlp_only_layers must list layer indices 0..{n - 1}, got {only!r}; fix the "
+                         f"config")
     moe_layers = tuple(i not in only and (i + 1) % step == 0 for i in range(n))
     key = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 saves the latter
     return dict(dense, **_experts(config, key, _hf_field(config, "moe_intermediate_size", int)),

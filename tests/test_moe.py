@@ -259,7 +259,8 @@ def test_int8_is_the_model_of_its_dequantized_weights_within_the_int8_bounds(moe
                     x = torch.randn(16, float_w.shape[-1])
                     for e in range(module.n_experts):  # each expert's projection is one quantized linear
                         assert rel_error(F.linear(x, got[e]), F.linear(x, float_w[e])) <= MAX_LAYER_REL_ERROR
-                for tensor, value in zip((target.w13, target.w2), module.expert_weights(torch.arange(module.n_experts))):
+                weights = module.expert_weights(torch.arange(module.n_experts))
+                for tensor, value in zip((target.w13, target.w2), weights):
                     tensor.copy_(value)
             elif isinstance(module, Int8Linear):
                 x = torch.randn(16, module.in_features)
@@ -353,3 +354,18 @@ def test_model_args_check_the_expert_fields():
     args = ModelArgs(**base, n_experts=4, n_experts_per_tok=2, moe_layers=(False, True))
     assert args.moe_intermediate_size == 96 and [args.sparse(i) for i in range(2)] == [False, True]
     assert ModelArgs.from_dict(args.to_dict()) == args
+
+
+def test_int8_in_memory_runs_generate_and_the_engine(moe_checkpoint):
+    """quantize_(model, "int8") (what LLM.load(quantize="int8") does) and an LLM on the CPU (its int8 linears on the
+    CPU kernels, the experts in PyTorch): the batching engine gives each prompt the tokens generate gives it alone."""
+    from redline.kernels import KernelInt8Linear
+    from redline.quantize import Int8MoEFeedForward, quantize_
+
+    variant, _, _, path = moe_checkpoint
+    llm = LLM(quantize_(load_fp32(path), "int8"), None, torch.device("cpu"), compile=False)
+    modules = list(llm.runner.model.modules())
+    assert any(isinstance(m, Int8MoEFeedForward) for m in modules) and any(type(m) is KernelInt8Linear for m in modules)
+    prompts = [[5, 17, 99], list(range(40, 70))]
+    alone = [llm.generate(p, max_new_tokens=6, ignore_eos=True).token_ids for p in prompts]
+    assert [r.token_ids for r in llm.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)] == alone, variant
