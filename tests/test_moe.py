@@ -369,3 +369,17 @@ def test_int8_in_memory_runs_generate_and_the_engine(moe_checkpoint):
     prompts = [[5, 17, 99], list(range(40, 70))]
     alone = [llm.generate(p, max_new_tokens=6, ignore_eos=True).token_ids for p in prompts]
     assert [r.token_ids for r in llm.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)] == alone, variant
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.expert_count", "8", "must be an integer"),
+    ("qwen3moe.expert_used_count", -1, "outside 0"),
+    ("qwen3moe.expert_feed_forward_length", 0, "outside 1"),
+    ("qwen3moe.expert_weights_norm", 2, "true or false"),
+])
+def test_gguf_expert_metadata_is_type_and_range_checked(key, value, message):
+    from redline.scripts.gguf_metadata import checked_value
+
+    with pytest.raises(ValueError, match=message) as info:
+        checked_value(key, value)
+    assert "\n" not in str(info.value)
