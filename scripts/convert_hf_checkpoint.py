@@ -286,8 +286,7 @@ def hf_names(target: str) -> list[str]:
 
 
 def check_shapes(tensors: dict[str, torch.Tensor], args: ModelArgs) -> None:
-    check_layer_count(tensors, args.n_layer, "config.json")
-    expected = expected_shapes(args)
+    expected = model_shapes(args)
     missing = sorted(set(expected) - set(tensors), key=_natural_key)
     if missing:
         names = hf_names(missing[0])
@@ -331,6 +330,7 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     hf = read_hf_tensors(files)
     if hf_family(config) == "gemma3":
         hf = language_model_tensors(hf)
+    check_layer_count(hf, args.n_layer, "config.json")  # before anything builds or loops over the declared layers
     tensors = map_hf_tensors(hf, args)
     check_shapes(tensors, args)
     tensors = {name: t.to(dtype) for name, t in progress(tensors.items(), len(tensors), "converting")}
