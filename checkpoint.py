@@ -343,7 +343,8 @@ def _check_tensor_dtypes(path: Path, tensor_dtypes: dict[str, str], scheme: str)
         if dtype in FLOAT_TENSOR_DTYPES:
             continue
         prefix = name.removesuffix(".weight")
-        if scheme == "none" or not name.endswith(".weight") or f"{prefix}.scales" not in tensor_dtypes:
+        scales = f"{prefix}.scales" if name.endswith(".weight") else f"{name}_scales"  # int8 experts: w13_scales
+        if scheme == "none" or not name.endswith((".weight", ".w13", ".w2")) or scales not in tensor_dtypes:
             raise ValueError(f"{path}: tensor {name} is {dtype}, which quantization scheme {scheme!r} does not allow; "
                              f"the file is damaged or mislabelled, re-convert it")
 

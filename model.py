@@ -1,5 +1,5 @@
-"""The whole Llama-family transformer in one file, with the deltas of Qwen2/3, Gemma 2/3, Phi-3, OLMo 2 and Granite
-as data in ModelArgs.
+"""The whole Llama-family transformer in one file, with the deltas of Qwen2/3, Gemma 2/3, Phi-3, OLMo 2, Granite and
+the mixtures of experts (Mixtral, Qwen3-MoE) as data in ModelArgs.
 
 Static KV cache (batch 1, copies of one prompt) or a paged one passed in per call (PagedContext: many sequences of
 different lengths flattened into one row), rotary embeddings (Llama 3.1, linear and LongRoPE scaling, partial
@@ -19,42 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from redline.model_registry import MODEL_REGISTRY
-
-ROPE_TYPES = ("llama3", "linear", "longrope")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Rope frequency scaling. "llama3": Llama 3.1's frequency-dependent scaling; "linear": every frequency divided by
-    `factor` (Gemma 3's global layers); "longrope": frequencies divided per dimension by `short_factor`, or by
-    `long_factor` when the cache is longer than `original_max_position_embeddings`, cos and sin times
-    `attention_factor` (Phi-3)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    rope_type: str = "llama3"
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("short_factor", "long_factor"):
-            object.__setattr__(self, name, tuple(float(f) for f in getattr(self, name)))
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"unknown rope scaling type {self.rope_type!r}; known: {', '.join(ROPE_TYPES)}")
-        if self.factor <= 0 or self.low_freq_factor <= 0 or self.original_max_position_embeddings <= 0:
-            raise ValueError(f"invalid rope scaling {self}: factors and original length must be positive")
-        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"invalid llama3 rope scaling {self}: high_freq_factor must exceed low_freq_factor")
-        if self.rope_type == "longrope":
-            factors = self.short_factor + self.long_factor
-            if not self.short_factor or len(self.short_factor) != len(self.long_factor) or min(factors) <= 0:
-                raise ValueError("longrope scaling needs positive short_factor and long_factor lists of one length")
-            if not (math.isfinite(self.attention_factor) and self.attention_factor > 0):
-                raise ValueError(f"longrope attention_factor must be a positive number, got {self.attention_factor}")
-
+from redline.rope import ROPE_TYPES, RopeScaling, apply_rope, rope_frequencies, rope_table  # noqa: F401
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 QK_NORMS = ("none", "head", "full")
@@ -95,6 +60,14 @@ class ModelArgs:
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window (a query sees the last w positions) or 0 (full
     # attention); empty: every layer full
     local_rope_base: float = 0.0  # > 0: the windowed layers' rope base, without scaling (Gemma 3); 0: one rope for all
+    # Mixture of experts (Mixtral, Qwen3-MoE): n_experts SwiGLU experts of moe_intermediate_size (0: intermediate_size)
+    n_experts: int = 0  # per sparse layer, n_experts_per_tok chosen per token; 0 experts: dense
+    n_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalized to sum to 1 (Mixtral; Qwen3-MoE's option)
+    router_weights_rounded: bool = False  # those weights rounded to the activation dtype before use (Qwen3-MoE)
+    moe_layers: tuple[bool, ...] = ()  # per layer: True where sparse, False where dense (intermediate_size); empty:
+    # every layer sparse when n_experts > 0
 
     def __post_init__(self) -> None:
         # Frozen dataclass: fill derived defaults through object.__setattr__.
@@ -107,6 +80,9 @@ class ModelArgs:
         if self.rotary_dim == 0 and self.head_dim > 0:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if self.n_experts and not self.moe_intermediate_size:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size",
                      "block_size", "rotary_dim"):
             value = getattr(self, name)
@@ -121,7 +97,7 @@ class ModelArgs:
         self._check_deltas()
 
     def _check_deltas(self) -> None:
-        for name in ("qkv_bias", "o_bias", "norm_scale_fp32"):
+        for name in ("qkv_bias", "o_bias", "norm_scale_fp32", "norm_topk_prob", "router_weights_rounded"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelArgs.{name} must be true or false, got {getattr(self, name)!r}")
         for name, value, choices in (("qk_norm", self.qk_norm, QK_NORMS), ("activation", self.activation, ACTIVATIONS),
@@ -141,11 +117,26 @@ class ModelArgs:
         windows = self.layer_windows
         if windows and (len(windows) != self.n_layer or not all(type(w) is int and w >= 0 for w in windows)):
             raise ValueError(f"layer_windows must hold one window >= 0 per layer ({self.n_layer}), got {windows}")
+        self._check_experts()
         scaling = self.rope_scaling
         longrope = scaling is not None and scaling.rope_type == "longrope"
         if longrope and len(scaling.short_factor) != self.rotary_dim // 2:
             raise ValueError(f"longrope factors must number rotary_dim / 2 = {self.rotary_dim // 2}, got "
                              f"{len(scaling.short_factor)}")
+
+    def _check_experts(self) -> None:
+        sizes = (self.n_experts, self.n_experts_per_tok, self.moe_intermediate_size)
+        if not all(type(v) is int and v >= 0 for v in sizes) or (self.n_experts and not 0 < sizes[1] <= sizes[0]):
+            raise ValueError(f"n_experts, n_experts_per_tok (1..n_experts) and moe_intermediate_size must be integers, "
+                             f"got {sizes}")
+        if (not self.n_experts and any(sizes + self.moe_layers)) or self.moe_layers and (
+                len(self.moe_layers) != self.n_layer or not all(type(m) is bool for m in self.moe_layers)):
+            raise ValueError(f"moe_layers must hold one true/false per layer ({self.n_layer}) of a model with experts, "
+                             f"got {self.moe_layers}")
+
+    def sparse(self, layer: int) -> bool:
+        """Whether the layer's feed-forward is the mixture of experts."""
+        return self.n_experts > 0 and (not self.moe_layers or self.moe_layers[layer])
 
     @property
     def q_size(self) -> int:
@@ -177,60 +168,6 @@ class ModelArgs:
             known = ", ".join(sorted(MODEL_REGISTRY))
             raise ValueError(f"unknown model name {name!r}; known names: {known}")
         return cls(**MODEL_REGISTRY[name])
-
-
-def rope_frequencies(args: ModelArgs, local: bool = False, seq_len: int = 0) -> Tensor:
-    """Inverse frequencies (rotary_dim / 2,), scaled as configured; local: those of the windowed layers.
-    LongRoPE picks its long factors when seq_len (the cache length) exceeds the original context."""
-    own_base = local and args.local_rope_base > 0
-    base = args.local_rope_base if own_base else args.rope_base
-    dim = args.rotary_dim
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))  # (Dr/2,)
-    scaling = None if own_base else args.rope_scaling
-    if scaling is None:
-        return inv_freq.float()
-    if scaling.rope_type == "linear":
-        return (inv_freq / scaling.factor).float()
-    if scaling.rope_type == "longrope":
-        long = seq_len > scaling.original_max_position_embeddings
-        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float64)
-        return (inv_freq / factors).float()
-    # llama3: long wavelengths are slowed by `factor`, short ones kept, and the band between interpolated smoothly.
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, blended)
-    scaled = torch.where(wavelen < high_wavelen, inv_freq, scaled)
-    return scaled.float()
-
-
-def rope_table(args: ModelArgs, seq_len: int, device: torch.device | None = None, local: bool = False) -> Tensor:
-    """cos and sin for every position, in fp32: (seq_len, 2, rotary_dim // 2)."""
-    inv_freq = rope_frequencies(args, local, seq_len).to(device)  # (Dr/2,)
-    positions = torch.arange(seq_len, dtype=torch.float32, device=device)  # (S,)
-    angles = torch.outer(positions, inv_freq)  # (S, Dr/2)
-    table = torch.stack([angles.cos(), angles.sin()], dim=1)  # (S, 2, Dr/2)
-    scaling = args.rope_scaling
-    if scaling is not None and scaling.rope_type == "longrope" and not (local and args.local_rope_base > 0):
-        table = table * scaling.attention_factor
-    return table
-
-
-def apply_rope(x: Tensor, table: Tensor) -> Tensor:
-    """Rotate-half rotary embedding. x (B, T, H, D), table (T, 2, Dr/2) fp32: the first Dr features of each head are
-    rotated, the rest pass through (partial rotary)."""
-    rotated = 2 * table.shape[-1]
-    if rotated < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :rotated], table), x[..., rotated:]], dim=-1)
-    cos = table[:, 0].unsqueeze(1)  # (T, 1, D/2)
-    sin = table[:, 1].unsqueeze(1)
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, H, D/2) each
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.type_as(x)
 
 
 def split_rotated_qkv(qkv: Tensor, rope: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
@@ -516,11 +453,60 @@ class FeedForward(nn.Module):
         return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
+class MoEFeedForward(nn.Module):
+    """A sparse mixture of SwiGLU experts (Mixtral, Qwen3-MoE): the router `gate` scores every expert per token, the
+    top_k are run and their outputs summed with the routing weights. Expert e holds w13[e] (its gate rows, then its
+    up rows) and w2[e] (down), as FeedForward's w13 and w2."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        n, hidden = args.n_experts, args.moe_intermediate_size
+        self.n_experts, self.top_k, self.hidden, self.gelu = n, args.n_experts_per_tok, hidden, False
+        self.norm_topk_prob, self.rounded = args.norm_topk_prob, args.router_weights_rounded
+        self.gate = nn.Linear(args.dim, n, bias=False)  # the router
+        self.w13 = nn.Parameter(torch.empty(n, 2 * hidden, args.dim))  # (E, 2I, dim)
+        self.w2 = nn.Parameter(torch.empty(n, args.dim, hidden))  # (E, dim, I)
+
+    def route(self, x2d: Tensor) -> tuple[Tensor, Tensor]:
+        """x2d (T, dim) -> the chosen experts' weights (T, k) fp32 and ids (T, k): transformers' order of operations."""
+        probs = self.gate(x2d).float().softmax(dim=-1)  # (T, E)
+        weights, ids = probs.topk(self.top_k, dim=-1)  # (T, k) each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights.to(x2d.dtype).float() if self.rounded else weights), ids
+
+    def expert_weights(self, ids: Tensor | int) -> tuple[Tensor, Tensor]:
+        """w13 and w2 of the experts `ids` (any index shape in front); quantized subclasses dequantize here."""
+        return self.w13[ids], self.w2[ids]
+
+    def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The weighted sum (T, dim) of the chosen experts' SwiGLU of x2d (T, dim). Few tokens (decode): the chosen
+        experts' weights gathered per token; more: every expert over every token, weighted 0 where not chosen (added
+        in expert order, as transformers does). No host synchronisation either way, so CUDA graphs can hold it."""
+        tokens = x2d.shape[0]
+        if tokens * self.top_k <= self.n_experts:
+            w13, w2 = self.expert_weights(topk_ids)  # (T, k, 2I, dim), (T, k, dim, I)
+            gate, up = torch.einsum("td,tkhd->tkh", x2d, w13).split(self.hidden, dim=-1)  # (T, k, I) each
+            out = torch.einsum("tki,tkdi->tkd", F.silu(gate) * up, w2)  # (T, k, dim)
+            return (out * topk_weights.unsqueeze(-1)).to(x2d.dtype).sum(dim=1)  # (T, dim)
+        combine = x2d.new_zeros(tokens, self.n_experts, dtype=torch.float32).scatter_(1, topk_ids, topk_weights)
+        out = torch.zeros_like(x2d)  # (T, dim)
+        for e in range(self.n_experts):
+            w13, w2 = self.expert_weights(e)  # (2I, dim), (dim, I)
+            gate, up = F.linear(x2d, w13).split(self.hidden, dim=-1)  # (T, I) each
+            out = out + (F.linear(F.silu(gate) * up, w2) * combine[:, e:e + 1]).to(x2d.dtype)
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2d = x.reshape(-1, x.shape[-1])  # (B T, dim)
+        return self.experts(x2d, *reversed(self.route(x2d))).view_as(x)
+
+
 class TransformerBlock(nn.Module):
     """Attention then feed-forward, each added to the residual; norms on the sub-layers' inputs ("pre"), their
     outputs ("post") or both ("sandwich"), as args.norm_placement says."""
 
-    def __init__(self, args: ModelArgs, window: int = 0) -> None:
+    def __init__(self, args: ModelArgs, window: int = 0, sparse: bool = False) -> None:
         super().__init__()
         pre, post = args.norm_placement != "post", args.norm_placement != "pre"
         self.residual_scale = args.residual_scale
@@ -528,7 +514,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args, window)
         self.post_attention_norm = model_norm(args) if post else None
         self.ffn_norm = model_norm(args) if pre else None
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoEFeedForward(args) if sparse else FeedForward(args)
         self.post_ffn_norm = model_norm(args) if post else None
 
     def residual(self, x: Tensor, out: Tensor, post_norm: RMSNorm | None) -> Tensor:
@@ -550,7 +536,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, args.window(i)) for i in range(args.n_layer))
+        self.layers = nn.ModuleList(TransformerBlock(args, args.window(i), args.sparse(i))
+                                    for i in range(args.n_layer))
         self.norm = model_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_word_embeddings:

@@ -13,6 +13,8 @@ _QWEN25_SMALL = {"vocab_size": 151936, "block_size": 32768, "rope_base": 1e6, "n
 _QWEN25 = {**_QWEN25_SMALL, "vocab_size": 152064}
 _QWEN3 = {"n_kv_heads": 8, "head_dim": 128, "vocab_size": 151936, "block_size": 40960, "rope_base": 1e6,
           "norm_eps": 1e-6, "qk_norm": "head"}
+_QWEN3_MOE = {**_QWEN3, "n_kv_heads": 4, "n_experts": 128, "n_experts_per_tok": 8, "norm_topk_prob": True,
+              "router_weights_rounded": True}
 _GEMMA3 = {"head_dim": 256, "rope_base": 1e6, "local_rope_base": 1e4, "norm_eps": 1e-6, "tie_word_embeddings": True,
            "qk_norm": "head", "norm_offset": 1.0, "norm_scale_fp32": True, "norm_placement": "sandwich",
            "activation": "gelu_tanh", "attention_scale": 256 ** -0.5}
@@ -96,6 +98,15 @@ MODEL_REGISTRY: dict[str, dict[str, Any]] = {
     "Granite-3.1-8B": dict(dim=4096, n_layer=40, n_head=32, n_kv_heads=8, intermediate_size=12800, vocab_size=49155,
                            block_size=131072, rope_base=1e7, tie_word_embeddings=True, embedding_scale=12.0,
                            attention_scale=0.0078125, residual_scale=0.22, logits_divisor=16.0),
+    # Mixture of experts: Mixtral v0.1 (8 experts, 2 per token, renormalized), Qwen3-MoE (128 experts, 8 per token).
+    "Mixtral-8x7B": dict(dim=4096, n_layer=32, n_head=32, n_kv_heads=8, intermediate_size=14336, block_size=32768,
+                         rope_base=1e6, n_experts=8, n_experts_per_tok=2),
+    "Mixtral-8x22B": dict(dim=6144, n_layer=56, n_head=48, n_kv_heads=8, intermediate_size=16384, block_size=65536,
+                          rope_base=1e6, n_experts=8, n_experts_per_tok=2),
+    "Qwen3-30B-A3B": dict(dim=2048, n_layer=48, n_head=32, intermediate_size=6144, **_QWEN3_MOE,
+                          moe_intermediate_size=768),
+    "Qwen3-235B-A22B": dict(dim=4096, n_layer=94, n_head=64, intermediate_size=12288, **_QWEN3_MOE,
+                            moe_intermediate_size=1536),
     # Tiny configs for tests and CPU smoke runs.
     "debug-tiny": dict(dim=64, n_layer=2, n_head=4, n_kv_heads=2, intermediate_size=160, vocab_size=512, block_size=256),
     "debug-tiny-llama3": dict(dim=64, n_layer=2, n_head=4, n_kv_heads=1, intermediate_size=160, vocab_size=512,

@@ -15,6 +15,8 @@ each 32-bit word holds 8 consecutive inputs (the GPU kernel reads one word per 8
 (N, K/group_size, 2) holding [scale, offset] side by side (one 32-bit load per group).
 The token embedding stays in the checkpoint's float dtype, and so does the output projection when it is tied to the
 embedding. The checkpoint's metadata says all of this.
+A mixture of experts (Mixtral, Qwen3-MoE) quantizes its experts in int8 only (Int8MoEFeedForward: one fp32 scale per
+expert and output row); its routers stay float. int4 is refused for those models.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, checkpoint_inputs, load_tensors, model_state_dict,
                                 read_checkpoint_info, resolve_checkpoint_path, run_cli, save_checkpoint)
-from redline.model import ModelArgs, Transformer
+from redline.model import ModelArgs, MoEFeedForward, Transformer
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
 QUANT_MODES = ("int8", "int4")
@@ -66,6 +68,45 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+class Int8MoEFeedForward(MoEFeedForward):
+    """model.MoEFeedForward with int8 experts: w13 (E, 2I, dim) and w2 (E, dim, I) int8, one fp32 scale per expert and
+    output row (w13_scales (E, 2I), w2_scales (E, dim)); the experts that run are dequantized to the router's dtype (the
+    activations'). The router stays a float linear."""
+
+    def __init__(self, args: ModelArgs, device: torch.device | str | None = None) -> None:
+        with torch.device("meta"):
+            super().__init__(args)
+        n, hidden, dim = args.n_experts, args.moe_intermediate_size, args.dim
+        self.gate = nn.Linear(dim, n, bias=False, device=device)
+        del self.w13, self.w2
+        for name, shape in (("w13", (n, 2 * hidden, dim)), ("w2", (n, dim, hidden))):
+            self.register_buffer(name, torch.empty(shape, dtype=torch.int8, device=device))  # (E, N, K)
+            self.register_buffer(f"{name}_scales", torch.empty(shape[:2], dtype=torch.float32, device=device))  # (E, N)
+
+    def expert_weights(self, ids: Tensor | int) -> tuple[Tensor, Tensor]:
+        dtype = self.gate.weight.dtype
+        return tuple((getattr(self, name)[ids].float() * getattr(self, f"{name}_scales")[ids].unsqueeze(-1)).to(dtype)
+                     for name in ("w13", "w2"))  # (..., N, K) each
+
+
+def quantize_experts_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Stacked experts (E, N, K) float -> (int8 (E, N, K), fp32 scales (E, N)): quantize_int8 per expert and row."""
+    q, scales = quantize_int8(weight.reshape(-1, weight.shape[-1]))
+    return q.view(weight.shape), scales.view(weight.shape[:2])
+
+
+def check_experts_quantizable(args: ModelArgs, mode: str) -> None:
+    """A one-line refusal of int4 for a mixture of experts (its experts have no int4 form yet)."""
+    if args.n_experts and mode != "int8":
+        raise ValueError(f"{mode} does not cover the expert weights of a mixture of experts (Mixtral, Qwen3-MoE) yet; "
+                         f"quantize it with --mode int8 (quantize=\"int8\")")
+
+
+def sparse_layers(args: ModelArgs) -> tuple[bool, ...]:
+    """Per layer, whether it holds experts."""
+    return tuple(args.sparse(i) for i in range(args.n_layer))
 
 
 class Int4Linear(nn.Module):
@@ -193,17 +234,23 @@ def quantization_metadata(mode: str, tie_word_embeddings: bool, group_size: int 
             "not_quantized": kept}
 
 
-def quantized_linear_names(n_layer: int, tie_word_embeddings: bool) -> list[str]:
-    names = [f"layers.{i}.{part}" for i in range(n_layer) for part in QUANTIZED_LINEARS]
+def quantized_linear_names(n_layer: int, tie_word_embeddings: bool, sparse: tuple[bool, ...] = ()) -> list[str]:
+    """The quantized linears; `sparse` (per layer) marks the layers whose feed-forward is experts, not linears."""
+    names = [f"layers.{i}.{part}" for i in range(n_layer) for part in QUANTIZED_LINEARS
+             if not (sparse and sparse[i] and part.startswith("feed_forward."))]
     return names if tie_word_embeddings else names + ["output"]
 
 
 def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embeddings: bool, mode: str = "int8",
-                        group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, Tensor]:
+                        group_size: int = DEFAULT_GROUP_SIZE, sparse: tuple[bool, ...] = ()) -> dict[str, Tensor]:
     from redline.checkpoint import progress
 
     out = dict(tensors)
-    names = quantized_linear_names(n_layer, tie_word_embeddings)
+    for i in (i for i, s in enumerate(sparse) if s):  # experts: int8 only (check_experts_quantizable)
+        for part in ("w13", "w2"):
+            name = f"layers.{i}.feed_forward.{part}"
+            out[name], out[f"{name}_scales"] = quantize_experts_int8(out.pop(name))
+    names = quantized_linear_names(n_layer, tie_word_embeddings, sparse)
     if mode == "int4":
         for name in names:  # every layer checked before any work
             check_group_size(group_size, out[f"{name}.weight"].shape[1])
@@ -219,7 +266,7 @@ def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embed
 def _swap_linears(model: nn.Module, build: Any, float_head: bool = False) -> None:
     """Replace each quantized linear by build(linear); float_head keeps an untied output head as it is."""
     tied = model.args.tie_word_embeddings
-    for name in quantized_linear_names(model.args.n_layer, tied or float_head):
+    for name in quantized_linear_names(model.args.n_layer, tied or float_head, sparse_layers(model.args)):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, build(getattr(parent, child)))
@@ -230,6 +277,7 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
     scheme = quantization.get("scheme", "none")
     if scheme == "none":
         return
+    check_experts_quantizable(model.args, scheme)
     if scheme == "int4":
         if quantization.get("layout") != INT4_LAYOUT:
             raise ValueError(f"checkpoint uses int4 layout {quantization.get('layout')!r}, which this Redline cannot "
@@ -242,6 +290,14 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
     if scheme != "int8":
         raise ValueError(f"checkpoint uses quantization {scheme!r}, which this Redline cannot load; upgrade Redline")
     _swap_linears(model, lambda lin: Int8Linear(lin.in_features, lin.out_features, device=lin.weight.device))
+    _swap_experts(model, lambda ffn: Int8MoEFeedForward(model.args, device=ffn.gate.weight.device))
+
+
+def _swap_experts(model: nn.Module, build: Any) -> None:
+    """Replace each layer's MoEFeedForward by build(it)."""
+    for layer in model.layers:
+        if isinstance(layer.feed_forward, MoEFeedForward):
+            layer.feed_forward = build(layer.feed_forward)
 
 
 def model_quantization(model: nn.Module) -> str:
@@ -261,9 +317,10 @@ def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.
     group_size: int4 only, auto_group_size of the model's layers when None. Every layer is checked before any is
     changed."""
     quantization_metadata(mode, model.args.tie_word_embeddings, group_size)  # validates the mode and group size
+    check_experts_quantizable(model.args, mode)
     if model_quantization(model) != "none":
         raise ValueError("the model is already quantized; load the unquantized checkpoint to quantize it")
-    names = quantized_linear_names(model.args.n_layer, model.args.tie_word_embeddings)
+    names = quantized_linear_names(model.args.n_layer, model.args.tie_word_embeddings, sparse_layers(model.args))
     if mode == "int4":
         inputs = [model.get_submodule(name).in_features for name in names]
         group_size = auto_group_size(inputs) if group_size is None else group_size
@@ -279,7 +336,15 @@ def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.
         q.weight, q.scales = quantize_int8(lin.weight)
         return q
 
+    def build_experts(ffn: MoEFeedForward) -> Int8MoEFeedForward:
+        q = Int8MoEFeedForward(model.args, device=ffn.gate.weight.device)
+        q.gate = ffn.gate
+        q.w13, q.w13_scales = quantize_experts_int8(ffn.w13)
+        q.w2, q.w2_scales = quantize_experts_int8(ffn.w2)
+        return q
+
     _swap_linears(model, build)
+    _swap_experts(model, build_experts)
     return model
 
 
@@ -301,7 +366,7 @@ def load_model(info: CheckpointInfo, device: torch.device | str, dtype: torch.dt
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(own[name].shape):
             raise ValueError(f"{info.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-        if tensor.is_floating_point() and not name.endswith(".scales"):
+        if tensor.is_floating_point() and not name.endswith((".scales", "_scales")):
             tensors[name] = tensor.to(dtype)
     model.load_state_dict(tensors, strict=False, assign=True)
     if info.args.tie_word_embeddings:
@@ -340,15 +405,19 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
     info = read_checkpoint_info(checkpoint_path)
     if info.scheme != "none":
         raise ValueError(f"{info.path} is already quantized ({info.scheme}); quantize the unquantized checkpoint")
+    check_experts_quantizable(info.args, mode)
     if mode == "int4" and group_size is None:
         group_size = auto_group_size(model_input_features(info.args))
     quantization = quantization_metadata(mode, info.args.tie_word_embeddings, group_size)
+    if info.args.n_experts:
+        quantization["experts"] = "int8, one fp32 scale per expert and output row (w13_scales, w2_scales)"
+        quantization["not_quantized"].append("feed_forward.gate (the expert routers)")
     suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
     out_path = Path(out) if out is not None else default_quantized_path(info.path, suffix)
     check_checkpoint_output(out_path, checkpoint_inputs(info.path), overwrite)
     tokenizer_files_to_copy(info.path.parent, out_path.parent, overwrite, [info.path])
     tensors = quantize_state_dict(load_tensors(info), info.args.n_layer, info.args.tie_word_embeddings, mode,
-                                  quantization.get("group_size", DEFAULT_GROUP_SIZE))
+                                  quantization.get("group_size", DEFAULT_GROUP_SIZE), sparse_layers(info.args))
     new_info = CheckpointInfo(path=out_path, args=info.args, dtype=info.dtype, quantization=quantization)
     return save_checkpoint(out_path, tensors, new_info)
 

@@ -8,6 +8,9 @@ How the weights are cut over N ranks (rank r keeps part r of every block listed)
     attention.wqkv  rows: its q heads, then its k heads, then its v heads (the q, k and v blocks each cut in N)
     feed_forward.w13  rows: its gate rows, then its up rows
     attention.wo, feed_forward.w2  columns (input features), then an all-reduce of the outputs
+    experts (Mixtral, Qwen3-MoE): each expert's intermediate features, as w13 and w2 above (w13 (E, 2I, dim) along
+        its rows, w2 (E, dim, I) along its columns); the router is replicated, so every rank routes alike, and the
+        whole MoEFeedForward's output is all-reduced
     embedding, norms, output head: replicated
 So a rank's model is a plain model.Transformer of ModelArgs with n_head / N, n_kv_heads / N and
 intermediate_size / N (head_dim and dim unchanged), with wo and w2 wrapped in RowParallelLinear.
@@ -41,7 +44,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from redline.checkpoint import CheckpointInfo, model_state_dict
-from redline.model import ModelArgs, Transformer
+from redline.model import ModelArgs, MoEFeedForward, Transformer
 from redline.quantize import prepare_quantized_structure
 from redline.sampling import SEED_LIMIT, SamplingParams
 
@@ -154,20 +157,22 @@ def check_all_reduce(mode: str, device: torch.device, world_size: int, what: str
 
 
 def shard_args(args: ModelArgs, world_size: int) -> ModelArgs:
-    """One rank's ModelArgs: n_head, n_kv_heads and intermediate_size divided by the number of ranks."""
+    """One rank's ModelArgs: n_head, n_kv_heads, intermediate_size and moe_intermediate_size divided by the number of
+    ranks."""
+    dims = SHARDED_DIMS + (("moe_intermediate_size",) if args.n_experts else ())
     if args.qk_norm == "full" and world_size > 1:
         raise ValueError("tensor parallel cannot split a q/k norm over the whole projection width (OLMo 2): each "
                          "rank would normalize its own heads only; run this model on one process")
-    for name in SHARDED_DIMS:
+    for name in dims:
         value = getattr(args, name)
         if value % world_size:
-            fits = [n for n in range(1, args.n_kv_heads + 1)
-                    if all(getattr(args, d) % n == 0 for d in SHARDED_DIMS)]
-            raise ValueError(f"tensor parallel over {world_size} ranks needs n_head, n_kv_heads and "
-                             f"intermediate_size divisible by {world_size}, but {name} is {value}; "
-                             f"launch {' or '.join(map(str, fits))} processes per model")
+            fits = [n for n in range(1, args.n_kv_heads + 1) if all(getattr(args, d) % n == 0 for d in dims)]
+            raise ValueError(f"tensor parallel over {world_size} ranks needs {', '.join(dims[:-1])} and {dims[-1]} "
+                             f"divisible by {world_size}, but {name} is {value}; launch "
+                             f"{' or '.join(map(str, fits))} processes per model")
     return dataclasses.replace(args, n_head=args.n_head // world_size, n_kv_heads=args.n_kv_heads // world_size,
-                               intermediate_size=args.intermediate_size // world_size, head_dim=args.head_dim)
+                               intermediate_size=args.intermediate_size // world_size, head_dim=args.head_dim,
+                               moe_intermediate_size=args.moe_intermediate_size // world_size)
 
 
 def shard_plan(name: str, args: ModelArgs) -> tuple[int, tuple[int, ...]] | None:
@@ -182,6 +187,10 @@ def shard_plan(name: str, args: ModelArgs) -> tuple[int, tuple[int, ...]] | None
         return 1, (args.q_size,)
     if layer == "feed_forward.w2.weight":
         return 1, (args.intermediate_size,)
+    if layer in ("feed_forward.w13", "feed_forward.w13_scales"):  # experts (E, 2I, dim) and their int8 scales (E, 2I)
+        return 1, (args.moe_intermediate_size, args.moe_intermediate_size)
+    if layer == "feed_forward.w2":  # experts (E, dim, I)
+        return 2, (args.moe_intermediate_size,)
     return None  # embedding, norms, output head, and the per-output-channel scales of wo and w2
 
 
@@ -224,7 +233,8 @@ class SliceReader:
             else:
                 dim, blocks = plan
                 view = self._file.get_slice(name)
-                parts = [view[a:b] if dim == 0 else view[:, a:b] for a, b in rank_ranges(blocks, rank, world_size)]
+                cut = lambda a, b: view[(slice(None),) * dim + (slice(a, b),)]  # noqa: E731
+                parts = [cut(a, b) for a, b in rank_ranges(blocks, rank, world_size)]
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"cannot read {name} from {self.path} ({exc}); the file may be truncated, "
@@ -263,7 +273,7 @@ def read_shards(info: CheckpointInfo, rank: int, world_size: int, device: torch.
             tensor = reader.read(name, shard_plan(name, full_args), rank, world_size)
             if tuple(tensor.shape) != tuple(own.shape):
                 raise ValueError(f"{info.path}: {name} sliced to {tuple(tensor.shape)}, expected {tuple(own.shape)}")
-            if tensor.is_floating_point() and not name.endswith(".scales"):
+            if tensor.is_floating_point() and not name.endswith((".scales", "_scales")):
                 tensor = tensor.to(dtype)
             tensors[name] = tensor
     return tensors, reader.bytes_read
@@ -383,7 +393,10 @@ def apply_tensor_parallel(model: Transformer, world: TPWorld) -> Transformer:
     for layer in model.layers:
         if not isinstance(layer.attention.wo, RowParallelLinear):
             layer.attention.wo = RowParallelLinear(layer.attention.wo, world)
-            layer.feed_forward.w2 = RowParallelLinear(layer.feed_forward.w2, world)
+            if isinstance(layer.feed_forward, MoEFeedForward):  # every expert's partial sum, all-reduced at once
+                layer.feed_forward = RowParallelLinear(layer.feed_forward, world)
+            else:
+                layer.feed_forward.w2 = RowParallelLinear(layer.feed_forward.w2, world)
     if world.all_reduce == "oneshot":
         prepare_one_shot(world, model.cache_dtype)
     return model

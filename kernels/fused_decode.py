@@ -75,6 +75,7 @@ def fused_decode_refusal(args: ModelArgs) -> str | None:
         ("soft-capping", args.attn_softcap > 0 or args.final_softcap > 0),
         ("sliding windows", any(args.layer_windows)), ("partial rotary", args.rotary_dim != args.head_dim),
         ("LongRoPE", args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope"),
+        ("a mixture of experts", args.n_experts > 0),
     ]
     found = [name for name, present in deltas if present]
     if not found:

@@ -16,8 +16,7 @@ GPU's shared memory (configs.fitted_moe_dot_config, fitted to device.DeviceCaps)
 the reference below runs. Neither reads a tensor on the host and every shape follows from the input shapes, so the
 op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register_fake).
 
-`kernel_moe_class()` builds KernelMoE, model.MoEFeedForward with its experts on this op, where model.py has that
-class; kernels.use_kernels swaps it in.
+KernelMoE is model.MoEFeedForward with its experts on this op; kernels.use_kernels swaps it in.
 """
 from __future__ import annotations
 
@@ -26,6 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from redline.model import MoEFeedForward
 
 from .configs import MOE_GEMV_MAX_TOKENS, MoeDotConfig, fitted_moe_dot_config
 from .device import device_caps, triton_importable
@@ -148,23 +149,12 @@ def _moe_experts_fake(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk
 # --- the module use_kernels swaps in ---
 
 
-@functools.cache
-def kernel_moe_class() -> type | None:
-    """KernelMoE: model.MoEFeedForward whose experts run torch.ops.redline.moe_experts (routing unchanged), built
-    on first use; None where model.py has no MoEFeedForward."""
-    from redline import model
-
-    base = getattr(model, "MoEFeedForward", None)
-    if base is None:
-        return None
+class KernelMoE(MoEFeedForward):
+    """model.MoEFeedForward whose experts run torch.ops.redline.moe_experts; the routing is unchanged."""
 
     def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """The weighted sum (T, dim) of the chosen experts' gated MLPs of x2d (T, dim), by the fused op; weights
-        not in x's float dtype (a quantized subclass's) take MoEFeedForward's own path."""
+        not in x's float dtype take MoEFeedForward's own path."""
         if self.w13.dtype != x2d.dtype or self.w2.dtype != x2d.dtype:
-            return base.experts(self, x2d, topk_ids, topk_weights)
-        return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(),
-                                             bool(getattr(self, "gelu", False)))
-
-    return type("KernelMoE", (base,), {"experts": experts, "__module__": __name__, "__qualname__": "KernelMoE",
-                                       "__doc__": "model.MoEFeedForward with its experts on redline::moe_experts."})
+            return super().experts(x2d, topk_ids, topk_weights)
+        return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu)

@@ -1,5 +1,5 @@
 """Convert a GGUF file (llama.cpp, Ollama) of a supported model into one Redline .safetensors file (architectures
-llama, qwen2, qwen3, gemma2, gemma3, phi3, olmo2, granite),
+llama (Mixtral's too), qwen2, qwen3, qwen3moe, gemma2, gemma3, phi3, olmo2, granite),
 with its tokenizer, chat template and generation config written beside it.
 
 python scripts/convert_gguf.py --gguf FILE.gguf [--out FILE] [--dtype bfloat16|float16|float32] [--dequantize]
@@ -10,7 +10,8 @@ blocks are Q4_0/Q4_1, the checkpoint is int4 with group size 32 and no loss (qua
 blocks are Redline's groups, Q4_1's d * q + m keeps scale d and offset m, Q4_0's d * (q - 8) becomes scale d and
 offset -8d (both fp16, exactly). An output head of another type (llama.cpp writes Q6_K there) stays float; a
 projection of another type is quantized to int4 g32 from its dequantized values (the metadata lists those).
-Everything else, and every tensor with --dequantize, is dequantized to --dtype.
+Everything else, and every tensor with --dequantize, is dequantized to --dtype; so is every tensor of a mixture of
+experts (Redline's int4 does not cover experts: quantize.py --mode int8 does).
 """
 from __future__ import annotations
 
@@ -60,16 +61,24 @@ LAYER_PARTS = {
     "post_attention_norm.weight": ("post_attention_norm.weight", None),
     "post_ffw_norm.weight": ("post_ffn_norm.weight", None),
     "attn_qkv.weight": ("attention.wqkv.weight", None),  # phi3: q, k and v fused
+    # Mixture of experts: the router and the stacked experts, (E, I, dim) gate and up, (E, dim, I) down.
+    "ffn_gate_inp.weight": ("feed_forward.gate.weight", None),
+    "ffn_gate_exps.weight": ("feed_forward.w13", 0),
+    "ffn_up_exps.weight": ("feed_forward.w13", 1),
+    "ffn_down_exps.weight": ("feed_forward.w2", None),
 }
 # phi3 stores gate and up fused, gate first, under ffn_up.
 PHI3_PARTS = {**LAYER_PARTS, "ffn_up.weight": ("feed_forward.w13.weight", None)}
-FUSED_PARTS = {"attention.wqkv.weight": 3, "attention.wqkv_bias": 3, "feed_forward.w13.weight": 2}
+FUSED_PARTS = {"attention.wqkv.weight": 3, "attention.wqkv_bias": 3, "feed_forward.w13.weight": 2,
+               "feed_forward.w13": 2}
 # llama.cpp stores Llama 3.1 rope scaling as per-frequency factors; these are the parameters Meta's models use.
 LLAMA3_ROPE_CANDIDATES = ({"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},)
 IGNORED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # The GGUF types whose blocks are Redline int4 groups as they are.
 NATIVE_INT4_TYPES = ("Q4_0", "Q4_1")
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "olmo2", "granite")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3", "olmo2", "granite")
+# The architectures whose blocks may hold experts (llama: Mixtral).
+MOE_ARCHITECTURES = ("llama", "qwen3moe")
 # llama.cpp interleaves the rotary halves of q and k rows only for these; the others keep HF's layout.
 PERMUTED_ROPE_ARCHITECTURES = ("llama", "granite")
 # Gemma: the norms' stored weights are 1 + w (llama.cpp adds the 1), so they scale by w as stored, in fp32.
@@ -142,6 +151,7 @@ def model_args(reader: Any, rope_freqs: np.ndarray | None) -> ModelArgs:
     base = float(get("rope.freq_base", 10000.0))
     n_layer = int(get("block_count"))
     deltas = family_deltas(reader, arch, get, dim=dim, n_head=n_head, head_dim=head_dim, n_layer=n_layer)
+    deltas.update(expert_deltas(reader, arch, tensor_names, n_layer, int(get("feed_forward_length"))))
     # Biases are where the file has them (qwen2 always; attention_bias models of the other families).
     deltas.update(qkv_bias="blk.0.attn_q.bias" in tensor_names, o_bias="blk.0.attn_output.bias" in tensor_names)
     if rope_freqs is not None:
@@ -175,7 +185,7 @@ def family_deltas(reader: Any, arch: str, get: Any, dim: int, n_head: int, head_
         return {}
     if arch == "qwen2":  # q/k/v biases, read off the tensors; llama.cpp keeps no sliding window for qwen2
         return {}
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         return dict(qk_norm="head")
     if arch == "olmo2":
         return dict(norm_placement="post", qk_norm="full", norm_scale_fp32=True)
@@ -195,6 +205,35 @@ def family_deltas(reader: Any, arch: str, get: Any, dim: int, n_head: int, head_
     factor = key("rope.scaling.factor")
     return dict(deltas, qk_norm="head", local_rope_base=float(key("rope.freq_base_swa", 10000.0)),
                 rope_scaling=RopeScaling(rope_type="linear", factor=float(factor)) if factor else None)
+
+
+def expert_deltas(reader: Any, arch: str, tensor_names: set[str], n_layer: int, ffn: int) -> dict[str, Any]:
+    """The mixture of experts from the metadata (expert_count and expert_used_count; the experts' width from
+    expert_feed_forward_length, else feed_forward_length as Mixtral's files have it) and, per layer, whether the block
+    holds a router. The renormalization is llama.cpp's fixed choice (always, unless expert_weights_norm says otherwise
+    for qwen3moe); Qwen3-MoE rounds the weights to the activation dtype, Mixtral does not."""
+    key = lambda name, default=None: field_value(reader, f"{arch}.{name}", default)  # noqa: E731
+    n_experts = int(key("expert_count", 0) or 0)
+    sparse = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n_layer))
+    if not n_experts:
+        if any(sparse):
+            raise ValueError(f"the GGUF file has expert routers (ffn_gate_inp) but no {arch}.expert_count; it is "
+                             f"incomplete")
+        return {}
+    if arch not in MOE_ARCHITECTURES:
+        raise ValueError(f"the GGUF metadata of a {arch!r} model declares experts, which Redline does not implement "
+                         f"for it (only {', '.join(MOE_ARCHITECTURES)})")
+    if int(key("expert_gating_func", 1) or 1) != 1:
+        raise ValueError(f"the GGUF file routes experts with {arch}.expert_gating_func {key('expert_gating_func')} "
+                         f"(Redline implements the softmax, 1)")
+    used = key("expert_used_count")
+    if used is None:
+        raise ValueError(f"the GGUF metadata lacks {arch}.expert_used_count; the file is incomplete")
+    qwen = arch == "qwen3moe"
+    return dict(n_experts=n_experts, n_experts_per_tok=int(used),
+                moe_intermediate_size=int(key("expert_feed_forward_length", ffn)),
+                norm_topk_prob=bool(key("expert_weights_norm", True)) if qwen else True,
+                router_weights_rounded=qwen, moe_layers=() if all(sparse) else sparse)
 
 
 def gemma_windows(reader: Any, arch: str, n_layer: int, window: int) -> tuple[int, ...]:
@@ -374,16 +413,16 @@ def redline_tensors(reader: Any, args: ModelArgs, native: set[str] = frozenset()
             raise ValueError(f"the GGUF file lacks part of {target}; the file is incomplete")
         if target in native:
             out[target] = tuple(np.concatenate([p[i] for p in pieces], axis=0) for i in range(2))
-        else:
-            out[target] = torch.from_numpy(np.concatenate(pieces, axis=0))
+        else:  # stacked experts (E, rows, cols) join along their rows
+            out[target] = torch.from_numpy(np.concatenate(pieces, axis=pieces[0].ndim - 2))
     if args.tie_word_embeddings:
         out.pop("output.weight", None)
     return out
 
 
 def gguf_shape(target: str, index: int | None, args: ModelArgs) -> tuple[int, ...]:
-    """The (rows, cols) shape the metadata implies for the GGUF tensor that goes into the Redline tensor `target`
-    (whole, or its index-th fused part: q, k or v rows; gate or up rows)."""
+    """The shape the metadata implies for the GGUF tensor that goes into the Redline tensor `target` (whole, or its
+    index-th fused part along the rows: q, k or v; gate or up, of every expert for stacked experts)."""
     if target == "output.weight":  # stored once as the embedding when tied, so absent from the model's shapes
         return (args.vocab_size, args.dim)
     shape = model_shapes(args).get(target)
@@ -392,9 +431,10 @@ def gguf_shape(target: str, index: int | None, args: ModelArgs) -> tuple[int, ..
                          f"damaged or its metadata is wrong")
     if index is None:
         return shape
-    rows = [args.q_size, args.kv_size, args.kv_size] if FUSED_PARTS[target.split(".", 2)[2]] == 3 else \
-        [args.intermediate_size] * 2
-    return (rows[index], *shape[1:])
+    axis = max(len(shape) - 2, 0)  # the rows: dim 0 of a matrix or bias, dim 1 of stacked experts (E, rows, cols)
+    sizes = [args.q_size, args.kv_size, args.kv_size] if FUSED_PARTS[target.split(".", 2)[2]] == 3 else \
+        [shape[axis] // 2] * 2
+    return (*shape[:axis], sizes[index], *shape[axis + 1:])
 
 
 def check_gguf_shape(t: Any, target: str, index: int | None, args: ModelArgs) -> None:
@@ -462,7 +502,7 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
     tokenizer = tokenizer_files(reader)  # built before anything is written, so a bad tokenizer leaves no files
     side_files_to_write(tokenizer, cfg.out.parent, [cfg.gguf], cfg.overwrite,
                         exclusive=TOKENIZER_SIDE_FILES if tokenizer else ())
-    native = set() if cfg.dequantize else native_int4_targets(reader, args)
+    native = set() if cfg.dequantize or args.n_experts else native_int4_targets(reader, args)
     tensors = redline_tensors(reader, args, native)
     check_shapes(tensors, args)
     tensors, quantization = int4_checkpoint_tensors(tensors, args, cfg.dtype) if native else (

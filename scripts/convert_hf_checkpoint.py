@@ -1,5 +1,5 @@
 """Convert a Hugging Face checkpoint folder into one Redline .safetensors file (Llama, Mistral, Qwen2/3, Gemma 2/3,
-Phi-3, OLMo 2, Granite).
+Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE).
 
 python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [--out FILE] [--dtype bfloat16]
 """
@@ -47,7 +47,17 @@ LAYER_PARTS = {
     "post_attention_layernorm.weight": ("ffn_norm.weight", None),  # Llama's name for the feed-forward's input norm
     "pre_feedforward_layernorm.weight": ("ffn_norm.weight", None),
     "post_feedforward_layernorm.weight": ("post_ffn_norm.weight", None),
+    # Mixture of experts: the router, and experts already stacked (E, 2I, dim) gate first and (E, dim, I), as
+    # transformers 5 holds them in memory (files store them per expert, EXPERT_TENSOR).
+    "block_sparse_moe.gate.weight": ("feed_forward.gate.weight", None),  # Mixtral
+    "mlp.gate.weight": ("feed_forward.gate.weight", None),
+    "mlp.experts.gate_up_proj": ("feed_forward.w13", None),
+    "mlp.experts.down_proj": ("feed_forward.w2", None),
 }
+# One expert's projection: Mixtral's w1 (gate), w3 (up), w2 (down); Qwen3-MoE's gate_proj, up_proj, down_proj.
+EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_PARTS = {"w1": ("w13", 0), "gate_proj": ("w13", 0), "w3": ("w13", 1), "up_proj": ("w13", 1),
+                "w2": ("w2", 0), "down_proj": ("w2", 0)}
 # Where norms sit on the sub-layers' outputs (Gemma, OLMo 2), post_attention_layernorm is the attention's output norm.
 POST_NORM_PARTS = {"post_attention_layernorm.weight": ("post_attention_norm.weight", None)}
 TOP_LEVEL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
@@ -194,8 +204,15 @@ def map_hf_tensors(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
     """Rename HF tensors to Redline names and fuse qkv and gate/up. Every tensor must be accounted for."""
     parts: dict[str, list[torch.Tensor | None]] = {}
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
     for name, tensor in hf.items():
         if IGNORED_HF_TENSORS.fullmatch(name):
+            continue
+        if EXPERT_TENSOR.fullmatch(name):
+            target, key = expert_target(name, tensor, args)
+            if key in experts.setdefault(target, {}):
+                raise ValueError(f"tensor {name} duplicates another tensor of the HF checkpoint ({target}); remove one")
+            experts[target][key] = tensor
             continue
         target, index = hf_target(name, args)
         check_hf_tensor(name, tensor, args)
@@ -210,9 +227,43 @@ def map_hf_tensors(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
             absent = [hf for hf, p in zip(hf_names(target), pieces) if p is None]
             raise ValueError(f"tensor {absent[0]} is missing from the HF checkpoint")
         out[target] = torch.cat(pieces, dim=0)
+    for target, pieces in experts.items():
+        if target in out:
+            raise ValueError(f"the HF checkpoint holds {target} both stacked and per expert; remove one")
+        out[target] = stacked_experts(target, pieces, args)
     if args.tie_word_embeddings:
         out.pop("output.weight", None)  # stored once, as the embedding
     return out
+
+
+def expert_target(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str, tuple[int, int]]:
+    """The stacked Redline tensor (w13 or w2) one expert's projection goes into, and its (expert, part) key; the
+    tensor's shape is checked against config.json first."""
+    layer, expert, proj = EXPERT_TENSOR.fullmatch(name).groups()
+    layer, expert = int(layer), int(expert)
+    if proj not in EXPERT_PARTS:
+        raise ValueError(f"unexpected tensor {name} in the HF checkpoint; it is not a weight of this architecture")
+    if layer >= args.n_layer or not args.sparse(layer) or expert >= args.n_experts:
+        raise ValueError(f"tensor {name} names an expert that config.json does not have (layer {layer}, expert "
+                         f"{expert}); the weights do not belong to this config")
+    local, part = EXPERT_PARTS[proj]
+    dim, hidden = args.dim, args.moe_intermediate_size
+    expected = (hidden, dim) if local == "w13" else (dim, hidden)
+    if tuple(tensor.shape) != expected or not tensor.is_floating_point():
+        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} ({tensor.dtype}), but config.json implies "
+                         f"{expected} floats; the weights do not belong to this config")
+    return f"layers.{layer}.feed_forward.{local}", (expert, part)
+
+
+def stacked_experts(target: str, pieces: dict[tuple[int, int], torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    """Every expert's projection stacked (E, 2I, dim) for w13 (gate rows, then up rows) or (E, dim, I) for w2."""
+    n_parts = 2 if target.endswith("w13") else 1
+    missing = [key for key in ((e, p) for e in range(args.n_experts) for p in range(n_parts)) if key not in pieces]
+    if missing:
+        layer = target.split(".")[1]
+        raise ValueError(f"expert {missing[0][0]} of layer {layer} lacks its {target.rsplit('.', 1)[1]} part "
+                         f"{missing[0][1]} in the HF checkpoint ({len(missing)} missing); the files are incomplete")
+    return torch.stack([torch.cat([pieces[e, p] for p in range(n_parts)]) for e in range(args.n_experts)])
 
 
 def hf_names(target: str) -> list[str]:

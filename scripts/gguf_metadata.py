@@ -15,11 +15,12 @@ MAX_DIMENSION = 1 << 24
 # Expected type of each metadata key Redline reads (keys under an architecture are matched by their suffix).
 INT_SUFFIXES = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
                 "attention.head_count_kv", "attention.key_length", "rope.dimension_count", "context_length",
-                "vocab_size")
+                "vocab_size", "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_gating_func")
 FLOAT_SUFFIXES = ("rope.freq_base", "attention.layer_norm_rms_epsilon")
 STR_KEYS = ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template")
 STR_SUFFIXES = ("rope.scaling.type",)
 BOOL_KEYS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token", "tokenizer.ggml.add_space_prefix")
+BOOL_SUFFIXES = ("expert_weights_norm",)
 LIST_KEYS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str, "tokenizer.ggml.scores": float,
              "tokenizer.ggml.token_type": int}
 TOKEN_ID_SUFFIX = "_token_id"
@@ -33,14 +34,15 @@ def checked_value(key: str, value: Any) -> Any:
         if not isinstance(value, str):
             raise ValueError(_wrong(key, value, "a string"))
         return value
-    if key in BOOL_KEYS:
+    if key in BOOL_KEYS or key.endswith(BOOL_SUFFIXES):
         if not (isinstance(value, bool) or value in (0, 1)) or isinstance(value, (list, float)):
             raise ValueError(_wrong(key, value, "true or false"))
         return bool(value)
     if key.startswith("tokenizer.ggml.") and key.endswith(TOKEN_ID_SUFFIX):
         return _checked_int(key, value, 0, 1 << 31)
     if key.endswith(INT_SUFFIXES):
-        low = 0 if key.endswith(("attention.key_length", "rope.dimension_count", "vocab_size")) else 1
+        low = 0 if key.endswith(("attention.key_length", "rope.dimension_count", "vocab_size", "expert_count",
+                                 "expert_used_count", "expert_gating_func")) else 1
         return _checked_int(key, value, low, MAX_DIMENSION)
     if key.endswith(FLOAT_SUFFIXES):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

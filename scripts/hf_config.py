@@ -12,7 +12,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
-    "GraniteForCausalLM": "granite",
+    "GraniteForCausalLM": "granite", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 HF_MODEL_TYPES = tuple(dict.fromkeys(HF_ARCHITECTURES.values()))
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -203,10 +203,51 @@ def _granite_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str, A
                 logits_divisor=_hf_field(config, "logits_scaling", float, 1.0))
 
 
+def _mixtral_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    rope_base, rope_scaling = _hf_rope(config, args["block_size"])
+    window = _hf_field(config, "sliding_window", int, None)
+    # transformers windows every layer; a window as long as the context never binds.
+    windows = (window,) * args["n_layer"] if window and window < args["block_size"] else ()
+    return dict(rope_base=rope_base, rope_scaling=rope_scaling, layer_windows=windows,
+                **_experts(config, "num_local_experts", args["intermediate_size"]), norm_topk_prob=True)
+
+
+def _qwen3_moe_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    _refuse(config, "use_sliding_window", False, False)
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):  # other MoE families' shared experts
+        if config.get(key):
+            raise ValueError(f"config.json sets {key}={config[key]!r}: shared experts are not part of Qwen3-MoE and "
+                             f"Redline does not implement them; it cannot be converted")
+    rope_base, rope_scaling = _hf_rope(config, args["block_size"])
+    n = args["n_layer"]
+    dense = {"rope_base": rope_base, "rope_scaling": rope_scaling, "qk_norm": "head"}
+    if config.get("num_experts", config.get("num_local_experts")) == 0:
+        return dense  # transformers builds no sparse layer without experts
+    step = _hf_field(config, "decoder_sparse_step", int, 1)
+    only = _hf_field(config, "mlp_only_layers", list, [])
+    if not all(type(i) is int and 0 <= i < n for i in only):
+        raise ValueError(f"config.json mlp_only_layers must list layer indices 0..{n - 1}, got {only!r}; fix the "
+                         f"config")
+    moe_layers = tuple(i not in only and (i + 1) % step == 0 for i in range(n))
+    key = "num_experts" if "num_experts" in config else "num_local_experts"  # transformers 5 saves the latter
+    return dict(dense, **_experts(config, key, _hf_field(config, "moe_intermediate_size", int)),
+                norm_topk_prob=_hf_field(config, "norm_topk_prob", bool, False), router_weights_rounded=True,
+                moe_layers=moe_layers if not all(moe_layers) else ())
+
+
+def _experts(config: dict[str, Any], count_key: str, hidden: int) -> dict[str, Any]:
+    """The expert count, the experts chosen per token and their intermediate size."""
+    n = _hf_field(config, count_key, int)
+    k = _hf_field(config, "num_experts_per_tok", int)
+    if k > n:
+        raise ValueError(f"config.json num_experts_per_tok ({k}) exceeds the {n} experts; fix the config")
+    return dict(n_experts=n, n_experts_per_tok=k, moe_intermediate_size=hidden)
+
+
 _FAMILY_DELTAS = {
     "llama": _llama_deltas, "mistral": _llama_deltas, "qwen2": _qwen2_deltas, "qwen3": _qwen3_deltas,
     "gemma2": _gemma2_deltas, "gemma3_text": _gemma3_deltas, "phi3": _phi3_deltas, "olmo2": _olmo2_deltas,
-    "granite": _granite_deltas,
+    "granite": _granite_deltas, "mixtral": _mixtral_deltas, "qwen3_moe": _qwen3_moe_deltas,
 }
 
 

@@ -179,6 +179,49 @@ def family_checkpoint(request, tmp_path_factory):
     return request.param, hf_dir, hf_model, convert_hf_checkpoint(hf_dir, dtype="float32")
 
 
+# Tiny mixtures of experts: (transformers class, config overrides). Both renormalizations, dense layers through
+# mlp_only_layers and decoder_sparse_step, a sliding window, tied embeddings.
+MOE_VARIANTS: dict[str, tuple[str, dict]] = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=24,
+                                           rope_theta=1e6)),
+    "mixtral_window": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                                                  tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              head_dim=24, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe_norm_step": ("Qwen3MoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48,
+                                                        head_dim=16, decoder_sparse_step=2, norm_topk_prob=True,
+                                                        num_hidden_layers=4, tie_word_embeddings=True)),
+}
+
+
+def save_moe_checkpoint(out_dir: Path, variant: str, seed: int = 0):
+    """Save a random model of MOE_VARIANTS[variant] in HF layout; returns (out_dir, fp32 HF model in eval mode).
+    The routers and experts are drawn wide enough that tokens choose different experts."""
+    import transformers
+
+    arch, extra = MOE_VARIANTS[variant]
+    model_class = getattr(transformers, arch)
+    torch.manual_seed(seed)
+    config = model_class.config_class(**{**_FAMILY_BASE, **extra}, attn_implementation="eager")
+    model = model_class(config).eval()
+    randomize_parameters(model, gemma=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight") and ".experts." not in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out_dir)
+    return out_dir, model
+
+
+@pytest.fixture(scope="session", params=sorted(MOE_VARIANTS))
+def moe_checkpoint(request, tmp_path_factory):
+    """(variant, HF dir, HF model, converted fp32 Redline file) for every mixture-of-experts variant."""
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    hf_dir, hf_model = save_moe_checkpoint(tmp_path_factory.mktemp(f"hf-{request.param}"), request.param)
+    return request.param, hf_dir, hf_model, convert_hf_checkpoint(hf_dir, dtype="float32")
+
+
 class ChatTemplateTokenizer:
     """A real tokenizer plus a small chat template of its own: `<role>\\ncontent\\n` per message, then
     `<assistant>\\n`, BOS first. Records each conversation it renders (in `calls`)."""

@@ -302,6 +302,27 @@ def test_family_models_over_two_ranks_give_one_process_logits(tmp_path):
             assert (got - want).abs().max().item() <= 1e-4, (TP_FAMILIES[i], rank)
 
 
+def test_moe_models_over_two_ranks_give_one_process_logits(tmp_path):
+    """Each rank holds its part of every expert's intermediate features (float and int8) and the whole router; the
+    all-reduced logits equal the single process's."""
+    from conftest import save_moe_checkpoint
+    from redline.checkpoint import read_checkpoint_info
+    from redline.quantize import load_model, quantize_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from tp_worker import logits
+
+    variants = ["mixtral", "qwen3_moe"]
+    paths = [convert_hf_checkpoint(save_moe_checkpoint(tmp_path / v, v)[0], dtype="float32") for v in variants]
+    paths.append(quantize_checkpoint(paths[1], "int8", tmp_path / "qwen3_moe.int8.safetensors"))
+    proc = torchrun([str(WORKER), "--logits", str(tmp_path), *map(str, paths)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for i, path in enumerate(paths):
+        want = logits(load_model(read_checkpoint_info(path), "cpu", torch.float32))
+        for rank in (0, 1):
+            got = torch.load(tmp_path / f"logits-{i}-rank{rank}.pt", weights_only=True)
+            assert (got - want).abs().max().item() <= 1e-4, (path.name, rank)
+
+
 def test_olmo2_full_width_qk_norm_is_refused_over_several_ranks():
     from redline.model import ModelArgs
 
