@@ -22,7 +22,7 @@ from torch import Tensor
 from redline import tensor_parallel
 from redline.kernels import FusedDecode, fused_decode_refusal, use_cpu_kernels, use_kernels
 from redline.kernels import available as kernels_available
-from redline.model import Transformer
+from redline.model import MoEFeedForward, Transformer
 from redline.sampling import SamplingParams, is_int, next_token
 
 SMALLEST_PREFILL_BUCKET = 16
@@ -82,7 +82,8 @@ class CompiledStep:
 
 
 def model_bytes_per_token(model: Transformer) -> int:
-    """Bytes of weights one decode step reads: every parameter and weight buffer, but only one embedding row."""
+    """Bytes of weights one decode step reads: every parameter and weight buffer, but only one embedding row and, in
+    a mixture of experts, only the top_k chosen experts of each sparse layer."""
     total = 0
     seen: set[int] = set()
     embedding = model.tok_embeddings.weight
@@ -95,7 +96,19 @@ def model_bytes_per_token(model: Transformer) -> int:
         total -= embedding.numel() * embedding.element_size()
     elif hasattr(model.output, "read_bytes"):  # ...unless the head reads a smaller exact form (kernels.ExactInt8Head)
         total += model.output.read_bytes() - embedding.numel() * embedding.element_size()
-    return total
+    return total - unread_expert_bytes(model)
+
+
+def unread_expert_bytes(model: Transformer) -> int:
+    """The bytes of the experts a token does not choose: (1 - top_k / n_experts) of each sparse layer's experts."""
+    unread = 0
+    for module in model.modules():
+        if isinstance(module, MoEFeedForward):
+            # w13 and w2 (and their int8 scales): the module's own tensors, not the router's
+            stacked = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+            expert_bytes = sum(t.numel() * t.element_size() for t in stacked)
+            unread += expert_bytes * (module.n_experts - module.top_k) // module.n_experts
+    return unread
 
 
 def sync(device: torch.device) -> None:

@@ -60,14 +60,17 @@ def fill_random_int4_(model: torch.nn.Module, seed: int) -> None:
 def fill_random_int8_(model: torch.nn.Module, seed: int) -> None:
     """Random int8 weights drawn directly, every code in -127..127 equally likely, with per-channel scales
     WEIGHT_STD * sqrt(3) / 127, so each row is uniform with the std of an N(0, 0.02) matrix; no float copy is made."""
-    from redline.quantize import INT8_MAX, Int8Linear
+    from redline.quantize import INT8_MAX, Int8Linear, Int8MoEFeedForward
 
     gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 2)
     for module in model.modules():
-        if isinstance(module, Int8Linear):
-            module.weight.copy_(torch.randint(-INT8_MAX, INT8_MAX + 1, module.weight.shape, generator=gen,
-                                              device=module.weight.device, dtype=torch.int8))
-            module.scales.fill_(WEIGHT_STD * 3 ** 0.5 / INT8_MAX)
+        pairs = [("weight", "scales")] if isinstance(module, Int8Linear) else [
+            ("w13", "w13_scales"), ("w2", "w2_scales")] if isinstance(module, Int8MoEFeedForward) else []
+        for codes, scales in pairs:  # int8 linears and stacked int8 experts
+            weight = getattr(module, codes)
+            weight.copy_(torch.randint(-INT8_MAX, INT8_MAX + 1, weight.shape, generator=gen, device=weight.device,
+                                       dtype=torch.int8))
+            getattr(module, scales).fill_(WEIGHT_STD * 3 ** 0.5 / INT8_MAX)
 
 
 def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: str,

@@ -86,3 +86,19 @@ def test_random_prompts_are_seeded_and_in_the_vocabulary():
     assert int(a.min()) >= 0 and int(a.max()) < 50
     assert torch.equal(a, bench_model.random_prompts(50, 3, 7, seed=1))
     assert not torch.equal(a, bench_model.random_prompts(50, 3, 7, seed=2))
+
+
+def test_random_moe_model_has_drawn_int8_experts():
+    """Stacked int8 experts are drawn like the int8 linears: every code used, the scales set (never zeros or the
+    uninitialized memory of to_empty)."""
+    from redline.quantize import INT8_MAX, Int8MoEFeedForward
+
+    args = ModelArgs(dim=32, n_layer=1, n_head=2, intermediate_size=64, vocab_size=64, block_size=32, n_experts=4,
+                     n_experts_per_tok=2, moe_intermediate_size=16)
+    model = bench_model.build_random_model(args, torch.device("cpu"), torch.float32, "int8")
+    experts = model.layers[0].feed_forward
+    assert isinstance(experts, Int8MoEFeedForward)
+    for name in ("w13", "w2"):
+        codes = getattr(experts, name)
+        assert codes.min().item() == -INT8_MAX and codes.max().item() == INT8_MAX
+        assert torch.all(getattr(experts, f"{name}_scales") == bench_model.WEIGHT_STD * 3 ** 0.5 / INT8_MAX)

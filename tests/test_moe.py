@@ -387,3 +387,17 @@ def test_gguf_expert_metadata_is_type_and_range_checked(key, value, message):
     with pytest.raises(ValueError, match=message) as info:
         checked_value(key, value)
     assert "\n" not in str(info.value)
+
+
+def test_bytes_per_token_count_only_the_chosen_experts(moe_checkpoint):
+    """A decode step reads the router and top_k of n_experts experts in each sparse layer, not every expert."""
+    from redline.runner import model_bytes_per_token
+
+    model = load_fp32(moe_checkpoint[3])
+    dense = sum(t.numel() * t.element_size() for t in model.parameters())  # every tensor once (a tied head too)
+    a = model.args
+    sparse = [layer.feed_forward for layer in model.layers if isinstance(layer.feed_forward, MoEFeedForward)]
+    experts = sum(f.w13.numel() + f.w2.numel() for f in sparse) * 4  # float32
+    embedding = 0 if a.tie_word_embeddings else a.vocab_size * a.dim * 4  # one row of an untied table is read
+    want = dense - embedding - experts * (a.n_experts - a.n_experts_per_tok) // a.n_experts
+    assert abs(model_bytes_per_token(model) - want) <= len(sparse)  # integer division per layer
