@@ -9,29 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from redline.checkpoint import read_checkpoint_info
 from redline.generate import LLM
 from redline.model import ModelArgs, MoEFeedForward
-from redline.quantize import load_model
 from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
 from conftest import prefill_then_decode_logits, save_moe_checkpoint
+from test_families import full_logits, hf_logits, load_fp32
 from test_families_gguf import llama_cpp_permute
-
-
-def load_fp32(path):
-    return load_model(read_checkpoint_info(path), "cpu", torch.float32)
-
-
-def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    model.setup_caches(ids.shape[0], ids.shape[1])
-    with torch.no_grad():
-        return model(ids, torch.arange(ids.shape[1]))
-
-
-def hf_logits(hf_model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(ids).logits.float()
 
 
 def test_logits_and_cached_decoding_match_transformers(moe_checkpoint):
