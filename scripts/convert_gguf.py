@@ -150,6 +150,7 @@ def model_args(reader: Any, rope_freqs: np.ndarray | None) -> ModelArgs:
         raise ValueError(f"unsupported rope scaling {scaling_type!r} in the GGUF metadata of a {arch!r} model")
     base = float(get("rope.freq_base", 10000.0))
     n_layer = int(get("block_count"))
+    check_layer_count(tensor_names, n_layer, "the GGUF metadata")  # before anything loops over the declared layers
     deltas = family_deltas(reader, arch, get, dim=dim, n_head=n_head, head_dim=head_dim, n_layer=n_layer)
     deltas.update(expert_deltas(reader, arch, tensor_names, n_layer, int(get("feed_forward_length"))))
     # Biases are where the file has them (qwen2 always; attention_bias models of the other families).
@@ -498,7 +499,6 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
     if rope is not None and len(rope.shape) != 1:
         raise ValueError(f"rope_freqs.weight has {len(rope.shape)} dimensions, not 1; the file is damaged")
     args = model_args(reader, tensor_to_float(rope) if rope is not None else None)
-    check_layer_count((t.name for t in reader.tensors), args.n_layer, f"{gguf_path}'s metadata")
     tokenizer = tokenizer_files(reader)  # built before anything is written, so a bad tokenizer leaves no files
     side_files_to_write(tokenizer, cfg.out.parent, [cfg.gguf], cfg.overwrite,
                         exclusive=TOKENIZER_SIDE_FILES if tokenizer else ())

@@ -258,11 +258,13 @@ def expert_target(name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple[str
 def stacked_experts(target: str, pieces: dict[tuple[int, int], torch.Tensor], args: ModelArgs) -> torch.Tensor:
     """Every expert's projection stacked (E, 2I, dim) for w13 (gate rows, then up rows) or (E, dim, I) for w2."""
     n_parts = 2 if target.endswith("w13") else 1
-    missing = [key for key in ((e, p) for e in range(args.n_experts) for p in range(n_parts)) if key not in pieces]
-    if missing:
-        layer = target.split(".")[1]
-        raise ValueError(f"expert {missing[0][0]} of layer {layer} lacks its {target.rsplit('.', 1)[1]} part "
-                         f"{missing[0][1]} in the HF checkpoint ({len(missing)} missing); the files are incomplete")
+    expected = args.n_experts * n_parts
+    if len(pieces) != expected:  # every key is in range (expert_target), so some are missing; the first is found
+        # within len(pieces) + 1 keys, however many experts config.json declares
+        expert, part = next(key for key in ((e, p) for e in range(args.n_experts) for p in range(n_parts))
+                            if key not in pieces)
+        raise ValueError(f"expert {expert} of layer {target.split('.')[1]} lacks its {target.rsplit('.', 1)[1]} part "
+                         f"{part} in the HF checkpoint ({expected - len(pieces)} missing); the files are incomplete")
     return torch.stack([torch.cat([pieces[e, p] for p in range(n_parts)]) for e in range(args.n_experts)])
 
 

@@ -2,7 +2,9 @@
 greedy tokens, the batching engine, GGUF files laid out as llama.cpp writes them, int8, and the one-line refusals."""
 from __future__ import annotations
 
+import json
 import re
+import time
 
 import gguf
 import numpy as np
@@ -132,6 +134,16 @@ def test_a_missing_expert_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="expert 3 of layer 1 lacks its w13 part 1") as info:
         convert_hf_checkpoint(hf_dir, dtype="float32")
     assert "\n" not in str(info.value)
+
+
+def test_a_small_config_that_declares_a_billion_experts_is_refused_at_once(tmp_path):
+    hf_dir, _ = save_moe_checkpoint(tmp_path / "hf", "mixtral")
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "num_local_experts": 10 ** 9}))
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="1000000000") as info:  # the router's shape, before any expert loop
+        convert_hf_checkpoint(hf_dir, dtype="float32")
+    assert "\n" not in str(info.value) and time.monotonic() - start < 30
 
 
 # --- GGUF, as llama.cpp's convert_hf_to_gguf.py writes these models ---
