@@ -48,14 +48,19 @@ def test_cached_decoding_matches_transformers(family_checkpoint):
     assert diff <= 1e-4, (variant, diff)
 
 
-def test_greedy_tokens_match_transformers(family_checkpoint):
-    variant, _, hf_model, path = family_checkpoint
+def check_greedy_tokens(checkpoint) -> None:
+    """16 greedy tokens of a converted (variant, HF dir, HF model, path) checkpoint equal transformers' generate."""
+    variant, _, hf_model, path = checkpoint
     llm = LLM(load_fp32(path), None, torch.device("cpu"), compile=False)
     prompt = [5, 17, 99, 230, 7, 64, 300, 12]
     ours = llm.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=0).token_ids
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert ours == ref[0, len(prompt):].tolist(), variant
+
+
+def test_greedy_tokens_match_transformers(family_checkpoint):
+    check_greedy_tokens(family_checkpoint)
 
 
 @pytest.mark.parametrize("length", [200, 300])

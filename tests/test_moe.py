@@ -16,8 +16,8 @@ from redline.model import ModelArgs, MoEFeedForward
 from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
 from conftest import prefill_then_decode_logits, save_moe_checkpoint
-from test_families import full_logits, hf_logits, load_fp32
-from test_families_gguf import llama_cpp_permute
+from test_families import check_greedy_tokens, full_logits, hf_logits, load_fp32
+from test_families_gguf import llama_cpp_permute, write_metadata
 
 
 def test_logits_and_cached_decoding_match_transformers(moe_checkpoint):
@@ -35,13 +35,7 @@ def test_logits_and_cached_decoding_match_transformers(moe_checkpoint):
 
 
 def test_greedy_tokens_match_transformers(moe_checkpoint):
-    variant, _, hf_model, path = moe_checkpoint
-    llm = LLM(load_fp32(path), None, torch.device("cpu"), compile=False)
-    prompt = [5, 17, 99, 230, 7, 64, 300, 12]
-    ours = llm.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=0).token_ids
-    with torch.no_grad():
-        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    assert ours == ref[0, len(prompt):].tolist(), variant
+    check_greedy_tokens(moe_checkpoint)
 
 
 def test_generate_batch_gives_each_prompt_its_tokens_alone(moe_checkpoint):
@@ -163,18 +157,11 @@ def write_moe_gguf(path, hf_dir, hf_model):
     arch = "llama" if mixtral else "qwen3moe"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(c.num_hidden_layers)
-    writer.add_context_length(c.max_position_embeddings)
-    writer.add_embedding_length(c.hidden_size)
-    writer.add_feed_forward_length(c.intermediate_size)
-    writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    write_metadata(writer, c, arch)  # what every family writes (the head width only where the config names it)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    if "head_dim" not in c.to_dict():
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_expert_count(c.num_local_experts if mixtral else c.num_experts)
     writer.add_expert_used_count(c.num_experts_per_tok)
     if not mixtral:
