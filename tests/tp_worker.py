@@ -112,11 +112,21 @@ def logits_only(out_dir: Path, checkpoints: list[str]) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    if argv[0] == "--logits":
+        return logits_only(Path(argv[1]), argv[2:])
+    if argv[0] == "--fused":
+        return fused_check(Path(argv[1]), argv[2])
+    if argv[0] == "--gpu-greedy":
+        return gpu_greedy(Path(argv[1]), argv[2], argv[3:])
+    return run(Path(argv[0]), argv[1], argv[2:])
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--logits":
-        sys.exit(logits_only(Path(sys.argv[2]), sys.argv[3:]))
-    if sys.argv[1] == "--fused":
-        sys.exit(fused_check(Path(sys.argv[2]), sys.argv[3]))
-    if sys.argv[1] == "--gpu-greedy":
-        sys.exit(gpu_greedy(Path(sys.argv[2]), sys.argv[3], sys.argv[4:]))
-    sys.exit(run(Path(sys.argv[1]), sys.argv[2], sys.argv[3:]))
+    from redline import tensor_parallel
+
+    try:
+        code = main(sys.argv[1:])
+    finally:
+        tensor_parallel.stop()  # a gloo group still open at exit can abort the process ("terminate called ...")
+    sys.exit(code)
