@@ -128,5 +128,9 @@ if __name__ == "__main__":
     try:
         code = main(sys.argv[1:])
     finally:
-        tensor_parallel.stop()  # a gloo group still open at exit can abort the process ("terminate called ...")
-    sys.exit(code)
+        tensor_parallel.stop()
+    # Every result is on disk: leave without the interpreter's teardown, in which gloo's worker threads sometimes
+    # still hold tensors and abort the rank ("terminate called without an active exception") after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
