@@ -40,6 +40,22 @@ def prefill_then_decode_logits(model, ids: torch.Tensor, prompt_len: int, cache_
     return torch.cat(steps, dim=1)
 
 
+def interpreted_errors_of(script: str, timeout: int, extra_env: dict[str, str] | None = None) -> dict[str, float]:
+    """Run a kernel test module as a script under TRITON_INTERPRET=1 (set before Triton is imported, which other test
+    modules may already have done in this process) and read the {case/dtype: relative error} JSON it prints last."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", **(extra_env or {})}
+    proc = subprocess.run([sys.executable, script], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def tiny_hf_config(**overrides):
     from transformers import LlamaConfig
 

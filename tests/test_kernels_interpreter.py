@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import interpreted_errors_of
 
 ROOT = Path(__file__).resolve().parents[1]
 # Error bounds against the fp32 references: the kernels accumulate in fp32 and round once to the output dtype.
@@ -167,11 +168,7 @@ def run_case(name: str, dtype_name: str) -> float:
 
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict[str, float]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_errors_of(__file__, timeout=600, extra_env={"PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}" for n, d in CASES])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,8 @@ import torch.nn.functional as F
 from redline.kernels import configs
 from redline.kernels import paged_attention as pa
 from redline.kernels.device import target_caps
+
+from conftest import interpreted_errors_of
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETER_TOLERANCE = {"float32": 1e-4, "float16": 2e-3}
@@ -307,11 +308,7 @@ def run_interpreted_case(name: str, dtype_name: str) -> float:
 
 @pytest.fixture(scope="module")
 def interpreted_errors() -> dict[str, float]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted_errors_of(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("name,dtype", INTERPRETER_CASES, ids=[f"{n}-{d}" for n, d in INTERPRETER_CASES])
