@@ -278,6 +278,21 @@ def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
     assert "| debug-tiny TP2 | int8 | 1 |" in merged.stdout
 
 
+def assert_two_ranks_give_one_process_logits(paths: list[Path], out_dir: Path) -> None:
+    """Each checkpoint's float32 logits through two ranks' sharded models equal one process's (within 1e-4)."""
+    from redline.checkpoint import read_checkpoint_info
+    from redline.quantize import load_model
+    from tp_worker import logits
+
+    proc = torchrun([str(WORKER), "--logits", str(out_dir), *map(str, paths)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for i, path in enumerate(paths):
+        want = logits(load_model(read_checkpoint_info(path), "cpu", torch.float32))
+        for rank in (0, 1):
+            got = torch.load(out_dir / f"logits-{i}-rank{rank}.pt", weights_only=True)
+            assert (got - want).abs().max().item() <= 1e-4, (str(path.relative_to(out_dir)), rank)
+
+
 # Families with biases, per-head q/k norms, Gemma's sandwich norms and windows, partial rotary with LongRoPE, and
 # Granite's multipliers.
 TP_FAMILIES = ["qwen2_tied", "qwen3_tied_bias", "gemma3", "phi3_longrope", "granite"]
@@ -287,40 +302,23 @@ def test_family_models_over_two_ranks_give_one_process_logits(tmp_path):
     """Each rank holds its rows of the q/k/v bias and the whole norms; the all-reduced logits equal the single
     process's."""
     from conftest import save_family_checkpoint
-    from redline.checkpoint import read_checkpoint_info
-    from redline.quantize import load_model
     from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
-    from tp_worker import logits
 
     paths = [convert_hf_checkpoint(save_family_checkpoint(tmp_path / v, v)[0], dtype="float32") for v in TP_FAMILIES]
-    proc = torchrun([str(WORKER), "--logits", str(tmp_path), *map(str, paths)])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for i, path in enumerate(paths):
-        want = logits(load_model(read_checkpoint_info(path), "cpu", torch.float32))
-        for rank in (0, 1):
-            got = torch.load(tmp_path / f"logits-{i}-rank{rank}.pt", weights_only=True)
-            assert (got - want).abs().max().item() <= 1e-4, (TP_FAMILIES[i], rank)
+    assert_two_ranks_give_one_process_logits(paths, tmp_path)
 
 
 def test_moe_models_over_two_ranks_give_one_process_logits(tmp_path):
     """Each rank holds its part of every expert's intermediate features (float and int8) and the whole router; the
     all-reduced logits equal the single process's."""
     from conftest import save_moe_checkpoint
-    from redline.checkpoint import read_checkpoint_info
-    from redline.quantize import load_model, quantize_checkpoint
+    from redline.quantize import quantize_checkpoint
     from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
-    from tp_worker import logits
 
     variants = ["mixtral", "qwen3_moe"]
     paths = [convert_hf_checkpoint(save_moe_checkpoint(tmp_path / v, v)[0], dtype="float32") for v in variants]
     paths.append(quantize_checkpoint(paths[1], "int8", tmp_path / "qwen3_moe.int8.safetensors"))
-    proc = torchrun([str(WORKER), "--logits", str(tmp_path), *map(str, paths)])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for i, path in enumerate(paths):
-        want = logits(load_model(read_checkpoint_info(path), "cpu", torch.float32))
-        for rank in (0, 1):
-            got = torch.load(tmp_path / f"logits-{i}-rank{rank}.pt", weights_only=True)
-            assert (got - want).abs().max().item() <= 1e-4, (path.name, rank)
+    assert_two_ranks_give_one_process_logits(paths, tmp_path)
 
 
 def test_olmo2_full_width_qk_norm_is_refused_over_several_ranks():
