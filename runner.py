@@ -68,11 +68,14 @@ class CompiledStep:
     """torch.compile(fn) called under Redline's compiler settings, which are set around each call and undone after
     it (thread-locally where torch keeps config per thread): the process's own inductor/dynamo config is untouched."""
 
-    def __init__(self, fn: Callable[..., Tensor], device: torch.device) -> None:
+    def __init__(self, fn: Callable[..., Tensor], device: torch.device, graphs: bool = True,
+                 dynamic: bool = False) -> None:
+        """graphs: on a GPU, torch's own CUDA graphs (mode reduce-overhead); False for a caller that captures its own.
+        dynamic: one graph for every size of the inputs (sizes 0 and 1 specialize) instead of one per shape."""
         import torch._inductor.config as inductor_config
 
-        self.fn = torch.compile(fn, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True,
-                                dynamic=False)
+        mode = "reduce-overhead" if device.type == "cuda" and graphs else None
+        self.fn = torch.compile(fn, mode=mode, fullgraph=True, dynamic=dynamic)
         self.settings = (inductor_config.patch(INDUCTOR_SETTINGS),
                          torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT))
 

@@ -3,9 +3,8 @@
     python serve.py --checkpoint_path checkpoints/smollm2/float32/model.safetensors   # http://127.0.0.1:8000
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not), GET /v1/models,
-GET /health (503 while the model loads), GET /metrics (Prometheus), POST /tokenize and /detokenize. The request
-bodies and their checks live in serve_protocol.py, the metrics page in serve_metrics.py. `create_app(engine, llm,
-settings)` builds the app around any engine with redline.engine's interface; `main` serves redline.engine.Engine.
+GET /health (503 while loading), GET /metrics (Prometheus), POST /tokenize and /detokenize; bodies and checks in
+serve_protocol.py. `create_app(engine, llm, settings)` serves any engine of redline.engine's interface.
 """
 from __future__ import annotations
 
@@ -621,8 +620,10 @@ def load_llm(settings: ServeSettings) -> Any:
 def batching_engine(llm: Any, settings: ServeSettings) -> Any:
     from redline.engine import Engine
 
-    return Engine(llm, max_kv_tokens=settings.max_kv_tokens, max_running=settings.max_running,
-                  max_queue=settings.max_queue)
+    engine = Engine(llm, max_kv_tokens=settings.max_kv_tokens, max_running=settings.max_running,
+                    max_queue=settings.max_queue)
+    engine.capture_graphs()  # every decode shape before /health says ready, so no request's step pays a capture
+    return engine
 
 
 def serve(settings: ServeSettings, make_engine: Callable[[Any, ServeSettings], Any] = batching_engine) -> int:

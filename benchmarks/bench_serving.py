@@ -155,6 +155,10 @@ def run_hf(args: ModelArgs, device: torch.device, dtype: torch.dtype, requests: 
     config = GenerationConfig(max_new_tokens=max(r.output_len for r in requests), do_sample=False,
                               eos_token_id=None, pad_token_id=0)
     manager = model.init_continuous_batching(generation_config=config)
+    # transformers' paged SDPA failed inside cuDNN's attention graph on an H200 (torch 2.11); flash and
+    # memory-efficient SDPA remain.
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
     manager.start()
     try:
         start = time.perf_counter()
@@ -170,7 +174,11 @@ def run_hf(args: ModelArgs, device: torch.device, dtype: torch.dtype, requests: 
         wall = time.perf_counter() - start
     finally:
         manager.stop(block=True)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
     del model
+    expected = sum(r.output_len for r in requests)
+    if made != expected:
+        raise RuntimeError(f"transformers made {made} tokens, {expected} were asked for: its run failed (see above)")
     return {"requests": len(requests), "output_tokens": made, "wall_s": wall, "output_tok_s": made / wall}
 
 
@@ -289,6 +297,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         engine.shutdown()
         return report
     requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed)
+    start = time.perf_counter()
+    graphs = engine.capture_graphs(max(len(r.prompt) + r.output_len for r in requests))
+    report["graph_capture"] = {"graphs": graphs, "seconds": time.perf_counter() - start}
+    print(f"captured {graphs} decode graphs in {report['graph_capture']['seconds']:.1f} s", flush=True)
     run_redline(engine, make_requests("fixed", 8, args.vocab_size, ns.seed + 1)[:8])  # warm-up
     if engine.costs is not None:
         costs = engine.costs

@@ -230,6 +230,18 @@ class Engine:
 
     # -- the API -------------------------------------------------------------------------------------------------------
 
+    def capture_graphs(self, max_tokens: int | None = None) -> int:
+        """Capture the decode graphs of every batch bucket for sequences of up to max_tokens tokens (default: the
+        model's context) now, before the first request, instead of in the first step that needs each; returns how
+        many were captured (0 without graphs)."""
+        if self.graphs is None:
+            return 0
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError("capture_graphs runs before the first request")
+            with torch.inference_mode():  # as the engine's thread runs its steps
+                return self.graphs.capture(self.block_size if max_tokens is None else min(max_tokens, self.block_size))
+
     def check_request(self, prompt: str | Sequence[int], options: GenerationOptions | None) -> tuple[list[int],
                                                                                                    GenerationOptions]:
         """The prompt's token ids and the options, validated; ValueError in one line otherwise."""

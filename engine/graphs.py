@@ -1,8 +1,8 @@
-"""Decode steps replayed as CUDA graphs (torch.compile'd on the CPU), at batch-size buckets.
+"""Decode steps, torch.compile'd and (on a GPU) replayed as CUDA graphs, at batch-size buckets.
 
 A step where every sequence decodes one token is padded to the next bucket (1, 2, 4, 8, then every 8 up to 256)
-and to a power-of-two number of pages per row; each (bucket, pages, greedy) shape is captured once, the first time
-it runs. The graph reads static input buffers of the largest size, which each step fills in place; pages live in
+and to a power-of-two number of pages per row (at least 2); each (bucket, pages, greedy) shape is captured once,
+the first time it runs. The graph reads static staging buffers, which each step fills in place; pages live in
 the pool, outside every graph. Padding rows decode token 0 at position 0 into a scratch page that no sequence
 holds, with temperature 0, and their tokens are dropped.
 """
@@ -26,7 +26,8 @@ def batch_bucket(rows: int) -> int | None:
 
 
 def pages_bucket(pages: int, limit: int) -> int:
-    bucket = 1
+    """The power of two, at least 2 (so that one page is never a shape of its own), that holds pages."""
+    bucket = 2
     while bucket < pages:
         bucket *= 2
     return min(bucket, limit)
@@ -59,28 +60,29 @@ def decode_step(model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None,
 
 
 class DecodeGraphs:
-    """Static buffers and the captured (CUDA) or compiled (CPU) decode steps of one engine."""
+    """Static buffers and the captured (CUDA) or compiled (CPU) decode steps of one engine.
+
+    On a GPU the model's part of the step is compiled once with dynamic sizes (inductor fuses the norms, rope and
+    residual adds of every bucket; a single row gets its own specialization), and each (bucket, pages, greedy) shape
+    of the compiled step and the sampler is then captured as a CUDA graph. A step's inputs travel in three host
+    copies, one per dtype, laid out so that each bucket's slice of the staging buffers is contiguous."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, device: torch.device,
                  scratch_page: int) -> None:
+        from redline.runner import CompiledStep
+
         self.model, self.kv, self.vocab_bias, self.device = model, kv, vocab_bias, device
         self.max_pages = -(-model.args.block_size // kv.page_size)
         self.scratch_page = scratch_page
         n = MAX_GRAPH_ROWS
-        on = dict(device=device)
-        self.buffers = dict(
-            ids=torch.zeros(1, n, dtype=torch.long, **on), positions=torch.zeros(n, dtype=torch.long, **on),
-            slots=torch.zeros(n, dtype=torch.long, **on),
-            tables=torch.full((n, self.max_pages), scratch_page, dtype=torch.int32, **on),
-            seq_lens=torch.ones(n, dtype=torch.int32, **on), temperature=torch.zeros(n, **on),
-            top_k=torch.ones(n, dtype=torch.long, **on), top_p=torch.ones(n, **on),
-            seed=torch.zeros(n, dtype=torch.long, **on))
+        self.longs = torch.zeros(5 * n, dtype=torch.long, device=device)  # ids, positions, slots, top_k, seed
+        self.ints = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)  # seq_lens, tables
+        self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # temperature, top_p
         self.graphs: dict[tuple[int, int, bool], tuple[Any, Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        if device.type != "cuda":  # the model's part compiled; the sampler runs eagerly (inductor's CPU code for it
-            from redline.runner import CompiledStep  # crashed or drew other tokens under torch 2.13)
-
-            self.compiled = CompiledStep(decode_logits, device)
+        # The sampler runs eagerly (on the CPU inductor's code for it crashed or drew other tokens under torch 2.13;
+        # on a GPU the graph holds it anyway).
+        self.compiled = CompiledStep(decode_logits, device, graphs=False, dynamic=device.type == "cuda")
 
     def fits(self, rows: int) -> bool:
         return rows <= MAX_GRAPH_ROWS
@@ -95,8 +97,7 @@ class DecodeGraphs:
         self._fill(bucket, width, tokens, positions, pages, settings)
         args = self._inputs(bucket, width)
         if self.device.type != "cuda":
-            logits = self.compiled(self.model, self.kv, self.vocab_bias, *args[:5])
-            return pick_tokens(logits, greedy, args[1], *args[5:])[:rows].tolist()
+            return self._step(greedy, args)[:rows].tolist()
         key = (bucket, width, greedy)
         if key not in self.graphs:
             self.graphs[key] = self._capture(greedy, args)
@@ -104,51 +105,73 @@ class DecodeGraphs:
         graph.replay()
         return out[:rows].tolist()
 
+    def capture(self, max_tokens: int) -> int:
+        """Capture the greedy step of every bucket at every page width that sequences of up to max_tokens tokens
+        reach, before serving (a shape met later is captured then, in a step of its own). Returns the graphs made."""
+        if self.device.type != "cuda":
+            return 0
+        made = 0
+        top = pages_bucket(-(-max_tokens // self.kv.page_size), self.max_pages)
+        width = 2
+        while width <= top:
+            for bucket in BATCH_BUCKETS:
+                if (bucket, width, True) not in self.graphs:
+                    self._fill(bucket, width, [], [], [], [])  # padding rows only: they write the scratch page
+                    self.graphs[(bucket, width, True)] = self._capture(True, self._inputs(bucket, width))
+                    made += 1
+            width *= 2
+        return made
+
     def _inputs(self, bucket: int, width: int) -> tuple[Tensor, ...]:
-        b = self.buffers
-        return (b["ids"][:, :bucket], b["positions"][:bucket], b["slots"][:bucket], b["tables"][:bucket, :width],
-                b["seq_lens"][:bucket], b["temperature"][:bucket], b["top_k"][:bucket], b["top_p"][:bucket],
-                b["seed"][:bucket])
+        """ids (1, B), positions, slots, tables (B, W), seq_lens, temperature, top_k, top_p, seed: views of the
+        staging buffers for one (bucket, width)."""
+        ids, positions, slots, top_k, seed = self.longs[:5 * bucket].view(5, bucket)
+        seq_lens = self.ints[:bucket]
+        tables = self.ints[bucket:bucket * (1 + width)].view(bucket, width)
+        temperature, top_p = self.floats[:2 * bucket].view(2, bucket)
+        return ids.view(1, bucket), positions, slots, tables, seq_lens, temperature, top_k, top_p, seed
 
     def _fill(self, bucket: int, width: int, tokens: list[int], positions: list[int], pages: list[list[int]],
               settings: list[tuple[float, int, float, int]]) -> None:
-        """Write the rows into the static buffers (host tensors copied in), padding rows after them."""
+        """Write the rows, then padding rows, into the staging buffers: one host-to-device copy per dtype."""
         pad = bucket - len(tokens)
-        size = self.kv.page_size
+        size, scratch = self.kv.page_size, self.scratch_page
         slots = [p[pos // size] * size + pos % size for p, pos in zip(pages, positions)]
-        temperature, top_k, top_p, seed = (list(col) for col in zip(*settings))
-        b = self.buffers
-        put(b["ids"][0, :bucket], tokens + [0] * pad)
-        put(b["positions"][:bucket], positions + [0] * pad)
-        put(b["slots"][:bucket], slots + [self.scratch_page * size] * pad)
-        put(b["tables"][:bucket, :width], [p + [self.scratch_page] * (width - len(p)) for p in pages]
-            + [[self.scratch_page] * width] * pad)
-        put(b["seq_lens"][:bucket], [pos + 1 for pos in positions] + [1] * pad)
-        put(b["temperature"][:bucket], temperature + [0.0] * pad)
-        put(b["top_k"][:bucket], top_k + [1] * pad)
-        put(b["top_p"][:bucket], top_p + [1.0] * pad)
-        put(b["seed"][:bucket], seed + [0] * pad)
+        temperature, top_k, top_p, seed = (list(col) for col in zip(*settings)) if settings else ([], [], [], [])
+        zeros = [0] * pad
+        put(self.longs, tokens + zeros + positions + zeros + slots + [scratch * size] * pad + top_k + [1] * pad
+            + seed + zeros)
+        ints = [pos + 1 for pos in positions] + [1] * pad
+        for p in pages:
+            ints += p
+            ints += [scratch] * (width - len(p))
+        ints += [scratch] * (width * pad)
+        put(self.ints, ints)
+        put(self.floats, temperature + [0.0] * pad + top_p + [1.0] * pad)
+
+    def _step(self, greedy: bool, args: tuple[Tensor, ...]) -> Tensor:
+        logits = self.compiled(self.model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
+        return pick_tokens(logits, greedy, args[1], *args[5:])
 
     def _capture(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:
-        """Warm up on a side stream (the real rows: decode is idempotent for them, it rewrites the same k and v),
-        then capture."""
-        step = (self.model, self.kv, self.vocab_bias, greedy)
+        """Warm up on a side stream (the real rows: decode is idempotent for them, it rewrites the same k and v;
+        the first call of a shape compiles), then capture."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            decode_step(*step, *args)
+            self._step(greedy, args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's generation on the same GPU does not break the capture.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = decode_step(*step, *args)
+            out = self._step(greedy, args)
         return graph, out
 
 
 def put(buffer: Tensor, values: list) -> None:
-    """Copy a host list into a slice of a static device buffer, from pinned memory, without a device sync."""
+    """Copy a flat host list into the start of a device buffer, from pinned memory, without a device sync."""
     host = torch.tensor(values, dtype=buffer.dtype)
     if buffer.is_cuda:
-        buffer.copy_(host.pin_memory(), non_blocking=True)
+        buffer[:len(values)].copy_(host.pin_memory(), non_blocking=True)
     else:
-        buffer.copy_(host)
+        buffer[:len(values)].copy_(host)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from redline.engine import Engine, EngineFull, RequestOutput
+from redline.engine.graphs import BATCH_BUCKETS
 from redline.generate import LLM, GenerationOptions
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "A", "Llama models read tokens, predict the next one, and stop "
@@ -297,6 +298,14 @@ def test_compiled_decode_steps_give_the_eager_tokens(tiny_llm_checkpoint, llm):
     assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
 
 
+def test_capture_graphs_is_a_no_op_without_graphs(llm):
+    engine = Engine(llm, page_size=8)
+    assert engine.capture_graphs() == 0  # an eager LLM has no decode graphs
+    engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=2)).result(timeout=60)
+    assert engine.capture_graphs() == 0
+    engine.shutdown()
+
+
 def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     from redline.model import ModelArgs, Transformer
 
@@ -305,7 +314,9 @@ def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    return LLM(model.to("cuda"), None, "cuda", compile=compile, kernels=kernels)
+    llm = LLM(model.to("cuda"), None, "cuda", compile=compile, kernels=kernels)
+    llm.max_kv_tokens = 4096  # a pool for these prompts, not most of the GPU (other GPU tests may share it)
+    return llm
 
 
 @pytest.mark.gpu
@@ -318,7 +329,7 @@ def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
               [GenerationOptions(max_new_tokens=30, ignore_eos=True)]
     want = [eager.generate(p, o).token_ids for p, o in zip(prompts, options)]
     assert [r.token_ids for r in eager.generate_batch(prompts, options)] == want
-    engine = Engine(graphed)
+    engine = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens)
     steps = []
     real = engine.graphs.run
     engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
@@ -328,6 +339,15 @@ def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
     assert [h.result(timeout=120).token_ids for h in handles] == want
     assert 1 in steps and 5 in steps and len(engine.graphs.graphs) >= 2  # buckets 1 and 8 were captured
     engine.shutdown()
+    ready = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens)
+    made = ready.capture_graphs(120)  # 120 tokens: 8 pages of 16, widths 2, 4 and 8
+    assert made == 3 * len(BATCH_BUCKETS) and len(ready.graphs.graphs) == made
+    with ready._lock:
+        handles = [ready.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=120).token_ids for h in handles] == want
+    with pytest.raises(RuntimeError, match="before the first request"):
+        ready.capture_graphs()
+    ready.shutdown()
 
 
 def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
