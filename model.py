@@ -256,8 +256,9 @@ class KVCache(nn.Module):
 
 
 class PagedKVCache:
-    """A pool of fixed-size pages that many sequences share: k and v (n_layer, num_pages, page_size, Hkv, D), and
-    the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns it.
+    """A pool of fixed-size pages that many sequences share: k and v, one (num_pages, page_size, Hkv, D) tensor
+    per layer each, and the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns
+    it.
 
     ops: (prefill, decode) attention functions with the signatures of paged_prefill_attention and
     paged_decode_attention (the GPU's redline:: kernels, set from outside); None: those plain PyTorch references."""
@@ -269,9 +270,11 @@ class PagedKVCache:
         if args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope":
             raise ValueError("the paged cache does not run LongRoPE models (their rope table depends on the sequence "
                              "length); use LLM.generate for Phi-3/Phi-4-mini")
-        shape = (args.n_layer, num_pages, page_size, args.n_kv_heads, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One tensor per layer (not one (n_layer, ...) tensor): a compiled step then writes each layer's pages in
+        # place, where a write into a slice of one big tensor made inductor copy the whole cache.
+        shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layer)]
         self.rope = rope_table(args, args.block_size, device)  # (block_size, 2, Dr/2)
         local = args.local_rope_base > 0 and any(args.layer_windows)  # windowed layers' own rope base
         self.rope_local = rope_table(args, args.block_size, device, local=True) if local else self.rope[:0]
@@ -365,8 +368,9 @@ class PagedContext:
         """Write k, v (N, Hkv, D) into this layer's pages, then attend with q (N, H, D); returns (N, H, D). scale 0:
         D ** -0.5; a window or a soft-cap runs the PyTorch references (the GPU kernels implement neither)."""
         k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]  # (num_pages, page_size, Hkv, D)
-        k_cache.view(-1, *k.shape[1:]).index_copy_(0, self.slot_mapping, k)
-        v_cache.view(-1, *v.shape[1:]).index_copy_(0, self.slot_mapping, v)
+        page, offset = self.slot_mapping // self.kv.page_size, self.slot_mapping % self.kv.page_size  # (N,)
+        k_cache.index_put_((page, offset), k)
+        v_cache.index_put_((page, offset), v)
         scale = scale or q.shape[-1] ** -0.5
         if self.kv.ops is not None and not window and not softcap:
             prefill, decode = self.kv.ops

@@ -69,9 +69,9 @@ class CompiledStep:
     it (thread-locally where torch keeps config per thread): the process's own inductor/dynamo config is untouched."""
 
     def __init__(self, fn: Callable[..., Tensor], device: torch.device, graphs: bool = True,
-                 dynamic: bool = False) -> None:
+                 dynamic: bool | None = False) -> None:
         """graphs: on a GPU, torch's own CUDA graphs (mode reduce-overhead); False for a caller that captures its own.
-        dynamic: one graph for every size of the inputs (sizes 0 and 1 specialize) instead of one per shape."""
+        dynamic: False, one graph per shape; None, dynamic only in the sizes the caller marks dynamic."""
         import torch._inductor.config as inductor_config
 
         mode = "reduce-overhead" if device.type == "cuda" and graphs else None

@@ -82,7 +82,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # The sampler runs eagerly (on the CPU inductor's code for it crashed or drew other tokens under torch 2.13;
         # on a GPU the graph holds it anyway).
-        self.compiled = CompiledStep(decode_logits, device, graphs=False, dynamic=device.type == "cuda")
+        dynamic = None if device.type == "cuda" else False  # on a GPU: the sizes mark_sizes_dynamic names
+        self.compiled = CompiledStep(decode_logits, device, graphs=False, dynamic=dynamic)
 
     def fits(self, rows: int) -> bool:
         return rows <= MAX_GRAPH_ROWS
@@ -150,6 +151,8 @@ class DecodeGraphs:
         put(self.floats, temperature + [0.0] * pad + top_p + [1.0] * pad)
 
     def _step(self, greedy: bool, args: tuple[Tensor, ...]) -> Tensor:
+        if self.device.type == "cuda":
+            mark_sizes_dynamic(*args[:5])
         logits = self.compiled(self.model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
         return pick_tokens(logits, greedy, args[1], *args[5:])
 
@@ -166,6 +169,14 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = self._step(greedy, args)
         return graph, out
+
+
+def mark_sizes_dynamic(ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor) -> None:
+    """The rows and the page width are the sizes one compiled step serves in every bucket (a size of 1 still
+    specializes); every other size of the step is fixed."""
+    for t, dims in ((ids, (1,)), (positions, (0,)), (slots, (0,)), (tables, (0, 1)), (seq_lens, (0,))):
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def put(buffer: Tensor, values: list) -> None:
