@@ -20,7 +20,6 @@ expert and output row); its routers stay float. int4 is refused for those models
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -75,11 +74,12 @@ class Int8MoEFeedForward(MoEFeedForward):
     output row (w13_scales (E, 2I), w2_scales (E, dim)); the experts that run are dequantized to the router's dtype (the
     activations'). The router stays a float linear."""
 
-    def __init__(self, args: ModelArgs, device: torch.device | str | None = None) -> None:
+    def __init__(self, args: ModelArgs, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         with torch.device("meta"):
             super().__init__(args)
         n, hidden, dim = args.n_experts, args.moe_intermediate_size, args.dim
-        self.gate = nn.Linear(dim, n, bias=False, device=device)
+        self.gate = nn.Linear(dim, n, bias=False, device=device, dtype=dtype)  # the router, in the activations' dtype
         del self.w13, self.w2
         for name, shape in (("w13", (n, 2 * hidden, dim)), ("w2", (n, dim, hidden))):
             self.register_buffer(name, torch.empty(shape, dtype=torch.int8, device=device))  # (E, N, K)
@@ -290,7 +290,7 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
     if scheme != "int8":
         raise ValueError(f"checkpoint uses quantization {scheme!r}, which this Redline cannot load; upgrade Redline")
     _swap_linears(model, lambda lin: Int8Linear(lin.in_features, lin.out_features, device=lin.weight.device))
-    _swap_experts(model, lambda ffn: Int8MoEFeedForward(model.args, device=ffn.gate.weight.device))
+    _swap_experts(model, lambda ffn: Int8MoEFeedForward(model.args, ffn.gate.weight.device, ffn.gate.weight.dtype))
 
 
 def _swap_experts(model: nn.Module, build: Any) -> None:

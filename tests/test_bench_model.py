@@ -95,9 +95,12 @@ def test_random_moe_model_has_drawn_int8_experts():
 
     args = ModelArgs(dim=32, n_layer=1, n_head=2, intermediate_size=64, vocab_size=64, block_size=32, n_experts=4,
                      n_experts_per_tok=2, moe_intermediate_size=16)
-    model = bench_model.build_random_model(args, torch.device("cpu"), torch.float32, "int8")
+    model = bench_model.build_random_model(args, torch.device("cpu"), torch.bfloat16, "int8")
     experts = model.layers[0].feed_forward
     assert isinstance(experts, Int8MoEFeedForward)
+    assert experts.gate.weight.dtype == torch.bfloat16  # the router runs in the activations' dtype
+    model.setup_caches(1, 8)
+    model(torch.tensor([[1, 2, 3]]), torch.arange(3), from_start=True)  # bf16 activations through the int8 experts
     for name in ("w13", "w2"):
         codes = getattr(experts, name)
         assert codes.min().item() == -INT8_MAX and codes.max().item() == INT8_MAX
