@@ -213,12 +213,13 @@ async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: floa
 
 
 def offline_engine(cfg: BenchServeConfig) -> Any:
-    from redline.engine import Engine
-    from redline.serve import ServeSettings, load_llm
+    """The engine serve.py would run, built by serve.py's own code (its graphs captured before the first request)."""
+    from redline.serve import ServeSettings, batching_engine, load_llm
 
     settings = ServeSettings(checkpoint_path=cfg.checkpoint_path, random_weights=cfg.random_weights,
-                             device=cfg.device, dtype=cfg.dtype)
-    return Engine(load_llm(settings), max_kv_tokens=cfg.max_kv_tokens, max_running=cfg.max_running)
+                             device=cfg.device, dtype=cfg.dtype, max_kv_tokens=cfg.max_kv_tokens,
+                             max_running=cfg.max_running, max_queue=None)
+    return batching_engine(load_llm(settings), settings)
 
 
 def run_offline(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]], rate: float) -> dict[str, Any]:

@@ -5,13 +5,17 @@
 #   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu)
 #   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
 #   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4, and the MoE models
-#   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py, against offline
+#   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
+#   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
 #
+# SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one).
 # RESULTS (default benchmarks/results/gpu-run) receives every JSON, log and plot; the last line of each part prints
 # where. Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|families|serve}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|families|serve|serve-offline}
+model=${SERVE_MODEL:-Llama-3-8B}
+vocab=${SERVE_VOCAB:-128256}
 RESULTS=${RESULTS:-benchmarks/results/gpu-run}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
@@ -55,29 +59,34 @@ families)
     ;;
 serve)
     port=8321
-    python3 serve.py --random-weights Llama-3-8B --dtype bfloat16 --port $port >"$RESULTS/server.log" 2>&1 &
+    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port >"$RESULTS/server.log" 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null' EXIT
-    for _ in $(seq 300); do  # the server answers /health with 200 once the model is loaded and compiled
+    for _ in $(seq 300); do  # /health answers 200 once the model is loaded and its decode graphs are captured
         curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
         kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server.log"; exit 1; }
         sleep 2
     done
     url="--base-url http://127.0.0.1:$port"
     run serve-one python3 benchmarks/bench_serve.py $url --num-prompts 8 --max-concurrency 1 --input-len 128 \
-        --output-len 256 --vocab-size 128256 --json "$RESULTS/serve-one.json"
+        --output-len 256 --vocab-size "$vocab" --json "$RESULTS/serve-one.json"
     run serve-64 python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 --output-len 256 \
-        --vocab-size 128256 --json "$RESULTS/serve-64.json"
+        --vocab-size "$vocab" --json "$RESULTS/serve-64.json"
     # 300 prompts a rate keeps the sweep inside one call (at 2 requests/s their arrivals alone take 150 s).
     run serve-sweep python3 benchmarks/bench_serve.py $url --request-rate 2,8,32 --num-prompts 300 \
-        --input-len 100:1024 --output-len 256 --vocab-size 128256 --json "$RESULTS/serve-sweep.json" \
+        --input-len 100:1024 --output-len 256 --vocab-size "$vocab" --json "$RESULTS/serve-sweep.json" \
         --plot "$RESULTS/serve-sweep.png"
     kill -TERM $server && wait $server
-    run serve-64-offline python3 benchmarks/bench_serve.py --offline --random-weights Llama-3-8B --dtype bfloat16 \
-        --num-prompts 64 --input-len 512 --output-len 256 --vocab-size 128256 --json "$RESULTS/serve-64-offline.json"
+    ;;
+serve-offline)
+    offline="--offline --random-weights $model --dtype bfloat16 --vocab-size $vocab"
+    run serve-one-offline python3 benchmarks/bench_serve.py $offline --num-prompts 8 --max-concurrency 1 \
+        --input-len 128 --output-len 256 --json "$RESULTS/serve-one-offline.json"
+    run serve-64-offline python3 benchmarks/bench_serve.py $offline --num-prompts 64 --input-len 512 \
+        --output-len 256 --json "$RESULTS/serve-64-offline.json"
     ;;
 *)
-    echo "unknown part '$part'; use tests, engine, families or serve" >&2
+    echo "unknown part '$part'; use tests, engine, families, serve or serve-offline" >&2
     exit 2
     ;;
 esac
