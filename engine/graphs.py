@@ -51,14 +51,6 @@ def pick_tokens(logits: Tensor, greedy: bool, positions: Tensor, temperature: Te
     return sample_rows(logits, temperature, top_k, top_p, seed, positions + 1)
 
 
-def decode_step(model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, greedy: bool, ids: Tensor,
-                positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor, temperature: Tensor,
-                top_k: Tensor, top_p: Tensor, seed: Tensor) -> Tensor:
-    """One token for each of B decoding sequences: ids (1, B) at positions (B,) -> tokens (B,)."""
-    logits = decode_logits(model, kv, vocab_bias, ids, positions, slots, tables, seq_lens)
-    return pick_tokens(logits, greedy, positions, temperature, top_k, top_p, seed)
-
-
 class DecodeGraphs:
     """Static buffers and the captured (CUDA) or compiled (CPU) decode steps of one engine.
 
