@@ -77,6 +77,18 @@ class StepLog:
     seconds: list[float] = field(default_factory=list)
     min_seconds: list[float] = field(default_factory=list)  # the roofline of each step
     pages_used: list[int] = field(default_factory=list)
+    decode_only: list[bool] = field(default_factory=list)  # every chunk of the step is one decoded token
+
+    def by_kind(self) -> dict[str, dict[str, Any]]:
+        """Decode-only steps and steps that prefill (a prompt or a preempted sequence's recompute): count,
+        seconds, and roofline % when known."""
+        out = {}
+        for kind, mine in (("decode", self.decode_only), ("with_prefill", [not d for d in self.decode_only])):
+            secs = [x for x, m in zip(self.seconds, mine) if m]
+            floor = sum(x for x, m in zip(self.min_seconds, mine) if m)
+            out[kind] = {"steps": len(secs), "seconds": sum(secs),
+                         "roofline_pct": 100 * floor / sum(secs) if secs and floor else None}
+        return out
 
 
 class StepCosts:
@@ -113,6 +125,7 @@ class TimedEngine(Engine):
         self.log.seconds.append(time.perf_counter() - start)
         self.log.min_seconds.append(self.costs.min_seconds(chunks) if self.costs is not None else 0.0)
         self.log.pages_used.append(self.pool.num_used)
+        self.log.decode_only.append(all(c.length == 1 for c in chunks))
         return out
 
 
@@ -142,7 +155,7 @@ def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
         "peak_kv_pages": max(log.pages_used), "kv_pages_total": engine.pool.num_pages,
         "preemptions": engine.stats().preemptions,
         "roofline_pct": 100 * sum(log.min_seconds) / stepped if stepped and engine.costs else None,
-        "step_time_share_of_wall": stepped / wall,
+        "step_time_share_of_wall": stepped / wall, "steps_by_kind": log.by_kind(),
     }
 
 
@@ -342,6 +355,9 @@ def format_report(report: dict[str, Any]) -> str:
              f"  {r['steps']} steps, ms: mean {s['mean']:.2f}, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, "
              f"p99 {s['p99']:.2f}, max {s['max']:.2f}",
              f"  peak KV pages {r['peak_kv_pages']} of {r['kv_pages_total']}, preemptions {r['preemptions']}"]
+    for kind, k in r["steps_by_kind"].items():
+        roof_k = f", {k['roofline_pct']:.1f}% of roofline" if k["roofline_pct"] is not None else ""
+        lines.append(f"  {kind.replace('_', ' ')} steps: {k['steps']}, {k['seconds']:.2f} s{roof_k}")
     if "hf" in report:
         h = report["hf"]
         mine = report.get("redline_subset", r)

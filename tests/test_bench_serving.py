@@ -16,6 +16,9 @@ def test_fixed_workload_report_and_json(tmp_path, capsys):
     r = report["redline"]
     assert r["output_tokens"] == 512 and r["prompt_tokens"] == 512 and r["peak_kv_pages"] <= 32
     assert r["steps"] >= 128 and r["step_ms"]["p50"] <= r["step_ms"]["max"] and r["roofline_pct"] is None
+    kinds = r["steps_by_kind"]  # every step is decode-only or prefills; 4 prompts of 128 need at least one prefill
+    assert kinds["decode"]["steps"] + kinds["with_prefill"]["steps"] == r["steps"]
+    assert kinds["with_prefill"]["steps"] >= 1 and kinds["decode"]["steps"] >= 127
 
 
 def test_mixed_lengths_stay_in_range():
