@@ -106,8 +106,8 @@ def test_int8_stays_within_the_int8_bounds(family_checkpoint, tmp_path):
 def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_what_it_lacks(family_checkpoint):
     """kernels.use_kernels on each family (the ops run their references on the CPU): the same logits through prefill
     and one-token steps; attention layers whose ops the kernels lack keep model.Attention; FusedDecode refuses every
-    family but Llama in one line naming what it lacks."""
-    from redline.kernels import FusedDecode, KernelAttention, use_kernels
+    family but Llama and Qwen2 without windows in one line naming what it lacks, and runs those exactly."""
+    from redline.kernels import FusedDecode, KernelAttention, fused_decode_refusal, use_kernels
     from redline.model import Attention
 
     variant, _, _, path = family_checkpoint
@@ -123,6 +123,15 @@ def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_wha
         0.0, a.head_dim ** -0.5)
     assert (KernelAttention in kinds) == (plain and not all(a.layer_windows or [0])), variant
     assert (Attention in kinds) == (not plain or any(a.layer_windows)), variant
+    if fused_decode_refusal(a) is None:  # Qwen2 without windows: its q/k/v bias is one add in the fused path
+        assert variant.startswith("qwen2") and a.qkv_bias, variant
+        fused = FusedDecode(model)
+        with torch.no_grad():
+            model.setup_caches(1, 32)
+            steps = [model(ids[:, :8], torch.arange(8))]  # the prompt runs the unfused blocks, each token the fused
+            steps += [fused(ids[:, p:p + 1], torch.tensor([p])) for p in range(8, 20)]
+        assert (torch.cat(steps, dim=1) - want).abs().max().item() <= 1e-5, variant
+        return
     with pytest.raises(ValueError, match="fused batch-1 decode implements Llama blocks only") as info:
         FusedDecode(model)
     assert "\n" not in str(info.value)

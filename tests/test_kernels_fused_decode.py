@@ -9,14 +9,22 @@ from redline.kernels import fused_decode
 from redline.model import ModelArgs, Transformer
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_fused_decode_gives_the_unfused_logits(quantized, monkeypatch):
+@pytest.mark.parametrize("quantized,qkv_bias", [(False, False), (True, False), (False, True)])
+def test_fused_decode_gives_the_unfused_logits(quantized, qkv_bias, monkeypatch):
     """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
-    the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise."""
+    the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise.
+    With a q/k/v bias (Qwen2) too."""
+    import dataclasses
+
     from redline.quantize import quantize_
 
     torch.manual_seed(0)
-    model = Transformer(ModelArgs.from_name("debug-tiny-llama3")).eval()  # GQA 4:1, llama3 rope
+    args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), qkv_bias=qkv_bias)  # GQA 4:1, llama3 rope
+    model = Transformer(args).eval()
+    if qkv_bias:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.attention.wqkv_bias.normal_(0, 0.5)  # large enough to move the logits
     if quantized:
         quantize_(model, "int8")
     kernels.use_kernels(model)

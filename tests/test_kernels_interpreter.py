@@ -34,7 +34,7 @@ CASES = [
     *[(f"dot_{m}", d) for m in (2, 17, 70) for d in ("float32", "float16")],
     ("dot_int8", "float16"),
     *[(f"int4dot_{m}", d) for m in INT4_DOT_ROWS for d in ("float32", "float16")],
-    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv") for d in ("float32", "float16")],
+    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7") for d in ("float32", "float16")],
     ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"),
 ]
 
@@ -116,7 +116,8 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
     from redline.kernels import configs
     from redline.kernels import triton_attention as ta
 
-    n_heads, n_kv_heads = (4, 4) if variant == "mha" else (8, 2)
+    # qkv7: seven query heads per KV head (Qwen2.5-7B's 28:4), not a power of two
+    n_heads, n_kv_heads = {"mha": (4, 4), "qkv7": (14, 2)}.get(variant, (8, 2))
     batch, seq_len, head_dim, pos = 2, 80, 32, 70
     config = configs.AttentionConfig(num_splits=1 if variant == "single" else 3, block_s=16)
     k_cache = torch.randn(batch, n_kv_heads, seq_len, head_dim, dtype=dtype)  # (B, Hkv, S, D)
@@ -124,7 +125,7 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
     k_cache[:, :, pos + 1:] = float("nan")  # past input_pos: never read
     v_cache[:, :, pos + 1:] = float("nan")
     input_pos = torch.tensor([pos])
-    if variant == "qkv":
+    if variant.startswith("qkv"):
         rope = _rope_table(seq_len, head_dim)
         qkv = torch.randn(batch, 1, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
