@@ -140,8 +140,8 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
 
 def _rope_case(dtype: torch.dtype) -> float:
     from redline.kernels import attention as da
-    from redline.kernels import configs
     from redline.kernels import triton_attention as ta
+
     batch, length, n_heads, n_kv_heads, head_dim = 2, 37, 4, 2, 32
     rope = _rope_table(length, head_dim)
     qkv = torch.randn(batch, length, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
