@@ -415,6 +415,19 @@ class Attention(nn.Module):
             return self.q_norm(q), self.k_norm(k)
         return self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
 
+    def normed_qkv(self, qkv: Tensor) -> Tensor:
+        """The fused projection (B, T, (H + 2 Hkv) D) with its q and k parts through the q/k norms (itself without
+        them), for the kernels that rope and cache from qkv."""
+        if self.q_norm is None:
+            return qkv
+        a = self.args
+        batch, length, _ = qkv.shape
+        q, k, v = qkv.split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = q.view(batch, length, a.n_head, a.head_dim)  # (B, T, H, D)
+        k = k.view(batch, length, a.n_kv_heads, a.head_dim)  # (B, T, Hkv, D)
+        q, k = self.normed_qk(q, k)
+        return torch.cat([q.flatten(2), k.flatten(2), v], dim=-1)
+
     def output(self, out: Tensor) -> Tensor:
         """The attention output (B, H, T, D) -> (B, T, dim) through wo and its bias."""
         bsz, _, seqlen, _ = out.shape

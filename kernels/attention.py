@@ -290,7 +290,7 @@ class KernelAttention(Attention):
         if context is not None or (not from_start and seqlen != 1):  # the paged path is model.py's
             return super().forward(x, rope, mask, input_pos, from_start, context)
         a = self.args
-        qkv = self.qkv(x)  # (B, T, (H + 2 Hkv) D), with its bias
+        qkv = self.normed_qkv(self.qkv(x))  # (B, T, (H + 2 Hkv) D), with its bias and q/k norms
         cache = self.cache()
         if from_start:
             q = torch.ops.redline.prefill_rope_cache(qkv, cache.k, cache.v, rope).transpose(1, 2)  # (B, H, T, D)

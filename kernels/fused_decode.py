@@ -4,11 +4,11 @@
     logits = fused(token, input_pos)  # one token: the fused path; anything else: model(...)
 
 Per block: norm+qkv, rope+cache write+attention (redline::decode_attention_qkv), wo+residual,
-norm+gate/up+SwiGLU, w2+residual (a q/k/v bias, Qwen2's, adds a sixth); the final norm rides in the output
-head's GEMV. Each residual kernel
-also adds its output's sum of squares into a slot of an fp32 buffer, so the next norm needs no pass of its
-own. Same math and roundings as model.Transformer.forward, except that the normalized input of a projection
-stays fp32 (the GPU kernel does not round it to the activation dtype).
+norm+gate/up+SwiGLU, w2+residual (a q/k/v bias, Qwen2's, or q/k norms, Qwen3's, add one or two more); the final
+norm rides in the output head's GEMV. Each residual kernel also adds its output's sum of squares into a slot of an
+fp32 buffer, so the next norm needs no pass of its own. Same math and roundings as model.Transformer.forward,
+except that the normalized input of a projection stays fp32 (the GPU kernel does not round it to the activation
+dtype).
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
                            sum_in=2 * index - 1 if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
     if attn.wqkv_bias is not None:  # Qwen2/2.5: added after the rounded projection, as Attention.qkv does
         qkv = qkv + attn.wqkv_bias
+    qkv = attn.normed_qkv(qkv)  # Qwen3's q/k norms, before the kernel ropes q and k
     out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
     h = residual_projection(attn.wo, out, x, sums, 2 * index)  # (1, 1, dim)
     act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums,
@@ -67,9 +68,10 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
 
 def fused_decode_refusal(args: ModelArgs) -> str | None:
     """Why the fused kernels cannot compute this model's blocks (they implement Llama's: pre-norms of weight * x,
-    SwiGLU, full-width rope, plain softmax attention, no scales; a q/k/v bias is one add), or None when they can."""
+    SwiGLU, full-width rope, plain softmax attention, no scales; a q/k/v bias or q/k norms run between the qkv
+    projection and the attention kernel), or None when they can."""
     deltas = [
-        ("an output bias", args.o_bias), ("q/k norms", args.qk_norm != "none"),
+        ("an output bias", args.o_bias),
         ("Gemma/OLMo 2 norms", args.norm_offset != 0.0 or args.norm_scale_fp32 or args.norm_placement != "pre"),
         ("GeGLU", args.activation != "silu"),
         ("embedding, residual or logit scales", (args.embedding_scale, args.residual_scale, args.logits_divisor)

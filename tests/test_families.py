@@ -106,7 +106,7 @@ def test_int8_stays_within_the_int8_bounds(family_checkpoint, tmp_path):
 def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_what_it_lacks(family_checkpoint):
     """kernels.use_kernels on each family (the ops run their references on the CPU): the same logits through prefill
     and one-token steps; attention layers whose ops the kernels lack keep model.Attention; FusedDecode refuses every
-    family but Llama and Qwen2 without windows in one line naming what it lacks, and runs those exactly."""
+    family but Llama, Qwen2 without windows and Qwen3 in one line naming what it lacks, and runs those exactly."""
     from redline.kernels import FusedDecode, KernelAttention, fused_decode_refusal, use_kernels
     from redline.model import Attention
 
@@ -119,12 +119,11 @@ def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_wha
     assert (got - want).abs().max().item() <= 1e-5, variant
     kinds = {type(layer.attention) for layer in model.layers}
     a = model.args
-    plain = a.qk_norm == "none" and a.rotary_dim == a.head_dim and not a.attn_softcap and a.attention_scale in (
-        0.0, a.head_dim ** -0.5)
+    plain = a.rotary_dim == a.head_dim and not a.attn_softcap and a.attention_scale in (0.0, a.head_dim ** -0.5)
     assert (KernelAttention in kinds) == (plain and not all(a.layer_windows or [0])), variant
     assert (Attention in kinds) == (not plain or any(a.layer_windows)), variant
-    if fused_decode_refusal(a) is None:  # Qwen2 without windows: its q/k/v bias is one add in the fused path
-        assert variant.startswith("qwen2") and a.qkv_bias, variant
+    if fused_decode_refusal(a) is None:  # Qwen2 without windows (a q/k/v bias) and Qwen3 (q/k norms)
+        assert variant.startswith(("qwen2", "qwen3")) and (a.qkv_bias or a.qk_norm == "head"), variant
         fused = FusedDecode(model)
         with torch.no_grad():
             model.setup_caches(1, 32)

@@ -9,23 +9,27 @@ from redline.kernels import fused_decode
 from redline.model import ModelArgs, Transformer
 
 
-@pytest.mark.parametrize("quantized,qkv_bias", [(False, False), (True, False), (False, True)])
-def test_fused_decode_gives_the_unfused_logits(quantized, qkv_bias, monkeypatch):
+@pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm"])
+def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
     """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
     the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise.
-    With a q/k/v bias (Qwen2) too."""
+    Also int8, and with a q/k/v bias (Qwen2) or per-head q/k norms (Qwen3) between the projection and the kernel."""
     import dataclasses
 
     from redline.quantize import quantize_
 
     torch.manual_seed(0)
-    args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), qkv_bias=qkv_bias)  # GQA 4:1, llama3 rope
+    args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), qkv_bias=variant == "qkv_bias",
+                               qk_norm="head" if variant == "qk_norm" else "none")  # GQA 4:1, llama3 rope
     model = Transformer(args).eval()
-    if qkv_bias:
-        with torch.no_grad():
-            for layer in model.layers:
-                layer.attention.wqkv_bias.normal_(0, 0.5)  # large enough to move the logits
-    if quantized:
+    with torch.no_grad():
+        for layer in model.layers:  # values large enough to move the logits
+            for extra in (layer.attention.wqkv_bias, layer.attention.q_norm, layer.attention.k_norm):
+                if isinstance(extra, torch.Tensor):
+                    extra.normal_(0, 0.5)
+                elif extra is not None:
+                    extra.weight.normal_(1, 0.5)
+    if variant == "int8":
         quantize_(model, "int8")
     kernels.use_kernels(model)
     fused = kernels.FusedDecode(model)
