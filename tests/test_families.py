@@ -48,10 +48,12 @@ def test_cached_decoding_matches_transformers(family_checkpoint):
     assert diff <= 1e-4, (variant, diff)
 
 
-def check_greedy_tokens(checkpoint) -> None:
-    """16 greedy tokens of a converted (variant, HF dir, HF model, path) checkpoint equal transformers' generate."""
+def check_greedy_tokens(checkpoint, device: str = "cpu") -> None:
+    """16 greedy tokens of a converted (variant, HF dir, HF model, path) checkpoint equal transformers' generate; on
+    a GPU through the kernels, compiled, with the fused decode where the family takes it (float32 throughout)."""
     variant, _, hf_model, path = checkpoint
-    llm = LLM(load_fp32(path), None, torch.device("cpu"), compile=False)
+    model = load_model(read_checkpoint_info(path), device, torch.float32)
+    llm = LLM(model, None, torch.device(device), compile=device != "cpu")
     prompt = [5, 17, 99, 230, 7, 64, 300, 12]
     ours = llm.generate(prompt, max_new_tokens=16, ignore_eos=True, temperature=0).token_ids
     with torch.no_grad():
@@ -61,6 +63,11 @@ def check_greedy_tokens(checkpoint) -> None:
 
 def test_greedy_tokens_match_transformers(family_checkpoint):
     check_greedy_tokens(family_checkpoint)
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_and_compile_give_transformers_greedy_tokens(family_checkpoint):
+    check_greedy_tokens(family_checkpoint, "cuda")
 
 
 @pytest.mark.parametrize("length", [200, 300])

@@ -38,6 +38,11 @@ def test_greedy_tokens_match_transformers(moe_checkpoint):
     check_greedy_tokens(moe_checkpoint)
 
 
+@pytest.mark.gpu
+def test_gpu_kernels_and_compile_give_transformers_greedy_tokens(moe_checkpoint):
+    check_greedy_tokens(moe_checkpoint, "cuda")
+
+
 def test_generate_batch_gives_each_prompt_its_tokens_alone(moe_checkpoint):
     variant, _, _, path = moe_checkpoint
     llm = LLM(load_fp32(path), None, torch.device("cpu"), compile=False)
