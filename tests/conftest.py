@@ -174,14 +174,25 @@ def randomize_parameters(model, gemma: bool) -> None:
 
 def save_family_checkpoint(out_dir: Path, variant: str, seed: int = 0, **overrides):
     """Save a random model of FAMILY_VARIANTS[variant] in HF layout; returns (out_dir, fp32 HF model in eval mode)."""
+    return save_random_hf_model(out_dir, *FAMILY_VARIANTS[variant], seed, overrides)
+
+
+def save_random_hf_model(out_dir: Path, arch: str, extra: dict, seed: int, overrides: dict, wide_routers: bool = False):
+    """A random transformers `arch` model of _FAMILY_BASE updated by extra and overrides, saved in HF layout; returns
+    (out_dir, the fp32 model in eval mode). wide_routers: MoE routers drawn wide enough that tokens choose different
+    experts."""
     import transformers
 
-    arch, extra = FAMILY_VARIANTS[variant]
     model_class = getattr(transformers, arch)
     torch.manual_seed(seed)
     config = model_class.config_class(**{**_FAMILY_BASE, **extra, **overrides}, attn_implementation="eager")
     model = model_class(config).eval()
     randomize_parameters(model, arch.startswith("Gemma"))
+    if wide_routers:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("gate.weight") and ".experts." not in name:
+                    p.normal_(0.0, 0.5)
     model.save_pretrained(out_dir)
     return out_dir, model
 
@@ -213,20 +224,7 @@ MOE_VARIANTS: dict[str, tuple[str, dict]] = {
 def save_moe_checkpoint(out_dir: Path, variant: str, seed: int = 0):
     """Save a random model of MOE_VARIANTS[variant] in HF layout; returns (out_dir, fp32 HF model in eval mode).
     The routers and experts are drawn wide enough that tokens choose different experts."""
-    import transformers
-
-    arch, extra = MOE_VARIANTS[variant]
-    model_class = getattr(transformers, arch)
-    torch.manual_seed(seed)
-    config = model_class.config_class(**{**_FAMILY_BASE, **extra}, attn_implementation="eager")
-    model = model_class(config).eval()
-    randomize_parameters(model, gemma=False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("gate.weight") and ".experts." not in name:
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(out_dir)
-    return out_dir, model
+    return save_random_hf_model(out_dir, *MOE_VARIANTS[variant], seed, {}, wide_routers=True)
 
 
 @pytest.fixture(scope="session", params=sorted(MOE_VARIANTS))
