@@ -28,6 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from redline.engine import Engine
+from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK
 from redline.model import ModelArgs
 from redline.options import EngineConfig, check_text
 from redline.serve_metrics import Metrics
@@ -57,6 +59,7 @@ class ServeSettings:
     compile: bool | None = None
     max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: the engine sizes it
     max_running: int = 256  # requests decoded together at most
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens one engine step computes at most
     max_queue: int | None = 1024  # requests waiting at most; more get 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests get this long to finish
@@ -68,7 +71,7 @@ class ServeSettings:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key is empty; give a key or leave it out")
-        for name in ("max_running", "max_body_bytes") + (("max_queue",) if self.max_queue is not None else ()) + (
+        for name in ("max_running", "prefill_chunk", "max_body_bytes") + (("max_queue",) if self.max_queue is not None else ()) + (
                 ("max_kv_tokens",) if self.max_kv_tokens is not None else ()):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -85,10 +88,8 @@ class ServeSettings:
 
     @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        if self.random_weights is not None:
-            return self.random_weights
+        if self.served_model_name or self.random_weights is not None:
+            return self.served_model_name or self.random_weights
         path = Path(self.checkpoint_path)
         return (path if path.is_dir() else path.parent).name
 
@@ -617,12 +618,11 @@ def load_llm(settings: ServeSettings) -> Any:
     return LLM(model, None, device, compile, name=settings.model_name)
 
 
-def batching_engine(llm: Any, settings: ServeSettings) -> Any:
-    from redline.engine import Engine
-
+def batching_engine(llm: Any, settings: ServeSettings) -> Engine:
     engine = Engine(llm, max_kv_tokens=settings.max_kv_tokens, max_running=settings.max_running,
-                    max_queue=settings.max_queue)
+                    max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk)
     engine.capture_graphs()  # every decode shape before /health says ready, so no request's step pays a capture
+    engine.warm_up()  # and every kernel the first prefill and decode steps compile
     return engine
 
 
@@ -673,6 +673,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
                    help="CUDA-graph decode steps (default: on for a GPU)")
     p.add_argument("--max-kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoded together at most")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens one step computes at most")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; more are refused (429)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",

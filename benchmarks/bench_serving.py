@@ -38,7 +38,7 @@ from redline.benchmarks.bench_env import environment
 from redline.benchmarks.bench_model import build_random_model, param_counts
 from redline.checkpoint import dtype_from_name, write_atomically
 from redline.engine import Engine
-from redline.engine.scheduler import Chunk
+from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk
 from redline.generate import LLM
 from redline.model import ModelArgs
 from redline.options import GenerationOptions
@@ -223,7 +223,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-kv-tokens", type=int, default=None, help="default: from free GPU memory")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens a step computes at most")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps as CUDA graphs (default: on for a GPU)")
@@ -315,7 +315,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     graphs = engine.capture_graphs(max(len(r.prompt) + r.output_len for r in requests))
     report["graph_capture"] = {"graphs": graphs, "seconds": time.perf_counter() - start}
     print(f"captured {graphs} decode graphs in {report['graph_capture']['seconds']:.1f} s", flush=True)
-    run_redline(engine, make_requests("fixed", 8, args.vocab_size, ns.seed + 1)[:8])  # warm-up
+    engine.warm_up()  # as serve.py does before it says ready
     if engine.costs is not None:
         costs = engine.costs
         report["measured"] = {"read_gb_s": costs.bandwidth / 1e9, "matmul_tflops": costs.peak_flops / 1e12}

@@ -18,7 +18,7 @@ import torch
 
 from redline.engine.graphs import DecodeGraphs
 from redline.engine.kv_pages import PagePool, pool_pages
-from redline.engine.scheduler import Chunk, Scheduler
+from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk, Scheduler
 from redline.engine.scheduler import Sequence as Seq
 from redline.engine.steps import RowSettings, chosen_logprobs, sample_tokens, step_batch, step_logits, vocab_bias
 from redline.model import PagedKVCache
@@ -199,7 +199,8 @@ class Engine:
     """Continuous batching over `llm`'s model; see the module docstring."""
 
     def __init__(self, llm: LLM, *, max_kv_tokens: int | None = None, max_running: int = 256,
-                 max_queue: int | None = None, page_size: int = 16, prefill_chunk: int = 512) -> None:
+                 max_queue: int | None = None, page_size: int = 16,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
         if max_queue is not None and (not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1):
@@ -241,6 +242,24 @@ class Engine:
                 raise RuntimeError("capture_graphs runs before the first request")
             with torch.inference_mode():  # as the engine's thread runs its steps
                 return self.graphs.capture(self.block_size if max_tokens is None else min(max_tokens, self.block_size))
+
+    def warm_up(self) -> None:
+        """Run four short requests (greedy and sampled; prompts of several lengths, one as long as a whole prefill
+        chunk) through the engine, so that every kernel the first real steps would compile or tune on first use is
+        ready before serving; then set the counters back to zero (their pages stay in the prefix cache, the least
+        recently used)."""
+        vocab = min(self.vocab_size, self.tokenizer.vocab_size if self.tokenizer is not None else self.vocab_size)
+        longest = max(1, min(self.scheduler.prefill_chunk + 37, self.block_size - 4, self.pool.capacity_tokens // 8))
+        handles = []
+        for i, length in enumerate(sorted({min(n, longest) for n in (7, 48, 301, longest)})):
+            ids = [(j * 7919 + 131 * i + 1) % vocab for j in range(length)]  # distinct prompts, no cache hits
+            sampled = {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}
+            handles.append(self.add_request(ids, GenerationOptions(max_new_tokens=3, ignore_eos=True, **sampled)))
+        for handle in handles:
+            handle.result()
+        with self._lock:
+            self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished = 0
+            self.pool.queries = self.pool.hits = self.scheduler.preemptions = 0
 
     def check_request(self, prompt: str | Sequence[int], options: GenerationOptions | None) -> tuple[list[int],
                                                                                                    GenerationOptions]:

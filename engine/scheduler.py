@@ -56,10 +56,16 @@ class Chunk:
         return self.start + self.length == self.seq.num_tokens
 
 
+# Prompt tokens one step computes at most: on an H200 (Llama-3-8B) 512 gave 7.2k output tok/s on 1,024 requests of
+# 128/128 tokens and 4,096 gave 11.4k (fewer, larger prefill steps), at the cost of steps of 150-270 ms for the
+# streams decoding beside long prompts.
+DEFAULT_PREFILL_CHUNK = 4096
+
 class Scheduler:
     """Waiting and running queues over a PagePool; the engine's thread alone calls it."""
 
-    def __init__(self, pool: PagePool, max_running: int = 256, prefill_chunk: int = 512) -> None:
+    def __init__(self, pool: PagePool, max_running: int = 256,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
         for name, value in (("max_running", max_running), ("prefill_chunk", prefill_chunk)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -306,6 +306,24 @@ def test_capture_graphs_is_a_no_op_without_graphs(llm):
     engine.shutdown()
 
 
+def test_warm_up_leaves_the_engine_as_new(llm):
+    prompts = token_prompts(llm, 3, 30)
+    want = alone(llm, prompts, max_new_tokens=8, ignore_eos=True)
+    engine = Engine(llm, page_size=8, prefill_chunk=64)
+    steps = []
+    real = engine._run
+    engine._run = lambda chunks: steps.append([c.length for c in chunks]) or real(chunks)
+    engine.warm_up()
+    assert max(sum(s) for s in steps) >= 64 and any(len(s) > 1 and 1 in s for s in steps)  # a full chunk; mixed
+    stats = engine.stats()
+    assert (stats.requests_finished, stats.prompt_tokens_total, stats.generation_tokens_total) == (0, 0, 0)
+    assert (stats.prefix_cache_queries, stats.running, stats.kv_pages_used) == (0, 0, 0)
+    handles = [engine.add_request(p, GenerationOptions(max_new_tokens=8, ignore_eos=True)) for p in prompts]
+    assert [h.result(timeout=120).token_ids for h in handles] == want
+    assert engine.stats().requests_finished == 3
+    engine.shutdown()
+
+
 def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     from redline.model import ModelArgs, Transformer
 
