@@ -244,19 +244,20 @@ class Engine:
                 return self.graphs.capture(self.block_size if max_tokens is None else min(max_tokens, self.block_size))
 
     def warm_up(self) -> None:
-        """Run four short requests (greedy and sampled; prompts of several lengths, one as long as a whole prefill
-        chunk) through the engine, so that every kernel the first real steps would compile or tune on first use is
-        ready before serving; then set the counters back to zero (their pages stay in the prefix cache, the least
-        recently used)."""
+        """Run short requests through the engine (one alone, then four together; greedy and sampled; prompts of
+        several lengths, one as long as a whole prefill chunk), so that the kernels the first real steps would
+        compile on first use (Triton specializes on sizes of 1) are ready before serving; then set the counters back
+        to zero (their pages stay in the prefix cache, the least recently used)."""
         vocab = min(self.vocab_size, self.tokenizer.vocab_size if self.tokenizer is not None else self.vocab_size)
         longest = max(1, min(self.scheduler.prefill_chunk + 37, self.block_size - 4, self.pool.capacity_tokens // 8))
-        handles = []
-        for i, length in enumerate(sorted({min(n, longest) for n in (7, 48, 301, longest)})):
-            ids = [(j * 7919 + 131 * i + 1) % vocab for j in range(length)]  # distinct prompts, no cache hits
-            sampled = {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}
-            handles.append(self.add_request(ids, GenerationOptions(max_new_tokens=3, ignore_eos=True, **sampled)))
-        for handle in handles:
-            handle.result()
+        for group in ((128,), (7, 48, 301, longest)):
+            handles = []
+            for i, length in enumerate(min(n, longest) for n in group):
+                ids = [(j * 7919 + 131 * i + length) % vocab for j in range(length)]  # distinct: no cache hits
+                sampled = {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}
+                handles.append(self.add_request(ids, GenerationOptions(max_new_tokens=3, ignore_eos=True, **sampled)))
+            for handle in handles:
+                handle.result()
         with self._lock:
             self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished = 0
             self.pool.queries = self.pool.hits = self.scheduler.preemptions = 0
