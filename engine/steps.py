@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from redline.engine.graphs import pages_bucket
 from redline.engine.scheduler import Chunk
 from redline.model import PagedContext, PagedKVCache, Transformer
 from redline.sampling import sample_rows
@@ -50,7 +51,9 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
         elif chunk.samples:
             sampling.append(len(logits_at))
             logits_at.append(len(ids) - 1)
-    width = max(len(c.seq.pages) for c in chunks)
+    # Tables padded to the decode graphs' power-of-two widths: the attention kernels then meet only the sizes (and
+    # so the compiled kernel variants) that capturing those graphs compiled, not a new one as contexts grow.
+    width = pages_bucket(max(len(c.seq.pages) for c in chunks), -(-kv.rope.shape[0] // size))
     tables = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]
     single = [i for i, c in enumerate(chunks) if c.length == 1]
     long_, i32 = torch.long, torch.int32
