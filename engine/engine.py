@@ -227,6 +227,8 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._seqs: dict[str, Seq] = {}  # request id -> its sequence, for the engine thread
+        # Outputs of the last step, sent once the next step is on the GPU (the host work overlaps the device's)
+        self._pending: list[tuple[Any, ...]] = []
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished = 0
 
     # -- the API -------------------------------------------------------------------------------------------------------
@@ -367,9 +369,11 @@ class Engine:
                 if stop:
                     for seq in list(self._seqs.values()):
                         self._end(seq, "abort")
+                    self._deliver()
                     return False
                 if self.scheduler.has_work():
                     return True
+                self._deliver()  # idle: no step will follow soon, so send what the last one made now
                 if self._closing:
                     return False
                 self._lock.wait()
@@ -379,6 +383,7 @@ class Engine:
         for seq in self.scheduler.failed:
             self._end(seq, "error", seq.error, already_released=True)
         if not chunks:
+            self._deliver()
             return
         try:
             tokens, extras = self._run(chunks)
@@ -394,13 +399,15 @@ class Engine:
     def _run(self, chunks: list[Chunk]) -> tuple[list[int], list[dict[str, Any]]]:
         """Run the model on chunks; the sampled token of each sampling chunk and its logprob extras."""
         if self._graph_step(chunks):
-            return self.graphs.run([c.seq.tokens[c.start] for c in chunks], [c.start for c in chunks],
-                                   [c.seq.pages for c in chunks], [c.seq.state.settings for c in chunks]), \
-                [{} for _ in chunks]
+            tokens = self.graphs.run([c.seq.tokens[c.start] for c in chunks], [c.start for c in chunks],
+                                     [c.seq.pages for c in chunks], [c.seq.state.settings for c in chunks])
+            self._deliver()  # while the device runs the step
+            return tokens.tolist(), [{} for _ in chunks]
         wants_prompt = {i for i, c in enumerate(chunks)
                         if c.seq.state.prompt_logprobs is not None and c.start < c.seq.prompt_len}
         batch = step_batch(chunks, self.kv, self.device, wants_prompt)
         logits = step_logits(self.model, batch, self.vocab_bias)  # (L, V)
+        self._deliver()  # while the device runs the step
         for i, (begin, end) in batch.prompt_rows.items():
             self._prompt_logprobs(chunks[i], logits[begin:end])
         sampling = [c for c in chunks if c.samples]
@@ -449,11 +456,17 @@ class Engine:
         opts = state.options
         logprobs = [extra["logprob"]] if opts.logprobs and counted else ([] if opts.logprobs else None)
         top = [extra["top"]] if opts.top_logprobs and counted else ([] if opts.top_logprobs else None)
-        self._send(seq, [token] if counted else [], state.piece(reason is not None), logprobs, top, reason)
+        self._pending.append((seq, [token] if counted else [], state.piece(reason is not None), logprobs, top, reason))
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._seqs.pop(seq.request_id, None)
             self.requests_finished += 1
+
+    def _deliver(self) -> None:
+        """Send the outputs the last step made (each request's in order)."""
+        pending, self._pending = self._pending, []
+        for output in pending:
+            self._send(*output)
 
     def _send(self, seq: Seq, token_ids: list[int], text: str, logprobs: list[float] | None,
               top: list[dict[int, float]] | None, reason: str | None, error: str | None = None) -> None:
@@ -468,6 +481,7 @@ class Engine:
 
     def _end(self, seq: Seq, reason: str, error: str | None = None, already_released: bool = False) -> None:
         """End seq now (abort or error): release its pages and send what text it held back."""
+        self._deliver()  # its earlier outputs first
         if not already_released:
             self.scheduler.finish(seq, reason, error)
         self._seqs.pop(seq.request_id, None)

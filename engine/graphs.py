@@ -81,8 +81,9 @@ class DecodeGraphs:
         return rows <= MAX_GRAPH_ROWS
 
     def run(self, tokens: list[int], positions: list[int], pages: list[list[int]],
-            settings: list[tuple[float, int, float, int]]) -> list[int]:
-        """The next token of each decoding row: its last token, its position, its pages and sampling settings."""
+            settings: list[tuple[float, int, float, int]]) -> Tensor:
+        """The next token (B,) of each decoding row (its last token, its position, its pages and sampling
+        settings), on the device: the step is launched, not awaited."""
         rows = len(tokens)
         bucket = batch_bucket(rows)
         width = pages_bucket(max(len(p) for p in pages), self.max_pages)
@@ -90,13 +91,13 @@ class DecodeGraphs:
         self._fill(bucket, width, tokens, positions, pages, settings)
         args = self._inputs(bucket, width)
         if self.device.type != "cuda":
-            return self._step(greedy, args)[:rows].tolist()
+            return self._step(greedy, args)[:rows]
         key = (bucket, width, greedy)
         if key not in self.graphs:
             self.graphs[key] = self._capture(greedy, args)
         graph, out = self.graphs[key]
         graph.replay()
-        return out[:rows].tolist()
+        return out[:rows]
 
     def capture(self, max_tokens: int) -> int:
         """Capture the greedy step of every bucket at every page width that sequences of up to max_tokens tokens
