@@ -34,7 +34,7 @@ from redline.model import ModelArgs
 from redline.options import EngineConfig, check_text
 from redline.serve_metrics import Metrics
 from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, invalid, parse_request)
+                                    TokenizeRequest, context_room, invalid, parse_request)
 from redline.streaming import TextStream
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -59,6 +59,7 @@ class ServeSettings:
     compile: bool | None = None
     max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: the engine sizes it
     max_running: int = 256  # requests decoded together at most
+    compile_prefill: bool = False  # the engine's steps with prompt chunks compiled (dynamic sizes)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens one engine step computes at most
     max_queue: int | None = 1024  # requests waiting at most; more get 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -156,15 +157,6 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def context_room(llm: Any, ids: list[int], asked: int | None, param: str) -> int:
-    """Tokens the reply may have: what was asked, capped by the context left after the prompt."""
-    context = llm.model.args.block_size
-    if len(ids) >= context:
-        raise invalid(f"the prompt has {len(ids)} tokens, but the model's context is {context}; shorten it", param,
-                      "context_length_exceeded")
-    return context - len(ids) if asked is None else min(asked, context - len(ids))
 
 
 def submit(engine: Any, requests: list[tuple[list[int], Any]]) -> list[Any]:
@@ -620,7 +612,8 @@ def load_llm(settings: ServeSettings) -> Any:
 
 def batching_engine(llm: Any, settings: ServeSettings) -> Engine:
     engine = Engine(llm, max_kv_tokens=settings.max_kv_tokens, max_running=settings.max_running,
-                    max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk)
+                    max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk,
+                    compile_prefill=settings.compile_prefill)
     engine.capture_graphs()  # every decode shape before /health says ready, so no request's step pays a capture
     engine.warm_up()  # and every kernel the first prefill and decode steps compile
     return engine
@@ -674,6 +667,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--max-kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoded together at most")
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens one step computes at most")
+    p.add_argument("--compile-prefill", action="store_true", help="compile the steps that prefill (dynamic sizes)")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; more are refused (429)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",

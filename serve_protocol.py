@@ -201,3 +201,12 @@ def validation_error(exc: ValidationError) -> APIError:
     if err["type"] == "missing":
         return invalid(f"missing required parameter {param!r}", param, "missing_required_parameter")
     return invalid(f"invalid value for {param!r}: {err['msg']}", param, "invalid_value")
+
+
+def context_room(llm: Any, ids: list[int], asked: int | None, param: str) -> int:
+    """Tokens the reply may have: what was asked, capped by the context left after the prompt."""
+    context = llm.model.args.block_size
+    if len(ids) >= context:
+        raise invalid(f"the prompt has {len(ids)} tokens, but the model's context is {context}; shorten it", param,
+                      "context_length_exceeded")
+    return context - len(ids) if asked is None else min(asked, context - len(ids))

@@ -47,6 +47,7 @@ class BenchServeConfig:
     dtype: str | None = None
     max_kv_tokens: int | None = None
     max_running: int = 256
+    compile_prefill: bool = False  # --offline: the engine's steps with prompt chunks compiled
     max_concurrency: int | None = None  # requests in flight at once at most (1: one client); None: no limit
 
     def __post_init__(self) -> None:
@@ -218,7 +219,7 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
 
     settings = ServeSettings(checkpoint_path=cfg.checkpoint_path, random_weights=cfg.random_weights,
                              device=cfg.device, dtype=cfg.dtype, max_kv_tokens=cfg.max_kv_tokens,
-                             max_running=cfg.max_running, max_queue=None)
+                             max_running=cfg.max_running, max_queue=None, compile_prefill=cfg.compile_prefill)
     return batching_engine(load_llm(settings), settings)
 
 
@@ -370,6 +371,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-kv-tokens", type=int, default=None)
     p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--compile-prefill", action="store_true", help="--offline: compile the steps that prefill")
     ns = p.parse_args(argv)
     return BenchServeConfig(**{**vars(ns), "input_len": parse_range(ns.input_len),
                                "request_rates": parse_rates(ns.request_rates)})

@@ -225,6 +225,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens a step computes at most")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--compile-prefill", action="store_true", help="compile the steps that prefill (dynamic sizes)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps as CUDA graphs (default: on for a GPU)")
     p.add_argument("--compare", choices=("hf",), default=None)
@@ -291,7 +292,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     llm = LLM(model, None, device, compile=ns.compile if ns.compile is not None else device.type == "cuda",
               kernels=ns.kernels)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
-                         prefill_chunk=ns.prefill_chunk)
+                         prefill_chunk=ns.prefill_chunk, compile_prefill=ns.compile_prefill)
     engine.log = StepLog()
     if device.type == "cuda":
         from redline.profiling import read_bandwidth_gb_s

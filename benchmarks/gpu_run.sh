@@ -4,18 +4,21 @@
 #
 #   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu)
 #   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
+#   bash benchmarks/gpu_run.sh engine-compiled  # fixed, mixed and prefix again with --compile-prefill
 #   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4, and the MoE models
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
 #
-# SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one).
+# SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
+# SERVE_ARGS adds engine flags to both (SERVE_ARGS=--compile-prefill).
 # RESULTS (default benchmarks/results/gpu-run) receives every JSON, log and plot; the last line of each part prints
 # where. Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|families|serve|serve-offline}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-compiled|families|serve|serve-offline}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
+extra=${SERVE_ARGS:-}
 RESULTS=${RESULTS:-benchmarks/results/gpu-run}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
@@ -47,6 +50,12 @@ engine)
         --json "$RESULTS/engine-mixed.json"
     run engine-prefix python3 $bench --model Llama-3-8B --workload prefix --json "$RESULTS/engine-prefix.json"
     ;;
+engine-compiled)
+    bench="benchmarks/bench_serving.py --model Llama-3-8B --compile-prefill"
+    run engine-fixed-compiled python3 $bench --workload fixed --num-requests 1024 --json "$RESULTS/engine-fixed-compiled.json"
+    run engine-mixed-compiled python3 $bench --workload mixed --json "$RESULTS/engine-mixed-compiled.json"
+    run engine-prefix-compiled python3 $bench --workload prefix --json "$RESULTS/engine-prefix-compiled.json"
+    ;;
 families)
     for model in Qwen2.5-7B Qwen3-8B Gemma-3-12B Phi-4-mini; do
         run "decode-$model" python3 benchmarks/bench.py --model "$model" --quant none,int4 --runs 3 \
@@ -59,7 +68,7 @@ families)
     ;;
 serve)
     port=8321
-    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port >"$RESULTS/server.log" 2>&1 &
+    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port $extra >"$RESULTS/server.log" 2>&1 &
     server=$!
     trap 'kill $server 2>/dev/null' EXIT
     for _ in $(seq 300); do  # /health answers 200 once the model is loaded and its decode graphs are captured
@@ -79,14 +88,14 @@ serve)
     kill -TERM $server && wait $server
     ;;
 serve-offline)
-    offline="--offline --random-weights $model --dtype bfloat16 --vocab-size $vocab"
+    offline="--offline --random-weights $model --dtype bfloat16 --vocab-size $vocab $extra"
     run serve-one-offline python3 benchmarks/bench_serve.py $offline --num-prompts 8 --max-concurrency 1 \
         --input-len 128 --output-len 256 --json "$RESULTS/serve-one-offline.json"
     run serve-64-offline python3 benchmarks/bench_serve.py $offline --num-prompts 64 --input-len 512 \
         --output-len 256 --json "$RESULTS/serve-64-offline.json"
     ;;
 *)
-    echo "unknown part '$part'; use tests, engine, families, serve or serve-offline" >&2
+    echo "unknown part '$part'; use tests, engine, engine-compiled, families, serve or serve-offline" >&2
     exit 2
     ;;
 esac

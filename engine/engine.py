@@ -7,6 +7,7 @@ outputs are read with a blocking iterator, an async iterator or result().
 from __future__ import annotations
 
 import asyncio
+import importlib
 import itertools
 import threading
 import time
@@ -20,7 +21,8 @@ from redline.engine.graphs import DecodeGraphs
 from redline.engine.kv_pages import PagePool, pool_pages
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk, Scheduler
 from redline.engine.scheduler import Sequence as Seq
-from redline.engine.steps import RowSettings, chosen_logprobs, sample_tokens, step_batch, step_logits, vocab_bias
+from redline.engine.steps import (RowSettings, chosen_logprobs, prefill_logits, sample_tokens, step_batch,
+                                  step_logits, vocab_bias)
 from redline.model import PagedKVCache
 from redline.options import GenerationOptions, GenerationResult, GenerationStats, resolve_options
 from redline.sampling import SEED_LIMIT, TOP_P_DISABLED
@@ -200,7 +202,7 @@ class Engine:
 
     def __init__(self, llm: LLM, *, max_kv_tokens: int | None = None, max_running: int = 256,
                  max_queue: int | None = None, page_size: int = 16,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile_prefill: bool = False) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
         if max_queue is not None and (not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1):
@@ -213,7 +215,11 @@ class Engine:
         num_pages = pool_pages(args, page_size, dtype, self.device, max_kv_tokens)
         self.pool = PagePool(num_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_running, prefill_chunk)
-        self.kv = PagedKVCache(args, num_pages, page_size, dtype, self.device, paged_attention_ops(llm))
+        ops = paged_attention_ops(llm) or (registered_paged_ops() if compile_prefill else None)
+        self.kv = PagedKVCache(args, num_pages, page_size, dtype, self.device, ops)
+        # Steps with prompt chunks, compiled once with dynamic sizes (their attention is the ops: the references'
+        # host lists would specialize every step).
+        self.prefill_step = compiled_prefill(self.device) if compile_prefill else None
         self.vocab_bias = vocab_bias(self.vocab_size, self.tokenizer, self.device)
         # Decode steps as CUDA graphs (compiled on the CPU) when the LLM compiles; padding rows write a scratch page.
         self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device,
@@ -246,13 +252,13 @@ class Engine:
                 return self.graphs.capture(self.block_size if max_tokens is None else min(max_tokens, self.block_size))
 
     def warm_up(self) -> None:
-        """Run short requests through the engine (one alone, then four together; greedy and sampled; prompts of
-        several lengths, one as long as a whole prefill chunk), so that the kernels the first real steps would
-        compile on first use (Triton specializes on sizes of 1) are ready before serving; then set the counters back
-        to zero (their pages stay in the prefix cache, the least recently used)."""
+        """Run short requests through the engine (one alone, one longer than a prefill chunk alone, then four
+        together; greedy and sampled), so that what the first real steps would compile on first use (Triton kernels
+        specialize on sizes of 1; a compiled prefill step on sizes of 0 and 1) is ready before serving; then set the
+        counters back to zero (their pages stay in the prefix cache, the least recently used)."""
         vocab = min(self.vocab_size, self.tokenizer.vocab_size if self.tokenizer is not None else self.vocab_size)
         longest = max(1, min(self.scheduler.prefill_chunk + 37, self.block_size - 4, self.pool.capacity_tokens // 8))
-        for group in ((128,), (7, 48, 301, longest)):
+        for group in ((128,), (longest,), (7, 48, 301, longest)):
             handles = []
             for i, length in enumerate(min(n, longest) for n in group):
                 ids = [(j * 7919 + 131 * i + length) % vocab for j in range(length)]  # distinct: no cache hits
@@ -406,7 +412,7 @@ class Engine:
         wants_prompt = {i for i, c in enumerate(chunks)
                         if c.seq.state.prompt_logprobs is not None and c.start < c.seq.prompt_len}
         batch = step_batch(chunks, self.kv, self.device, wants_prompt)
-        logits = step_logits(self.model, batch, self.vocab_bias)  # (L, V)
+        logits = step_logits(self.model, batch, self.vocab_bias, self.prefill_step)  # (L, V)
         self._deliver()  # while the device runs the step
         for i, (begin, end) in batch.prompt_rows.items():
             self._prompt_logprobs(chunks[i], logits[begin:end])
@@ -521,6 +527,20 @@ def paged_attention_ops(llm: LLM) -> tuple[Any, Any] | None:
     if not all(hasattr(namespace, name) for name in names):
         return None
     return tuple(getattr(namespace, name) for name in names)
+
+
+def compiled_prefill(device: torch.device) -> Any:
+    """prefill_logits under torch.compile, dynamic in the sizes mark_step_dynamic names, no CUDA graphs."""
+    from redline.runner import CompiledStep
+
+    return CompiledStep(prefill_logits, device, graphs=False, dynamic=None)
+
+
+def registered_paged_ops() -> tuple[Any, Any]:
+    """torch.ops.redline's paged attention ops (importing their module registers them); on the CPU, or where no
+    kernel config fits, they run the references."""
+    importlib.import_module("redline.kernels.paged_attention")
+    return torch.ops.redline.paged_prefill_attention, torch.ops.redline.paged_decode_attention
 
 
 def generate_all(engine: Engine, prompts: Sequence[str | Sequence[int]],

@@ -2,6 +2,7 @@
 and one token per sampling row with that row's own settings."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,12 +90,38 @@ def vocab_bias(model_vocab: int, tokenizer: Any, device: torch.device) -> Tensor
     return bias
 
 
-def step_logits(model: Transformer, batch: StepBatch, vocab_bias: Tensor | None) -> Tensor:
+def step_logits(model: Transformer, batch: StepBatch, vocab_bias: Tensor | None,
+                compiled: Callable[..., Tensor] | None = None) -> Tensor:
     """Logits (L, V) of the rows batch.logits_at, fp32, with the vocabulary bias added. The model runs even when
-    L is 0 (a prefill chunk that samples nothing): it writes the chunk's keys and values."""
-    logits = model(batch.ids, batch.context.positions, logits_at=batch.logits_at, context=batch.context)[0]
+    L is 0 (a prefill chunk that samples nothing): it writes the chunk's keys and values. compiled: prefill_logits
+    compiled with dynamic sizes, which runs a step with prompt chunks (the pool's attention must be its ops)."""
+    c = batch.context
+    if compiled is not None and not c.decode:
+        args = (batch.ids, c.positions, c.slot_mapping, c.block_tables, c.seq_lens, c.cu_seqlens_q, batch.logits_at)
+        mark_step_dynamic(*args)
+        return compiled(model, c.kv, vocab_bias, *args)
+    logits = model(batch.ids, c.positions, logits_at=batch.logits_at, context=c)[0]
     logits = logits.float()  # (L, V)
     return logits + vocab_bias if vocab_bias is not None else logits
+
+
+def prefill_logits(model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, ids: Tensor, positions: Tensor,
+                   slots: Tensor, tables: Tensor, seq_lens: Tensor, cu_seqlens: Tensor, logits_at: Tensor) -> Tensor:
+    """Logits (L, V) fp32 at rows logits_at (L,) of a step of prompt chunks and decode rows, ids (1, N) at
+    positions (N,); the function the engine compiles. Its attention is the pool's ops, which read no host lists."""
+    context = PagedContext(positions, slots, tables, seq_lens, cu_seqlens, kv)
+    logits = model(ids, positions, logits_at=logits_at, context=context)[0].float()  # (L, V)
+    return logits + vocab_bias if vocab_bias is not None else logits
+
+
+def mark_step_dynamic(ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
+                      cu_seqlens: Tensor, logits_at: Tensor) -> None:
+    """The sizes one compiled prefill step serves: tokens, sequences, page width and logit rows (a size of 0 or 1
+    still specializes)."""
+    for t, dims in ((ids, (1,)), (positions, (0,)), (slots, (0,)), (tables, (0, 1)), (seq_lens, (0,)),
+                    (cu_seqlens, (0,)), (logits_at, (0,))):
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 @dataclass(frozen=True)

@@ -324,6 +324,28 @@ def test_warm_up_leaves_the_engine_as_new(llm):
     engine.shutdown()
 
 
+def test_compiled_prefill_steps_give_the_same_tokens(llm):
+    from torch._dynamo.utils import counters
+
+    prompts = token_prompts(llm, 5, 23)  # 23..51 tokens: chunks of every size, some that sample nothing
+    options = [GenerationOptions(max_new_tokens=10, ignore_eos=True),
+               GenerationOptions(max_new_tokens=10, ignore_eos=True, temperature=0.9, seed=3)] * 2 + \
+        [GenerationOptions(max_new_tokens=10, ignore_eos=True)]
+    want = [llm.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    engine = Engine(llm, page_size=8, prefill_chunk=40, compile_prefill=True)
+    assert engine.kv.ops is not None  # the attention ops (their CPU path is the references)
+    sizes = []
+    real = engine.prefill_step
+    engine.prefill_step = lambda model, kv, bias, ids, *rest: sizes.append(ids.shape[1]) or real(model, kv, bias,
+                                                                                                 ids, *rest)
+    graphs = counters["stats"]["unique_graphs"]
+    handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=600).token_ids for h in handles] == want
+    engine.shutdown()
+    assert len(set(sizes)) >= 4  # steps of several token counts...
+    assert counters["stats"]["unique_graphs"] - graphs <= 4  # ...served by a few graphs, not one per size
+
+
 def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     from redline.model import ModelArgs, Transformer
 
@@ -391,3 +413,21 @@ def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
     assert [h.result(timeout=60).token_ids for h in handles] == want
     assert calls["prefill"] > 0 and calls["decode"] > 0
     engine.shutdown()
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_prefill_steps_give_the_static_path_tokens():
+    eager, graphed = random_gpu_llm(False, True), random_gpu_llm(True, True)
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90, 130)]
+    options = [GenerationOptions(max_new_tokens=20, ignore_eos=True),
+               GenerationOptions(max_new_tokens=20, ignore_eos=True, temperature=0.9, seed=7)] * 2 + \
+              [GenerationOptions(max_new_tokens=20, ignore_eos=True)]
+    want = [eager.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    engine = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens, prefill_chunk=64, compile_prefill=True)
+    engine.capture_graphs(256)
+    engine.warm_up()
+    with engine._lock:  # all five arrive before the first step: chunks of 64 tokens, some that sample nothing
+        handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=300).token_ids for h in handles] == want
+    engine.shutdown()
+
