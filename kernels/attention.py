@@ -182,10 +182,11 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
         raise ValueError(f"{name}: qkv must be (B, 1, (H + 2 Hkv) D) with H a multiple of Hkv={n_kv_heads} and "
                          f"D={head_dim}, got {tuple(qkv.shape)}")
     seq_len = k_cache.shape[2]
-    if (head_dim % 2 or rope.dim() != 3 or rope.shape[1:] != (2, head_dim // 2) or rope.shape[0] < seq_len
-            or rope.dtype != torch.float32):
-        raise ValueError(f"{name}: rope must be the fp32 cos/sin table (S, 2, {head_dim // 2}) with S >= the cache "
-                         f"length {seq_len} (the kernel reads row input_pos), got {tuple(rope.shape)} of {rope.dtype}")
+    if (head_dim % 2 or rope.dim() != 3 or rope.shape[1] != 2 or not 1 <= rope.shape[2] <= head_dim // 2
+            or rope.shape[0] < seq_len or rope.dtype != torch.float32):
+        raise ValueError(f"{name}: rope must be the fp32 cos/sin table (S, 2, R/2) of R <= {head_dim} rotated features "
+                         f"with S >= the cache length {seq_len} (the kernel reads row input_pos), got "
+                         f"{tuple(rope.shape)} of {rope.dtype}")
     if (width // head_dim - 2 * n_kv_heads) % n_kv_heads or qkv.dtype != k_cache.dtype:
         raise ValueError(f"{name}: qkv ({qkv.dtype}) must match the cache dtype ({k_cache.dtype}) and hold a "
                          f"multiple of {n_kv_heads} query heads")
@@ -247,9 +248,10 @@ def _check_prefill_rope_cache(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rop
     if batch > cache_batch or length > seq_len:
         raise ValueError(f"{name}: {batch} sequences of {length} tokens do not fit the cache {tuple(k_cache.shape)}; "
                          "call setup_caches with a larger max_batch_size or max_seq_length")
-    if head_dim % 2 or rope.shape != (length, 2, head_dim // 2) or rope.dtype != torch.float32:
-        raise ValueError(f"{name}: rope must be the ({length}, 2, {head_dim // 2}) fp32 cos/sin rows of positions "
-                         f"0..{length - 1}, got {tuple(rope.shape)} of {rope.dtype}")
+    if (head_dim % 2 or rope.dim() != 3 or rope.shape[:2] != (length, 2) or not 1 <= rope.shape[2] <= head_dim // 2
+            or rope.dtype != torch.float32):
+        raise ValueError(f"{name}: rope must be the ({length}, 2, R/2) fp32 cos/sin rows (R <= {head_dim}) of "
+                         f"positions 0..{length - 1}, got {tuple(rope.shape)} of {rope.dtype}")
     if qkv.dtype not in FLOAT_DTYPES or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
         raise ValueError(f"{name}: qkv and the caches must share one dtype of bf16, fp16 or fp32, "
                          f"got {qkv.dtype}, {k_cache.dtype}, {v_cache.dtype}")

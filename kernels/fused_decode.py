@@ -68,8 +68,9 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
 
 def fused_decode_refusal(args: ModelArgs) -> str | None:
     """Why the fused kernels cannot compute this model's blocks (they implement Llama's: pre-norms of weight * x,
-    SwiGLU, full-width rope, plain softmax attention, no scales; a q/k/v bias or q/k norms run between the qkv
-    projection and the attention kernel), or None when they can."""
+    SwiGLU, plain softmax attention, no scales; a q/k/v bias or q/k norms run between the qkv projection and the
+    attention kernel, which ropes the first rotary_dim features of each head from the model's table, LongRoPE's
+    included), or None when they can."""
     deltas = [
         ("an output bias", args.o_bias),
         ("Gemma/OLMo 2 norms", args.norm_offset != 0.0 or args.norm_scale_fp32 or args.norm_placement != "pre"),
@@ -78,8 +79,7 @@ def fused_decode_refusal(args: ModelArgs) -> str | None:
          != (1.0, 1.0, 1.0)),
         ("an attention scale", args.attention_scale not in (0.0, args.head_dim ** -0.5)),
         ("soft-capping", args.attn_softcap > 0 or args.final_softcap > 0),
-        ("sliding windows", any(args.layer_windows)), ("partial rotary", args.rotary_dim != args.head_dim),
-        ("LongRoPE", args.rope_scaling is not None and args.rope_scaling.rope_type == "longrope"),
+        ("sliding windows", any(args.layer_windows)),
         ("a mixture of experts", args.n_experts > 0),
     ]
     found = [name for name, present in deltas if present]

@@ -59,8 +59,20 @@ def _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _rope_row(row_ptr, offs_d, HALF: tl.constexpr, FULL: tl.constexpr):
+    """cos and sin of each feature offs_d (..., D) from one (2, HALF) table row: pair d % HALF for the first 2 HALF
+    features; past them (partial rotary, FULL false) cos 1 and sin 0, so those features pass through."""
+    if FULL:
+        return tl.load(row_ptr + offs_d % HALF), tl.load(row_ptr + HALF + offs_d % HALF)
+    rotated = offs_d < 2 * HALF
+    return (tl.load(row_ptr + offs_d % HALF, mask=rotated, other=1.0),
+            tl.load(row_ptr + HALF + offs_d % HALF, mask=rotated, other=0.0))
+
+
+@triton.jit
 def _rotated(ptr, offs_d, cos, sin, HALF: tl.constexpr):
-    """Rotate-half rope of rows at ptr (offsets offs_d (..., D)): x * cos + rotate_half(x) * sin, fp32."""
+    """Rotate-half rope of rows at ptr (offsets offs_d (..., D)) over their first 2 HALF features:
+    x * cos + rotate_half(x) * sin, fp32 (features past them have cos 1 and sin 0: partial rotary)."""
     x = tl.load(ptr + offs_d).to(tl.float32)
     partner = tl.load(ptr + (offs_d + HALF) % (2 * HALF)).to(tl.float32)
     return x * cos + tl.where(offs_d < HALF, -partner, partner) * sin
@@ -89,11 +101,12 @@ def _split_kernel(
     seq_len, num_splits, qk_scale,
     N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROPE_QKV: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROPE_QKV: tl.constexpr, USE_PDL: tl.constexpr, ROT: tl.constexpr,
 ):
     """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of the token at input_pos; the kernel
-    rotates q and the new key (rope_ptr: the (S, 2, D/2) fp32 cos/sin table; row input_pos), and the split that owns
-    input_pos writes the key and value into the caches before any program of its group reads them.
+    rotates the first ROT features of q and the new key (rope_ptr: the (S, 2, ROT/2) fp32 cos/sin table; row
+    input_pos; ROT < D is partial rotary, the rest pass through), and the split that owns input_pos writes the key
+    and value into the caches before any program of its group reads them.
 
     With ROPE_QKV the split's first block of keys and values is loaded before the PDL wait: those cache rows
     (before input_pos) were written by earlier steps, input_pos by the step's start and the rope table at setup, so
@@ -116,10 +129,9 @@ def _split_kernel(
     pos = length - 1
     s_first = first * BLOCK_S + offs_s  # (BLOCK_S,) positions of the first block
     if ROPE_QKV:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        rope_row = rope_ptr + pos * HEAD_DIM  # row input_pos of the table (pos is clamped into the cache)
-        cos = tl.load(rope_row + offs_d % HALF)  # (D,) cos of pair d % (D/2)
-        sin = tl.load(rope_row + HALF + offs_d % HALF)
+        HALF: tl.constexpr = ROT // 2
+        rope_row = rope_ptr + pos * ROT  # row input_pos of the table (pos is clamped into the cache)
+        cos, sin = _rope_row(rope_row, offs_d, HALF, ROT == HEAD_DIM)  # (D,) each
         early = ((s_first < pos) & (first < last))[:, None]  # rows before input_pos only
         k_first = tl.load(k_base + s_first[:, None] * stride_ks + offs_d[None, :], mask=early, other=0.0)
         v_first = tl.load(v_base + s_first[:, None] * stride_vs + offs_d[None, :], mask=early, other=0.0)
@@ -216,14 +228,15 @@ def _combine_kernel(
 def _prefill_rope_cache_kernel(
     qkv_ptr, q_ptr, k_ptr, v_ptr, rope_ptr, T,
     stride_xb, stride_xt, stride_qb, stride_qt, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-    N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, ROT: tl.constexpr,
 ):
-    """One (token block, head, batch row) tile of a prefill from position 0: rope on q and k heads, then q to
-    q_ptr (B, T, H, D) and k, v to the caches (B, Hkv, S, D) at positions 0..T-1. rope_ptr: (T, 2, D/2) fp32."""
+    """One (token block, head, batch row) tile of a prefill from position 0: rope on q and k heads (their first
+    ROT features), then q to q_ptr (B, T, H, D) and k, v to the caches (B, Hkv, S, D) at positions 0..T-1.
+    rope_ptr: (T, 2, ROT/2) fp32."""
     pid_t = tl.program_id(0)
     head = tl.program_id(1)  # [0, H): q heads, [H, H + Hkv): k heads, then v heads
     b = tl.program_id(2).to(tl.int64)
-    HALF: tl.constexpr = HEAD_DIM // 2
+    HALF: tl.constexpr = ROT // 2
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     d = tl.arange(0, HEAD_DIM)
     ok = (t < T)[:, None]
@@ -231,9 +244,14 @@ def _prefill_rope_cache_kernel(
     src = qkv_ptr + b * stride_xb + t64 * stride_xt + head * HEAD_DIM  # (BLOCK_T, 1) row starts
     if head < N_HEADS + N_KV_HEADS:
         x = tl.load(src + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        partner = tl.load(src + ((d + HALF) % HEAD_DIM)[None, :], mask=ok, other=0.0).to(tl.float32)
-        cos = tl.load(rope_ptr + t64 * HEAD_DIM + (d % HALF)[None, :], mask=ok, other=0.0)
-        sin = tl.load(rope_ptr + t64 * HEAD_DIM + HALF + (d % HALF)[None, :], mask=ok, other=0.0)
+        partner = tl.load(src + ((d + HALF) % ROT)[None, :], mask=ok, other=0.0).to(tl.float32)
+        if ROT == HEAD_DIM:
+            cos = tl.load(rope_ptr + t64 * ROT + (d % HALF)[None, :], mask=ok, other=0.0)
+            sin = tl.load(rope_ptr + t64 * ROT + HALF + (d % HALF)[None, :], mask=ok, other=0.0)
+        else:  # partial rotary: features past ROT pass through (cos 1, sin 0)
+            rotated = ok & (d < ROT)[None, :]
+            cos = tl.load(rope_ptr + t64 * ROT + (d % HALF)[None, :], mask=rotated, other=1.0)
+            sin = tl.load(rope_ptr + t64 * ROT + HALF + (d % HALF)[None, :], mask=rotated, other=0.0)
         out = (x * cos + tl.where((d < HALF)[None, :], -partner, partner) * sin).to(q_ptr.dtype.element_ty)
         if head < N_HEADS:
             tl.store(q_ptr + b * stride_qb + t64 * stride_qt + head * HEAD_DIM + d[None, :], out, mask=ok)
@@ -249,8 +267,9 @@ def _prefill_rope_cache_kernel(
 def prefill_rope_cache(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        rope: torch.Tensor) -> torch.Tensor:
     """Rope and cache write for a prefill from position 0: qkv (B, T, (H + 2 Hkv) D) with unit stride along the
-    last dim, rope (T, 2, D/2) fp32 contiguous. Writes the rotated keys and the values into the caches at 0..T-1
-    and returns the rotated queries (B, T, H, D) contiguous. The caller (kernels/attention.py) validates."""
+    last dim, rope (T, 2, R/2) fp32 contiguous (the first R <= D features of each head rotate). Writes the rotated
+    keys and the values into the caches at 0..T-1 and returns the rotated queries (B, T, H, D) contiguous. The
+    caller (kernels/attention.py) validates."""
     batch, length, width = qkv.shape
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_heads = width // head_dim - 2 * n_kv_heads
@@ -264,7 +283,8 @@ def prefill_rope_cache(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             qkv.stride(0), qkv.stride(1), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            N_HEADS=n_heads, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, num_warps=4,
+            N_HEADS=n_heads, N_KV_HEADS=n_kv_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, ROT=2 * rope.shape[-1],
+            num_warps=4,
         )
     return q
 
@@ -286,9 +306,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
                          input_pos: torch.Tensor, config: AttentionConfig | None = None) -> torch.Tensor:
     """Rope, cache write and attention for one token: qkv (B, 1, (H + 2 Hkv) D) raw projections at input_pos,
-    rope (S', 2, D/2) fp32, the cos/sin table with S' >= the cache length S (row input_pos is read on the device).
-    Writes the rotated key and the value into the caches at input_pos and returns (B, 1, H D) contiguous. The
-    caller (kernels/attention.py) validates."""
+    rope (S', 2, R/2) fp32, the cos/sin table of the first R <= D features of each head with S' >= the cache length
+    S (row input_pos is read on the device). Writes the rotated key and the value into the caches at input_pos and
+    returns (B, 1, H D) contiguous. The caller (kernels/attention.py) validates."""
     batch = qkv.shape[0]
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
@@ -339,6 +359,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input
             seq_len, splits, LOG2E / math.sqrt(head_dim),
             N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, BLOCK_G=block_g, BLOCK_S=config.block_s,
             HEAD_DIM=head_dim, DOT_PRECISION=precision, ROPE_QKV=rope is not None, USE_PDL=pdl,
+            ROT=head_dim if rope is None else 2 * rope.shape[-1],
             num_warps=config.num_warps, num_stages=stages, **extra,
         )
         if splits > 1:

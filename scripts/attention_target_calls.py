@@ -51,6 +51,17 @@ def attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype], dec
             cache = _meta(1, hkv, max_prompt, d, dtype=dtype)
             triton_attention.prefill_rope_cache(_meta(1, length, (h + 2 * hkv) * d, dtype=dtype), cache, cache,
                                                 rope[:length])
+        # Partial rotary (Phi-3's 3/4 of each head) adds one variant of the fused decode and the prefill rope
+        # kernels, whose configs do not depend on it: one cache length and one prompt length compile it.
+        partial = _meta(max(cache_lengths), 2, 3 * d // 8, dtype=torch.float32)
+        record.call = f"{model.name} attention partial rotary {str(dtype)[6:]}"
+        cache = _meta(1, hkv, max(cache_lengths), d, dtype=dtype)
+        if attention.attention_kernel_config(1, h, cache) is not None:
+            triton_attention.decode_attention_qkv(_meta(1, 1, (h + 2 * hkv) * d, dtype=dtype), cache, cache, partial,
+                                                  _meta(1, dtype=torch.int64))
+        cache = _meta(1, hkv, max_prompt, d, dtype=dtype)
+        triton_attention.prefill_rope_cache(_meta(1, max_prompt, (h + 2 * hkv) * d, dtype=dtype), cache, cache,
+                                            partial[:max_prompt])
     return fallbacks
 
 

@@ -318,7 +318,7 @@ def test_qkv_op_on_cpu_is_rope_cache_write_and_attention(layout, pos):
 
 @pytest.mark.parametrize("change,match", [
     (dict(qkv=torch.zeros(1, 1, 100)), "qkv must be"),
-    (dict(rope=torch.zeros(40, 2, 8)), "rope must be"),
+    (dict(rope=torch.zeros(40, 2, 17)), "rope must be"),  # more rotated features (34) than a head has (32)
     (dict(rope=torch.zeros(40, 2, 16, dtype=torch.float64)), "rope must be"),
     (dict(rope=torch.zeros(39, 2, 16)), "S >= the cache length 40"),  # row input_pos could fall outside it
     (dict(rope=torch.zeros(1, 2, 16)), "rope must be"),  # the old single-row form
@@ -427,6 +427,7 @@ def test_prefill_op_on_cpu_is_the_model_steps(layout):
     (dict(qkv=torch.zeros(1, 41, 8 * 32)), "do not fit the cache"),
     (dict(qkv=torch.zeros(3, 5, 8 * 32)), "do not fit the cache"),
     (dict(rope=torch.zeros(4, 2, 16)), "rope must be"),
+    (dict(rope=torch.zeros(5, 2, 17)), "rope must be"),
     (dict(rope=torch.zeros(5, 2, 16, dtype=torch.float64)), "rope must be"),
     (dict(qkv=torch.zeros(1, 5, 8 * 32, dtype=torch.float16)), "dtype"),
     (dict(qkv=torch.zeros(1, 5, 16 * 32)[..., ::2]), "unit stride"),

@@ -9,18 +9,25 @@ from redline.kernels import fused_decode
 from redline.model import ModelArgs, Transformer
 
 
-@pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm"])
+@pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm", "partial_longrope"])
 def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
     """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
     the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise.
-    Also int8, and with a q/k/v bias (Qwen2) or per-head q/k norms (Qwen3) between the projection and the kernel."""
+    Also int8, with a q/k/v bias (Qwen2) or per-head q/k norms (Qwen3) between the projection and the kernel, and
+    with Phi-3's partial rotary and LongRoPE (the kernel ropes the first features from the model's table)."""
     import dataclasses
 
     from redline.quantize import quantize_
+    from redline.rope import RopeScaling
 
     torch.manual_seed(0)
     args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), qkv_bias=variant == "qkv_bias",
                                qk_norm="head" if variant == "qk_norm" else "none")  # GQA 4:1, llama3 rope
+    if variant == "partial_longrope":  # 12 of 16 features rotate; the 64-token cache is past the original 32
+        args = dataclasses.replace(args, rotary_dim=12, rope_scaling=RopeScaling(
+            rope_type="longrope", original_max_position_embeddings=32, short_factor=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
+            long_factor=(2.0, 3.0, 4.0, 5.0, 6.0, 8.0), attention_factor=1.2))
+        assert args.rotary_dim < args.head_dim and kernels.fused_decode_refusal(args) is None
     model = Transformer(args).eval()
     with torch.no_grad():
         for layer in model.layers:  # values large enough to move the logits

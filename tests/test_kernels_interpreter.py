@@ -34,8 +34,9 @@ CASES = [
     *[(f"dot_{m}", d) for m in (2, 17, 70) for d in ("float32", "float16")],
     ("dot_int8", "float16"),
     *[(f"int4dot_{m}", d) for m in INT4_DOT_ROWS for d in ("float32", "float16")],
-    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7") for d in ("float32", "float16")],
-    ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"),
+    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial")
+      for d in ("float32", "float16")],
+    ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"), ("rope_partial", "float32"),
 ]
 
 
@@ -44,7 +45,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _rope_table(seq_len: int, head_dim: int) -> torch.Tensor:
-    """A cos/sin table (S, 2, D/2) fp32 in the model's layout, base 10000."""
+    """A cos/sin table (S, 2, D/2) fp32 in the model's layout, base 10000 (head_dim: the rotated features)."""
     inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (D/2,)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (S, D/2)
     return torch.stack([angles.cos(), angles.sin()], dim=1)
@@ -126,7 +127,8 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
     v_cache[:, :, pos + 1:] = float("nan")
     input_pos = torch.tensor([pos])
     if variant.startswith("qkv"):
-        rope = _rope_table(seq_len, head_dim)
+        # qkvpartial: the first 24 of 32 features rotate (Phi-3's partial rotary), a width that is no power of two
+        rope = _rope_table(seq_len, 24 if variant == "qkvpartial" else head_dim)
         qkv = torch.randn(batch, 1, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
         want = da.decode_attention_qkv_reference(qkv, k_ref, v_ref, rope, input_pos)
@@ -138,12 +140,12 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
     return _rel_err(got, da.decode_attention_reference(q, k_cache, v_cache, input_pos))
 
 
-def _rope_case(dtype: torch.dtype) -> float:
+def _rope_case(variant: str, dtype: torch.dtype) -> float:
     from redline.kernels import attention as da
     from redline.kernels import triton_attention as ta
 
     batch, length, n_heads, n_kv_heads, head_dim = 2, 37, 4, 2, 32
-    rope = _rope_table(length, head_dim)
+    rope = _rope_table(length, 24 if variant == "partial" else head_dim)  # (T, 2, R/2)
     qkv = torch.randn(batch, length, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
     caches = [torch.zeros(batch, n_kv_heads, 48, head_dim, dtype=dtype) for _ in range(4)]  # (B, Hkv, S, D)
     got = ta.prefill_rope_cache(qkv, caches[0], caches[1], rope)
@@ -164,7 +166,7 @@ def run_case(name: str, dtype_name: str) -> float:
         return _int4_dot_case(int(variant), dtype)
     if kind == "attention":
         return _attention_case(variant, dtype)
-    return _rope_case(dtype)
+    return _rope_case(variant, dtype)
 
 
 @pytest.fixture(scope="module")
