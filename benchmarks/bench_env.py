@@ -1,6 +1,7 @@
 """The machine the numbers come from: software versions, the device, the git commit, and its read bandwidth."""
 from __future__ import annotations
 
+import os
 import platform
 import shlex
 import subprocess
@@ -49,6 +50,10 @@ def environment(device: torch.device, argv: Sequence[str]) -> dict[str, Any]:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit (with -dirty for uncommitted changes), or $REDLINE_GIT_COMMIT when set: a copy of the
+    working tree on another machine may carry stale git metadata, so whoever copies it names the commit."""
+    if os.environ.get("REDLINE_GIT_COMMIT"):
+        return os.environ["REDLINE_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10)

@@ -12,7 +12,7 @@
 # SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
 # SERVE_ARGS adds engine flags to both (SERVE_ARGS=--compile-prefill).
 # RESULTS (default benchmarks/results/gpu-run) receives every JSON, log and plot; the last line of each part prints
-# where. Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
+# where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
 part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-compiled|families|serve|serve-offline}
