@@ -359,15 +359,21 @@ def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     return llm
 
 
+def greedy_and_sampled(llm: LLM, lengths: tuple[int, ...], new_tokens: int) -> tuple[list, list, list]:
+    """Prompts of these lengths, alternately greedy and seeded-sampled (the last greedy), and the tokens
+    llm.generate gives each alone."""
+    prompts = [list(range(3, 3 + n)) for n in lengths]
+    greedy = GenerationOptions(max_new_tokens=new_tokens, ignore_eos=True)
+    sampled = GenerationOptions(max_new_tokens=new_tokens, ignore_eos=True, temperature=0.9, seed=7)
+    options = [sampled if i % 2 and i < len(lengths) - 1 else greedy for i in range(len(lengths))]
+    return prompts, options, [llm.generate(p, o).token_ids for p, o in zip(prompts, options)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", [False, True])
 def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
     eager, graphed = random_gpu_llm(False, kernels), random_gpu_llm(True, kernels)
-    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 2, 90)]
-    options = [GenerationOptions(max_new_tokens=30, ignore_eos=True),
-               GenerationOptions(max_new_tokens=30, ignore_eos=True, temperature=0.9, seed=7)] * 2 + \
-              [GenerationOptions(max_new_tokens=30, ignore_eos=True)]
-    want = [eager.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    prompts, options, want = greedy_and_sampled(eager, (5, 40, 17, 2, 90), 30)
     assert [r.token_ids for r in eager.generate_batch(prompts, options)] == want
     engine = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens)
     steps = []
@@ -418,11 +424,7 @@ def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
 @pytest.mark.gpu
 def test_gpu_compiled_prefill_steps_give_the_static_path_tokens():
     eager, graphed = random_gpu_llm(False, True), random_gpu_llm(True, True)
-    prompts = [list(range(3, 3 + n)) for n in (5, 40, 17, 90, 130)]
-    options = [GenerationOptions(max_new_tokens=20, ignore_eos=True),
-               GenerationOptions(max_new_tokens=20, ignore_eos=True, temperature=0.9, seed=7)] * 2 + \
-              [GenerationOptions(max_new_tokens=20, ignore_eos=True)]
-    want = [eager.generate(p, o).token_ids for p, o in zip(prompts, options)]
+    prompts, options, want = greedy_and_sampled(eager, (5, 40, 17, 90, 130), 20)
     engine = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens, prefill_chunk=64, compile_prefill=True)
     engine.capture_graphs(256)
     engine.warm_up()
