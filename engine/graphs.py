@@ -167,7 +167,12 @@ class DecodeGraphs:
 def mark_sizes_dynamic(ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor) -> None:
     """The rows and the page width are the sizes one compiled step serves in every bucket (a size of 1 still
     specializes); every other size of the step is fixed."""
-    for t, dims in ((ids, (1,)), (positions, (0,)), (slots, (0,)), (tables, (0, 1)), (seq_lens, (0,))):
+    mark_dynamic((ids, (1,)), (positions, (0,)), (slots, (0,)), (tables, (0, 1)), (seq_lens, (0,)))
+
+
+def mark_dynamic(*dims_of: tuple[Tensor, tuple[int, ...]]) -> None:
+    """Mark each (tensor, dims) pair's dims dynamic for the next compiled call that meets them."""
+    for t, dims in dims_of:
         for d in dims:
             torch._dynamo.maybe_mark_dynamic(t, d)
 

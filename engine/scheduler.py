@@ -61,6 +61,7 @@ class Chunk:
 # streams decoding beside long prompts.
 DEFAULT_PREFILL_CHUNK = 4096
 
+
 class Scheduler:
     """Waiting and running queues over a PagePool; the engine's thread alone calls it."""
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from redline.engine.graphs import pages_bucket
+from redline.engine.graphs import mark_dynamic, pages_bucket
 from redline.engine.scheduler import Chunk
 from redline.model import PagedContext, PagedKVCache, Transformer
 from redline.sampling import sample_rows
@@ -118,10 +118,8 @@ def mark_step_dynamic(ids: Tensor, positions: Tensor, slots: Tensor, tables: Ten
                       cu_seqlens: Tensor, logits_at: Tensor) -> None:
     """The sizes one compiled prefill step serves: tokens, sequences, page width and logit rows (a size of 0 or 1
     still specializes)."""
-    for t, dims in ((ids, (1,)), (positions, (0,)), (slots, (0,)), (tables, (0, 1)), (seq_lens, (0,)),
-                    (cu_seqlens, (0,)), (logits_at, (0,))):
-        for d in dims:
-            torch._dynamo.maybe_mark_dynamic(t, d)
+    mark_dynamic((ids, (1,)), (positions, (0,)), (slots, (0,)), (tables, (0, 1)), (seq_lens, (0,)), (cu_seqlens, (0,)),
+                 (logits_at, (0,)))
 
 
 @dataclass(frozen=True)
