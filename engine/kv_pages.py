@@ -8,6 +8,7 @@ sequence holds any more keep their contents and key in a least-recently-used lis
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -25,7 +26,7 @@ CPU_DEFAULT_CONTEXTS = 4
 def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The key of a full page: a hash of the key of the page before it (b"" for the first) and its tokens."""
     digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))  # each id as 8 little-endian bytes
     return digest.digest()
 
 

@@ -91,8 +91,11 @@ class Scheduler:
         with finish_reason "error" (see `failed`)."""
         chunks: list[Chunk] = []
         self.failed = []
-        for seq in [s for s in self.running if s.num_tokens - s.num_computed == 1]:  # decode rows, oldest first
-            if seq in self.running and self._reserve_decode(seq, chunks):
+        preempted = self.preemptions
+        for seq in [s for s in self.running if len(s.tokens) - s.num_computed == 1]:  # decode rows, oldest first
+            # (a sequence preempted or failed earlier in this loop is no longer running: checked only then)
+            gone = (self.preemptions != preempted or self.failed) and seq not in self.running
+            if not gone and self._reserve_decode(seq, chunks):
                 chunks.append(Chunk(seq, seq.num_computed, 1))
         budget = self.prefill_chunk
         for seq in self.running:  # prefills already under way
