@@ -422,7 +422,9 @@ async def completions(state: ServerState, request: Request) -> Response:
     prompts, work = [], []
     for p in req.prompts():
         try:
-            ids = await asyncio.to_thread(llm.encode_prompt, p)
+            # Text is tokenized off the event loop; token ids are only checked, here (a thread hop per request
+            # slows a burst of requests while the engine's thread holds the GIL).
+            ids = await asyncio.to_thread(llm.encode_prompt, p) if isinstance(p, str) else llm.encode_prompt(p)
         except ValueError as exc:
             raise invalid(str(exc), "prompt") from None
         text = p if isinstance(p, str) else (llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")
