@@ -12,7 +12,7 @@ from redline.checkpoint import read_checkpoint_info
 from redline.model import MODEL_REGISTRY, ModelArgs, Transformer, rope_frequencies
 from redline.quantize import load_model
 
-from conftest import prefill_then_decode_logits, save_tiny_hf_checkpoint
+from conftest import save_tiny_hf_checkpoint
 
 
 def load_fp32(path):
