@@ -66,8 +66,8 @@ def use_kernels(model: Transformer) -> Transformer:
 
 
 def kernel_attention_fits(attention: Attention) -> bool:
-    """Whether the attention kernels compute this layer: plain softmax attention at the default scale, no window
-    (q/k norms run before the kernels, on the projection; partial rotary in them). A layer that does not fit keeps
-    model.Attention (SDPA, or the explicit soft-capped math), with its projections still on the kernel linears."""
+    """Whether the attention kernels compute this layer: plain softmax attention at the default scale (q/k norms
+    run before the kernels, on the projection; partial rotary and sliding windows in them). A layer that does not
+    fit keeps model.Attention (the explicit soft-capped math), with its projections still on the kernel linears."""
     a = attention.args
-    return not a.attn_softcap and not attention.window and a.attention_scale in (0.0, a.head_dim ** -0.5)
+    return not a.attn_softcap and a.attention_scale in (0.0, a.head_dim ** -0.5)

@@ -76,12 +76,16 @@ def _kernel_supported(k_cache: Tensor) -> bool:
 # --- reference (plain PyTorch, fp32) ---
 
 
-def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor) -> Tensor:
+def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor,
+                               window: int = 0) -> Tensor:
     """The op computed in fp32 with PyTorch ops, returned in q.dtype; (B, H, 1, D)."""
     batch, n_heads, _, head_dim = q.shape
     n_kv_heads, seq_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv_heads
-    valid = torch.arange(seq_len, device=q.device) <= input_pos  # (S,)
+    positions = torch.arange(seq_len, device=q.device)  # (S,)
+    valid = positions <= input_pos  # (S,)
+    if window:
+        valid = valid & (positions > input_pos - window)
     # Zero the invalid positions rather than only masking the scores: 0 * NaN garbage would leak.
     keep = valid.view(1, 1, seq_len, 1)
     k = torch.where(keep, k_cache.float(), 0.0)  # (B, Hkv, S, D)
@@ -96,8 +100,10 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, inpu
 # --- validation ---
 
 
-def _check_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor) -> None:
+def _check_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, window: int = 0) -> None:
     name = "redline.decode_attention"
+    if window < 0:
+        raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"{name}: q must be (B, H, 1, D) and k_cache (B, Hkv, S, D), "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
@@ -142,17 +148,18 @@ def _qkv_heads(qkv: Tensor, k_cache: Tensor) -> tuple[int, int, int]:
 
 
 @torch.library.custom_op("redline::decode_attention", mutates_args=())
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(D)) v over keys 0..input_pos; q (B, H, 1, D), caches (B, Hkv, S, D)."""
-    _check_decode_attention(q, k_cache, v_cache, input_pos)
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, window: int = 0) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v over keys 0..input_pos (window > 0: the last `window` of them, a sliding-window
+    layer's); q (B, H, 1, D), caches (B, Hkv, S, D)."""
+    _check_decode_attention(q, k_cache, v_cache, input_pos, window)
     if decode_attention_supported(q, k_cache):
-        return triton_attention().decode_attention(q, k_cache, v_cache, input_pos)
-    return decode_attention_reference(q, k_cache, v_cache, input_pos).contiguous()
+        return triton_attention().decode_attention(q, k_cache, v_cache, input_pos, window=window)
+    return decode_attention_reference(q, k_cache, v_cache, input_pos, window).contiguous()
 
 
 @decode_attention.register_fake
-def _decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor) -> Tensor:
-    _check_decode_attention(q, k_cache, v_cache, input_pos)
+def _decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, window: int = 0) -> Tensor:
+    _check_decode_attention(q, k_cache, v_cache, input_pos, window)
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous like the real output
 
 
@@ -283,8 +290,9 @@ def _prefill_rope_cache_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope
 
 class KernelAttention(Attention):
     """model.Attention whose one-token steps run redline::decode_attention (it reads only the valid cache
-    positions) and whose prefills from position 0 run redline::prefill_rope_cache (rope and cache write in one
-    pass); every other call is the plain math."""
+    positions: up to the token, and in a sliding-window layer only the last `window` of them) and whose prefills
+    from position 0 run redline::prefill_rope_cache (rope and cache write in one pass); every other call is the
+    plain math."""
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
                 context: Any = None) -> Tensor:
@@ -297,11 +305,12 @@ class KernelAttention(Attention):
         if from_start:
             q = torch.ops.redline.prefill_rope_cache(qkv, cache.k, cache.v, rope).transpose(1, 2)  # (B, H, T, D)
             k, v = cache.k[:bsz, :, :seqlen], cache.v[:bsz, :, :seqlen]  # (B, Hkv, T, D)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            window_mask = mask[..., :seqlen] if self.window else None  # (1, 1, T, T): causal within the window
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask, is_causal=window_mask is None,
                                                  enable_gqa=a.n_kv_heads != a.n_head)  # (B, H, T, D)
         else:
             q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
             k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-            out = torch.ops.redline.decode_attention(q, k, v, input_pos)  # (B, H, 1, D)
+            out = torch.ops.redline.decode_attention(q, k, v, input_pos, self.window)  # (B, H, 1, D)
         return self.output(out)  # (B, T, dim), through wo and its bias

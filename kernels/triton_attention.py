@@ -48,14 +48,17 @@ PREFILL_BLOCK_ELEMENTS = 4096  # elements per tile of the prefill rope kernel (3
 
 
 @triton.jit
-def _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S: tl.constexpr):
-    """(valid keys, blocks of keys per split, splits that hold keys), all from input_pos on the device."""
+def _valid_blocks(pos_ptr, seq_len, num_splits, window, BLOCK_S: tl.constexpr, WINDOW: tl.constexpr):
+    """(keys up to input_pos, the first key in the window, the first block holding it, blocks of keys per split,
+    splits that hold keys), all from input_pos on the device. WINDOW: only the last `window` keys are seen."""
     pos = tl.load(pos_ptr).to(tl.int32)
     length = tl.minimum(tl.maximum(pos + 1, 1), seq_len)  # clamped: never read outside the cache
-    n_blocks = tl.cdiv(length, BLOCK_S)
+    lo = tl.maximum(length - window, 0) if WINDOW else 0
+    first_block = lo // BLOCK_S
+    n_blocks = tl.cdiv(length, BLOCK_S) - first_block
     per_split = tl.cdiv(n_blocks, num_splits)
     active = tl.cdiv(n_blocks, per_split)
-    return length, per_split, active
+    return length, lo, first_block, per_split, active
 
 
 @triton.jit
@@ -79,9 +82,19 @@ def _rotated(ptr, offs_d, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(q, k, v, s_idx, length, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One block of keys into the online softmax: k, v (BLOCK_S, D) at positions s_idx (BLOCK_S,)."""
-    s_ok = s_idx < length
+def _seen(s_idx, length, lo, WINDOW: tl.constexpr):
+    """Which keys at positions s_idx a query sees: before length, and with WINDOW from lo on."""
+    if WINDOW:
+        return (s_idx < length) & (s_idx >= lo)
+    return s_idx < length
+
+
+@triton.jit
+def _attend_block(q, k, v, s_idx, length, lo, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """One block of keys into the online softmax: k, v (BLOCK_S, D) at positions s_idx (BLOCK_S,); those below
+    length are seen (and, with WINDOW, not below lo)."""
+    s_ok = _seen(s_idx, length, lo, WINDOW)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_G, BLOCK_S)
     scores = tl.where(s_ok[None, :], scores * qk_scale, float("-inf"))
     # Every block in range holds a valid key, so m_new is finite and alpha never sees -inf - -inf.
@@ -102,6 +115,7 @@ def _split_kernel(
     N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROPE_QKV: tl.constexpr, USE_PDL: tl.constexpr, ROT: tl.constexpr,
+    window, WINDOW: tl.constexpr,
 ):
     """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of the token at input_pos; the kernel
     rotates the first ROT features of q and the new key (rope_ptr: the (S, 2, ROT/2) fp32 cos/sin table; row
@@ -115,8 +129,9 @@ def _split_kernel(
     split = tl.program_id(1)
     b = (pid_group // N_KV_HEADS).to(tl.int64)
     kvh = (pid_group % N_KV_HEADS).to(tl.int64)
-    length, per_split, active = _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S)
-    first = split * per_split
+    length, lo, first_block, per_split, active = _valid_blocks(pos_ptr, seq_len, num_splits, window, BLOCK_S,
+                                                               WINDOW)
+    first = first_block + split * per_split
     last = tl.minimum(first + per_split, tl.cdiv(length, BLOCK_S))
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -132,7 +147,7 @@ def _split_kernel(
         HALF: tl.constexpr = ROT // 2
         rope_row = rope_ptr + pos * ROT  # row input_pos of the table (pos is clamped into the cache)
         cos, sin = _rope_row(rope_row, offs_d, HALF, ROT == HEAD_DIM)  # (D,) each
-        early = ((s_first < pos) & (first < last))[:, None]  # rows before input_pos only
+        early = (_seen(s_first, pos, lo, WINDOW) & (first < last))[:, None]  # rows before input_pos only
         k_first = tl.load(k_base + s_first[:, None] * stride_ks + offs_d[None, :], mask=early, other=0.0)
         v_first = tl.load(v_base + s_first[:, None] * stride_vs + offs_d[None, :], mask=early, other=0.0)
     if USE_PDL:
@@ -169,15 +184,16 @@ def _split_kernel(
     start = first
     if ROPE_QKV:
         if first < last:
-            m_i, l_i, acc = _attend_block(q, k_first, v_first, s_first, length, m_i, l_i, acc, qk_scale,
-                                          DOT_PRECISION)
+            m_i, l_i, acc = _attend_block(q, k_first, v_first, s_first, length, lo, m_i, l_i, acc, qk_scale,
+                                          DOT_PRECISION, WINDOW)
         start = first + 1
     for blk in range(start, last):
         s_idx = blk * BLOCK_S + offs_s  # (BLOCK_S,)
-        s_ok = (s_idx < length)[:, None]  # keys past input_pos are never loaded
+        s_ok = _seen(s_idx, length, lo, WINDOW)[:, None]  # keys past input_pos (or before a window): not loaded
         k = tl.load(k_base + s_idx[:, None] * stride_ks + offs_d[None, :], mask=s_ok, other=0.0)
         v = tl.load(v_base + s_idx[:, None] * stride_vs + offs_d[None, :], mask=s_ok, other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, s_idx, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _attend_block(q, k, v, s_idx, length, lo, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                      WINDOW)
 
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]
@@ -193,11 +209,12 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, stride_ob, stride_oh, seq_len, num_splits,
+    m_ptr, l_ptr, acc_ptr, pos_ptr, out_ptr, stride_ob, stride_oh, seq_len, num_splits, window,
     N_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    _, _, active = _valid_blocks(pos_ptr, seq_len, num_splits, BLOCK_S)  # the split kernel never writes input_pos
+    # the split kernel never writes input_pos
+    _, _, _, _, active = _valid_blocks(pos_ptr, seq_len, num_splits, window, BLOCK_S, WINDOW)
     if USE_PDL:  # trigger before the wait, like the split kernel: wo's programs start loading weights now
         gdc_launch_dependents()
         gdc_wait()
@@ -290,8 +307,9 @@ def prefill_rope_cache(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-                     config: AttentionConfig | None = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D)) v over keys 0..input_pos; q (B, H, 1, D), caches (B, Hkv, S, D).
+                     config: AttentionConfig | None = None, window: int = 0) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v over keys 0..input_pos (window > 0: only the last `window` of them); q (B, H, 1,
+    D), caches (B, Hkv, S, D).
 
     The caller (kernels/attention.py) validates shapes and dtypes; returns (B, H, 1, D) contiguous.
     """
@@ -299,7 +317,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty((batch, n_heads, 1, head_dim), device=q.device, dtype=q.dtype)  # (B, H, 1, D)
-    _launch(q, k_cache, v_cache, input_pos, out, n_heads, None, config)
+    _launch(q, k_cache, v_cache, input_pos, out, n_heads, None, config, window)
     return out
 
 
@@ -319,7 +337,8 @@ def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
-            out: torch.Tensor, n_heads: int, rope: torch.Tensor | None, config: AttentionConfig | None) -> None:
+            out: torch.Tensor, n_heads: int, rope: torch.Tensor | None, config: AttentionConfig | None,
+            window: int = 0) -> None:
     """Run the split (and combine) kernels into out, viewed as (B, H, D) rows of D. q is (B, H, 1, D)
     rotated queries, or with rope given the raw (B, (H + 2 Hkv) D) projections (the fused kernel)."""
     batch = q.shape[0]
@@ -359,13 +378,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input
             seq_len, splits, LOG2E / math.sqrt(head_dim),
             N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, BLOCK_G=block_g, BLOCK_S=config.block_s,
             HEAD_DIM=head_dim, DOT_PRECISION=precision, ROPE_QKV=rope is not None, USE_PDL=pdl,
-            ROT=head_dim if rope is None else 2 * rope.shape[-1],
+            ROT=head_dim if rope is None else 2 * rope.shape[-1], window=window, WINDOW=window > 0,
             num_warps=config.num_warps, num_stages=stages, **extra,
         )
         if splits > 1:
             _combine_kernel[(batch * n_heads,)](
-                m, l, acc, input_pos, out, n_heads * head_dim, head_dim, seq_len, splits,
+                m, l, acc, input_pos, out, n_heads * head_dim, head_dim, seq_len, splits, window,
                 N_HEADS=n_heads, SPLITS_P2=triton.next_power_of_2(splits),
                 SPLIT_TILE=COMBINE_SPLIT_TILE, BLOCK_S=config.block_s, HEAD_DIM=head_dim, USE_PDL=pdl,
+                WINDOW=window > 0,
                 num_warps=2, **extra,
             )

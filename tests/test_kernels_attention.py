@@ -109,6 +109,7 @@ def test_op_accepts_non_contiguous_q_and_int32_pos():
         (dict(pos=torch.tensor([1, 2])), "input_pos"),
         (dict(pos=torch.tensor(3)), "input_pos"),
         (dict(pos=torch.tensor([1.0])), "input_pos"),
+        (dict(window=-1), "window must be"),
     ],
 )
 def test_validation_errors(change, match):
@@ -116,7 +117,21 @@ def test_validation_errors(change, match):
     k = torch.randn(1, 2, 16, 32, dtype=change.get("k_dtype", torch.float32))
     v = torch.randn(change.get("v_shape", (1, 2, 16, 32)), dtype=k.dtype)
     with pytest.raises(ValueError, match=match):
-        torch.ops.redline.decode_attention(q, k, v, change.get("pos", torch.tensor([3])))
+        torch.ops.redline.decode_attention(q, k, v, change.get("pos", torch.tensor([3])), change.get("window", 0))
+
+
+def test_a_window_sees_only_the_last_keys():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 1, 32)  # (B, H, 1, D)
+    k, v = torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32)  # (B, Hkv, S, D)
+    pos = torch.tensor([9])
+    windowed = torch.ops.redline.decode_attention(q, k, v, pos, 4)  # keys 6..9
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, :6], v2[:, :, :6] = 100.0, -100.0  # keys before the window change nothing...
+    torch.testing.assert_close(torch.ops.redline.decode_attention(q, k2, v2, pos, 4), windowed)
+    assert not torch.allclose(torch.ops.redline.decode_attention(q, k2, v2, pos), windowed)  # ...without it, all
+    torch.testing.assert_close(torch.ops.redline.decode_attention(q, k, v, pos, 10),
+                               torch.ops.redline.decode_attention(q, k, v, pos))  # a window past the start: no window
 
 
 def test_fake_tensor_shapes():

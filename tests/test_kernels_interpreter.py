@@ -34,8 +34,8 @@ CASES = [
     *[(f"dot_{m}", d) for m in (2, 17, 70) for d in ("float32", "float16")],
     ("dot_int8", "float16"),
     *[(f"int4dot_{m}", d) for m in INT4_DOT_ROWS for d in ("float32", "float16")],
-    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial")
-      for d in ("float32", "float16")],
+    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial", "window",
+                                       "windowsingle") for d in ("float32", "float16")],
     ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"), ("rope_partial", "float32"),
 ]
 
@@ -120,7 +120,7 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
     # qkv7: seven query heads per KV head (Qwen2.5-7B's 28:4), not a power of two
     n_heads, n_kv_heads = {"mha": (4, 4), "qkv7": (14, 2)}.get(variant, (8, 2))
     batch, seq_len, head_dim, pos = 2, 80, 32, 70
-    config = configs.AttentionConfig(num_splits=1 if variant == "single" else 3, block_s=16)
+    config = configs.AttentionConfig(num_splits=1 if variant.endswith("single") else 3, block_s=16)
     k_cache = torch.randn(batch, n_kv_heads, seq_len, head_dim, dtype=dtype)  # (B, Hkv, S, D)
     v_cache = torch.randn(batch, n_kv_heads, seq_len, head_dim, dtype=dtype)
     k_cache[:, :, pos + 1:] = float("nan")  # past input_pos: never read
@@ -136,6 +136,12 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
         cache_err = max(_rel_err(k_cache[:, :, pos], k_ref[:, :, pos]), _rel_err(v_cache[:, :, pos], v_ref[:, :, pos]))
         return max(_rel_err(got, want), cache_err)
     q = torch.randn(batch, n_heads, 1, head_dim, dtype=dtype)  # (B, H, 1, D)
+    window = 22 if variant.startswith("window") else 0  # keys 49..70: from inside the fourth block of 16
+    if window:
+        want = da.decode_attention_reference(q, k_cache, v_cache, input_pos, window)
+        k_cache[:, :, :pos + 1 - window] = float("nan")  # before the window: never read
+        v_cache[:, :, :pos + 1 - window] = float("nan")
+        return _rel_err(ta.decode_attention(q, k_cache, v_cache, input_pos, config=config, window=window), want)
     got = ta.decode_attention(q, k_cache, v_cache, input_pos, config=config)
     return _rel_err(got, da.decode_attention_reference(q, k_cache, v_cache, input_pos))
 
