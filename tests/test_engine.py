@@ -11,6 +11,7 @@ import torch
 from redline.engine import Engine, EngineFull, RequestOutput
 from redline.engine.graphs import BATCH_BUCKETS
 from redline.generate import LLM, GenerationOptions
+from redline.model import Transformer
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "A", "Llama models read tokens, predict the next one, and stop "
            "at the end of a turn. A tokenizer turns text into ids, and ids back into the same text."]
@@ -357,6 +358,16 @@ def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     llm = LLM(model.to("cuda"), None, "cuda", compile=compile, kernels=kernels)
     llm.max_kv_tokens = 4096  # a pool for these prompts, not most of the GPU (other GPU tests may share it)
     return llm
+
+
+def test_compiled_prefill_refuses_windows_in_one_line(llm):
+    import dataclasses
+
+    windowed = LLM(Transformer(dataclasses.replace(llm.model.args, layer_windows=(8,) * llm.model.args.n_layer)),
+                   None, "cpu", False)
+    with pytest.raises(ValueError, match="no sliding windows or soft-caps yet") as info:
+        Engine(windowed, max_kv_tokens=256, compile_prefill=True)
+    assert "\n" not in str(info.value)
 
 
 def greedy_and_sampled(llm: LLM, lengths: tuple[int, ...], new_tokens: int) -> tuple[list, list, list]:
