@@ -91,10 +91,10 @@ def paged_prefill_config(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> PagedPr
 
 
 def _attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lengths: Tensor, last_pos: Tensor,
-                  scale: float) -> Tensor:
-    """Each query row n attends to keys s < lengths[n] with s <= last_pos[n] of the pages tables[n]; fp32 softmax,
-    zeros for a row without keys. q (N, H, D), tables (N, max_pages), lengths and last_pos (N,); returns (N, H, D)
-    in fp32."""
+                  scale: float, window: int = 0) -> Tensor:
+    """Each query row n attends to keys s < lengths[n] with s <= last_pos[n] (and, window > 0, s > last_pos[n] -
+    window) of the pages tables[n]; fp32 softmax, zeros for a row without keys. q (N, H, D), tables (N, max_pages),
+    lengths and last_pos (N,); returns (N, H, D) in fp32."""
     n_rows, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_pages = tables.shape[1]
@@ -107,6 +107,8 @@ def _attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, l
         rows = slice(start, start + step)
         lens = lengths[rows].clamp(0, max_keys)
         valid = (positions < lens[:, None]) & (positions <= last_pos[rows, None])  # (n, S)
+        if window:
+            valid &= positions > last_pos[rows, None] - window
         used_pages = torch.arange(max_pages, device=q.device) * page_size < lens[:, None]  # (n, max_pages)
         pages = torch.where(used_pages, tables[rows].long(), 0)  # padding entries are never dereferenced
         keep = valid[:, :, None, None]  # (n, S, 1, 1)
@@ -122,10 +124,10 @@ def _attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, l
 
 
 def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                                     seq_lens: Tensor, scale: float) -> Tensor:
+                                     seq_lens: Tensor, scale: float, window: int = 0) -> Tensor:
     """The decode op computed in fp32 with PyTorch ops, returned in q's dtype; (B, H, D)."""
     lengths = seq_lens.long()
-    return _attend_pages(q, k_cache, v_cache, block_tables, lengths, lengths - 1, scale).to(q.dtype)
+    return _attend_pages(q, k_cache, v_cache, block_tables, lengths, lengths - 1, scale, window).to(q.dtype)
 
 
 def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -177,9 +179,12 @@ def _check_paged_common(name: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, 
         raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def _check_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor) -> None:
+def _check_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                        window: int = 0) -> None:
     name = "redline.paged_decode_attention"
     _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens)
+    if window < 0:
+        raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
     if block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"{name}: block_tables has {block_tables.shape[0]} rows for q's {q.shape[0]} queries; "
                          "pass one row per query")
@@ -202,20 +207,21 @@ def _check_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
 
 @torch.library.custom_op("redline::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                           scale: float) -> Tensor:
-    """softmax(scale q k^T) v over each row's keys 0..seq_lens[b]-1 of its pages; q (B, H, D) -> (B, H, D)."""
-    _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
+                           scale: float, window: int = 0) -> Tensor:
+    """softmax(scale q k^T) v over each row's keys 0..seq_lens[b]-1 of its pages (window > 0: the last `window` of
+    them); q (B, H, D) -> (B, H, D)."""
+    _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, window)
     config = paged_decode_config(q, k_cache, v_cache, block_tables) if q.is_cuda else None
     if config is not None:
         return triton_paged_attention().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                                config)
-    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale).contiguous()
+                                                                config, window)
+    return paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale, window).contiguous()
 
 
 @paged_decode_attention.register_fake
 def _paged_decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                                 scale: float) -> Tensor:
-    _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens)
+                                 scale: float, window: int = 0) -> Tensor:
+    _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, window)
     return q.new_empty(q.shape)  # (B, H, D), contiguous like the real output
 
 

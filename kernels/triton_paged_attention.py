@@ -42,15 +42,24 @@ import triton.language as tl
 
 from .configs import AttentionConfig, PagedPrefillConfig, fitted_attention_config, fitted_paged_prefill_config
 from .device import device_caps
-from .triton_attention import COMBINE_SPLIT_TILE, DOT_MIN_ROWS, LOG2E
+from .triton_attention import COMBINE_SPLIT_TILE, DOT_MIN_ROWS, LOG2E, _seen
 
 
 @triton.jit
-def _row_blocks(length, num_splits, BLOCK_S: tl.constexpr):
-    """(blocks of keys per split, splits that hold keys) for one row of `length` valid keys (0 gives 0 splits)."""
-    n_blocks = tl.cdiv(length, BLOCK_S)
+def _row_blocks(length, num_splits, first_block, BLOCK_S: tl.constexpr):
+    """(blocks of keys per split, splits that hold keys) for one row of `length` valid keys (0 gives 0 splits),
+    counted from block first_block (a sliding window's first)."""
+    n_blocks = tl.cdiv(length, BLOCK_S) - first_block
     per_split = tl.maximum(tl.cdiv(n_blocks, num_splits), 1)
     return per_split, tl.cdiv(n_blocks, per_split)
+
+
+@triton.jit
+def _window_start(length, window, WINDOW: tl.constexpr):
+    """The first key a row of `length` keys sees: 0, or with WINDOW the first of its last `window`."""
+    if WINDOW:
+        return tl.maximum(length - window, 0)
+    return 0
 
 
 @triton.jit
@@ -85,17 +94,19 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION: 
 def _paged_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
-    stride_ob, stride_oh, max_keys, num_splits, qk_scale,
+    stride_ob, stride_oh, max_keys, num_splits, qk_scale, window,
     N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     pid_group = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     b = (pid_group // N_KV_HEADS).to(tl.int64)
     kvh = (pid_group % N_KV_HEADS).to(tl.int64)
     length = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), max_keys)  # never past the table
-    per_split, active = _row_blocks(length, num_splits, BLOCK_S)
-    first = split * per_split
+    lo = _window_start(length, window, WINDOW)  # keys before lo are outside the window: never read
+    per_split, active = _row_blocks(length, num_splits, lo // BLOCK_S, BLOCK_S)
+    first = lo // BLOCK_S + split * per_split
     last = tl.minimum(first + per_split, tl.cdiv(length, BLOCK_S))
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -117,7 +128,7 @@ def _paged_split_kernel(
     s_idx = first * BLOCK_S + offs_s  # (BLOCK_S,)
     page = tl.load(table_row + s_idx // PAGE_SIZE, mask=s_idx < length, other=0).to(tl.int64)
     for _ in range(first, last):
-        s_ok = s_idx < length  # keys past the row's length are never loaded
+        s_ok = _seen(s_idx, length, lo, WINDOW)  # the row's keys (in its window) only are loaded
         slot = s_idx % PAGE_SIZE
         k = tl.load(k_base + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :], mask=s_ok[:, None],
                     other=0.0)  # (BLOCK_S, D)
@@ -142,15 +153,15 @@ def _paged_split_kernel(
 
 @triton.jit
 def _paged_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, max_keys, num_splits,
+    m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, max_keys, num_splits, window,
     N_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     b = row // N_HEADS
     h = row % N_HEADS
     length = tl.minimum(tl.maximum(tl.load(lens_ptr + b).to(tl.int32), 0), max_keys)
-    _, active = _row_blocks(length, num_splits, BLOCK_S)
+    _, active = _row_blocks(length, num_splits, _window_start(length, window, WINDOW) // BLOCK_S, BLOCK_S)
     base = row * num_splits
     offs = tl.arange(0, SPLITS_P2)
     m = tl.load(m_ptr + base + offs, mask=offs < active, other=float("-inf"))  # (SPLITS_P2,)
@@ -264,7 +275,8 @@ def _device_context(t: torch.Tensor):
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                           seq_lens: torch.Tensor, scale: float, config: AttentionConfig | None = None) -> torch.Tensor:
+                           seq_lens: torch.Tensor, scale: float, config: AttentionConfig | None = None,
+                           window: int = 0) -> torch.Tensor:
     """softmax(scale q k^T) v over each row's keys 0..seq_lens[b]-1; q (B, H, D), caches (num_pages, page_size, Hkv,
     D) with unit stride along D, block_tables (B, max_pages), seq_lens (B,). Returns (B, H, D) contiguous. The
     caller (kernels/paged_attention.py) validates."""
@@ -294,17 +306,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            out.stride(0), out.stride(1), max_keys, splits, scale * LOG2E,
-            N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1,
+            out.stride(0), out.stride(1), max_keys, splits, scale * LOG2E, window,
+            N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, WINDOW=window > 0,
             BLOCK_G=max(DOT_MIN_ROWS, triton.next_power_of_2(group)), BLOCK_S=config.block_s, PAGE_SIZE=page_size,
             HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype, caps),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
             _paged_combine_kernel[(batch * n_heads,)](
-                m, l, acc, seq_lens, out, out.stride(0), out.stride(1), max_keys, splits,
+                m, l, acc, seq_lens, out, out.stride(0), out.stride(1), max_keys, splits, window,
                 N_HEADS=n_heads, SPLITS_P2=triton.next_power_of_2(splits), SPLIT_TILE=COMBINE_SPLIT_TILE,
-                BLOCK_S=config.block_s, HEAD_DIM=head_dim, num_warps=2,
+                BLOCK_S=config.block_s, HEAD_DIM=head_dim, WINDOW=window > 0, num_warps=2,
             )
     return out
 

@@ -102,6 +102,10 @@ def paged_attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype
                 fallbacks.append(record.call)
                 continue
             tpa.paged_decode_attention(q, pool, pool, tables, _meta(batch, dtype=torch.int32), 0.1, config)
+            if keys == max(cache_lengths):  # a sliding-window layer's decode: one more variant of each config
+                record.call += " window"
+                tpa.paged_decode_attention(q, pool, pool, tables, _meta(batch, dtype=torch.int32), 0.1, config,
+                                           window=1024)
         for (seqs, tokens), pool in itertools.product(PREFILL_LAYOUTS, (large, small)):
             record.call = f"{label} prefill sequences={seqs} tokens={tokens} pool={pool.shape[0]}"
             q = _meta(tokens, h, d, dtype=dtype)

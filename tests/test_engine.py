@@ -370,6 +370,36 @@ def test_compiled_prefill_refuses_windows_in_one_line(llm):
     assert "\n" not in str(info.value)
 
 
+def test_windowed_decode_steps_through_the_attention_ops_give_generate_tokens():
+    """The pool's decode op takes a layer's sliding window (prompt chunks of a windowed layer keep the reference):
+    with the ops on the CPU (their references), a windowed model's engine gives generate's tokens."""
+    import dataclasses
+
+    from redline.engine.engine import registered_paged_ops
+    from redline.model import ModelArgs
+
+    torch.manual_seed(0)
+    args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), layer_windows=(6, 0))
+    model = Transformer(args).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    llm = LLM(model, None, "cpu", False)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (3, 11, 20)]
+    options = GenerationOptions(max_new_tokens=12, ignore_eos=True)
+    want = [llm.generate(p, options).token_ids for p in prompts]
+    engine = Engine(llm, max_kv_tokens=512, page_size=4)
+    engine.kv.ops = registered_paged_ops()
+    calls = []
+    decode = engine.kv.ops[1]
+    engine.kv.ops = (engine.kv.ops[0], lambda *a: calls.append(a[-1]) or decode(*a))
+    with engine._lock:
+        handles = [engine.add_request(p, options) for p in prompts]
+    assert [h.result(timeout=120).token_ids for h in handles] == want
+    assert 6 in calls and 0 in calls  # the windowed layer's steps passed its window, the full layer none
+    engine.shutdown()
+
+
 def greedy_and_sampled(llm: LLM, lengths: tuple[int, ...], new_tokens: int) -> tuple[list, list, list]:
     """Prompts of these lengths, alternately greedy and seeded-sampled (the last greedy), and the tokens
     llm.generate gives each alone."""
@@ -417,8 +447,8 @@ def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
         calls["prefill"] += 1
         return paged_prefill_attention(*args)
 
-    def decode(*args):
-        assert len(args) == 6 and args[0].dim() == 3 and args[4].dtype == torch.int32
+    def decode(*args):  # ... scale, window (0: this model has none)
+        assert len(args) == 7 and args[0].dim() == 3 and args[4].dtype == torch.int32 and args[6] == 0
         calls["decode"] += 1
         return paged_decode_attention(*args)
 

@@ -270,7 +270,8 @@ def test_prefill_config_validation():
 # --- the Triton kernels in the interpreter ---
 
 # (name, dtype): every case the child runs. The interpreter's tl.dot is wrong for bf16: fp16 and fp32 only.
-INTERPRETER_CASES = [(f"{op}_{v}", d) for op, variants in (("decode", ("split", "single", "gqa8", "page128")),
+INTERPRETER_CASES = [(f"{op}_{v}", d) for op, variants in (("decode", ("split", "single", "gqa8", "page128", "window",
+                                                                        "windowsingle")),
                                                             ("prefill", ("mha", "gqa4", "group3", "many")))
                      for v in variants for d in ("float32", "float16")]
 
@@ -288,12 +289,13 @@ def run_interpreted_case(name: str, dtype_name: str) -> float:
         lengths = [0, 1, 37, 150, 8] if variant != "page128" else [200, 3]
         batch = paged_batch(lengths, n_kv_heads, 64, page_size, dtype=dtype)
         q = torch.randn(len(lengths), n_heads, 64).to(dtype)
-        splits = 1 if variant == "single" else 5
+        splits = 1 if variant.endswith("single") else 5
         cfg = configs.AttentionConfig(num_splits=splits, block_s=16 if variant != "page128" else 32, num_warps=4,
                                       num_stages=1)
         args = (q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 0.125)
-        got = tpa.paged_decode_attention(*args, config=cfg)
-        return rel_err(got, pa.paged_decode_attention_reference(*args))
+        window = 21 if variant.startswith("window") else 0  # rows of 37 and 150 keys start inside a block
+        got = tpa.paged_decode_attention(*args, config=cfg, window=window)
+        return rel_err(got, pa.paged_decode_attention_reference(*args, window))
     lengths, q_lens = [40, 9, 70], [40, 3, 21]  # whole, short tail, chunk after a cached prefix
     if variant == "many":  # the binary search over 7 chunks, one of them empty
         lengths, q_lens = [3, 20, 1, 50, 9, 33, 16], [3, 0, 1, 17, 9, 2, 16]
