@@ -366,18 +366,17 @@ class PagedContext:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float = 0.0, window: int = 0,
                softcap: float = 0.0) -> Tensor:
         """Write k, v (N, Hkv, D) into this layer's pages, then attend with q (N, H, D); returns (N, H, D). scale 0:
-        D ** -0.5; a soft-cap, or a window in a step with prompt chunks, runs the PyTorch references (the GPU
-        kernels implement neither; the decode kernel takes windows)."""
+        D ** -0.5; a soft-cap runs the PyTorch references (the GPU kernels do not implement it)."""
         k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]  # (num_pages, page_size, Hkv, D)
         page, offset = self.slot_mapping // self.kv.page_size, self.slot_mapping % self.kv.page_size  # (N,)
         k_cache.index_put_((page, offset), k)
         v_cache.index_put_((page, offset), v)
         scale = scale or q.shape[-1] ** -0.5
-        if self.kv.ops is not None and not softcap and (self.decode or not window):
+        if self.kv.ops is not None and not softcap:
             prefill, decode = self.kv.ops
             if self.decode:
                 return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window)
-            return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale)
+            return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale, window)
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window,
                                           softcap)

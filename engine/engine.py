@@ -215,9 +215,9 @@ class Engine:
         num_pages = pool_pages(args, page_size, dtype, self.device, max_kv_tokens)
         self.pool = PagePool(num_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_running, prefill_chunk)
-        if compile_prefill and (any(args.layer_windows) or args.attn_softcap):
-            raise ValueError("compile_prefill runs the paged prefill kernel, which has no sliding windows or "
-                             "soft-caps yet; drop compile_prefill (--compile-prefill) for this model")
+        if compile_prefill and args.attn_softcap:
+            raise ValueError("compile_prefill runs the paged attention kernels, which have no soft-capping yet; drop "
+                             "compile_prefill (--compile-prefill) for this model")
         ops = paged_attention_ops(llm) or (registered_paged_ops() if compile_prefill else None)
         self.kv = PagedKVCache(args, num_pages, page_size, dtype, self.device, ops)
         # Steps with prompt chunks, compiled once with dynamic sizes (their attention is the ops: the references'

@@ -131,7 +131,7 @@ def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
 
 
 def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                                      cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
+                                      cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, window: int = 0) -> Tensor:
     """The prefill op computed in fp32 with PyTorch ops, returned in q's dtype; (T, H, D)."""
     n_tokens = q.shape[0]
     n_seqs = block_tables.shape[0]
@@ -145,7 +145,7 @@ def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
     lengths = torch.where(padded, 0, seq_lens.long()[seq])  # (T,) a row past cu_seqlens_q[S] gets no keys: zeros
     q_len = (cu[1:] - cu[:-1])[seq]
     last_pos = lengths - q_len + (token - cu[seq])  # (T,) the row's position in its sequence
-    return _attend_pages(q, k_cache, v_cache, block_tables[seq], lengths, last_pos, scale).to(q.dtype)
+    return _attend_pages(q, k_cache, v_cache, block_tables[seq], lengths, last_pos, scale, window).to(q.dtype)
 
 
 # --- validation ---
@@ -191,9 +191,11 @@ def _check_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
 
 
 def _check_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
-                         seq_lens: Tensor) -> None:
+                         seq_lens: Tensor, window: int = 0) -> None:
     name = "redline.paged_prefill_attention"
     _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens)
+    if window < 0:
+        raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
     n_seqs = block_tables.shape[0]
     if cu_seqlens_q.shape != (n_seqs + 1,) or cu_seqlens_q.dtype != torch.int32:
         raise ValueError(f"{name}: cu_seqlens_q must be int32 of shape ({n_seqs + 1},) (sequences + 1 offsets), "
@@ -227,19 +229,20 @@ def _paged_decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
 
 @torch.library.custom_op("redline::paged_prefill_attention", mutates_args=())
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
-                            seq_lens: Tensor, scale: float) -> Tensor:
-    """Causal attention of flattened query chunks over their sequences' pages; q (T, H, D) -> (T, H, D)."""
-    _check_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+                            seq_lens: Tensor, scale: float, window: int = 0) -> Tensor:
+    """Causal attention of flattened query chunks over their sequences' pages (window > 0: each query over the last
+    `window` positions up to its own); q (T, H, D) -> (T, H, D)."""
+    _check_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, window)
     config = paged_prefill_config(q, k_cache, v_cache) if q.is_cuda else None
     if config is not None:
         return triton_paged_attention().paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                                 seq_lens, scale, config)
+                                                                 seq_lens, scale, config, window)
     return paged_prefill_attention_reference(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                             scale).contiguous()
+                                             scale, window).contiguous()
 
 
 @paged_prefill_attention.register_fake
 def _paged_prefill_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                                  cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float) -> Tensor:
-    _check_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+                                  cu_seqlens_q: Tensor, seq_lens: Tensor, scale: float, window: int = 0) -> Tensor:
+    _check_paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, window)
     return q.new_empty(q.shape)  # (T, H, D)

@@ -202,9 +202,9 @@ def _chunk_of_tile(cu_ptr, pid, n_seqs, n_steps, BLOCK_T: tl.constexpr):
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
-    stride_ot, stride_oh, n_seqs, n_steps, max_keys, qk_scale,
+    stride_ot, stride_oh, n_seqs, n_steps, max_keys, qk_scale, window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_P2  # query tokens per tile
     kvh = tl.program_id(1).to(tl.int64)
@@ -236,6 +236,12 @@ def _paged_prefill_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        if WINDOW:  # each row sees (its position - window, its position]: every block is masked, none before the
+            # first row's window is read
+            full_blocks = 0
+            first_block = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
+        else:
+            first_block = full_blocks
         for blk in range(0, full_blocks):
             s_idx = blk * BLOCK_N + offs_n  # (BLOCK_N,) all valid, all visible
             k_rows = _page_rows(table_row, s_idx, None, stride_kp, stride_ks, PAGE_SIZE)
@@ -243,7 +249,7 @@ def _paged_prefill_kernel(
             k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])  # (BLOCK_N, D)
             v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
             m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-        for blk in range(full_blocks, tl.cdiv(hi, BLOCK_N)):
+        for blk in range(first_block, tl.cdiv(hi, BLOCK_N)):
             s_idx = blk * BLOCK_N + offs_n
             s_ok = s_idx < hi
             k_rows = _page_rows(table_row, s_idx, s_ok, stride_kp, stride_ks, PAGE_SIZE)
@@ -251,6 +257,8 @@ def _paged_prefill_kernel(
             k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
             v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
             keep = (s_idx[None, :] <= q_pos[:, None]) & s_ok[None, :]  # causal, within the valid keys
+            if WINDOW:
+                keep = keep & (s_idx[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
@@ -323,8 +331,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            config: PagedPrefillConfig | None = None) -> torch.Tensor:
-    """Causal attention of S flattened query chunks over their paged keys; q (T, H, D), block_tables (S,
+                            config: PagedPrefillConfig | None = None, window: int = 0) -> torch.Tensor:
+    """Causal attention of S flattened query chunks over their paged keys (window > 0: each query over the last
+    `window` positions up to its own); q (T, H, D), block_tables (S,
     max_pages), cu_seqlens_q (S + 1,), seq_lens (S,). Returns (T, H, D); rows past cu_seqlens_q[S] are zeros. The
     caller (kernels/paged_attention.py) validates."""
     n_tokens, n_heads, head_dim = q.shape
@@ -352,8 +361,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), n_seqs, n_seqs.bit_length(), block_tables.shape[1] * page_size,
-            scale * LOG2E, GROUP=group, GROUP_P2=group_p2, BLOCK_M=config.block_m,
+            scale * LOG2E, window, GROUP=group, GROUP_P2=group_p2, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-            DOT_PRECISION=_dot_precision(q.dtype, caps), num_warps=config.num_warps, num_stages=config.num_stages,
+            DOT_PRECISION=_dot_precision(q.dtype, caps), WINDOW=window > 0, num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
     return out

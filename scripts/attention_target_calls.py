@@ -114,6 +114,7 @@ def paged_attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype
                 fallbacks.append(record.call)
                 continue
             tables = _meta(seqs, max(cache_lengths) // page_size, dtype=torch.int32)
-            tpa.paged_prefill_attention(q, pool, pool, tables, _meta(seqs + 1, dtype=torch.int32),
-                                        _meta(seqs, dtype=torch.int32), 0.1, config)
+            for window in (0, 1024):  # full layers and sliding-window ones
+                tpa.paged_prefill_attention(q, pool, pool, tables, _meta(seqs + 1, dtype=torch.int32),
+                                            _meta(seqs, dtype=torch.int32), 0.1, config, window)
     return fallbacks

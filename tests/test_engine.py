@@ -360,19 +360,18 @@ def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     return llm
 
 
-def test_compiled_prefill_refuses_windows_in_one_line(llm):
+def test_compiled_prefill_refuses_soft_caps_in_one_line(llm):
     import dataclasses
 
-    windowed = LLM(Transformer(dataclasses.replace(llm.model.args, layer_windows=(8,) * llm.model.args.n_layer)),
-                   None, "cpu", False)
-    with pytest.raises(ValueError, match="no sliding windows or soft-caps yet") as info:
-        Engine(windowed, max_kv_tokens=256, compile_prefill=True)
+    capped = LLM(Transformer(dataclasses.replace(llm.model.args, attn_softcap=30.0)), None, "cpu", False)
+    with pytest.raises(ValueError, match="no soft-capping yet") as info:
+        Engine(capped, max_kv_tokens=256, compile_prefill=True)
     assert "\n" not in str(info.value)
 
 
-def test_windowed_decode_steps_through_the_attention_ops_give_generate_tokens():
-    """The pool's decode op takes a layer's sliding window (prompt chunks of a windowed layer keep the reference):
-    with the ops on the CPU (their references), a windowed model's engine gives generate's tokens."""
+def test_windowed_steps_through_the_attention_ops_give_generate_tokens():
+    """The pool's prefill and decode ops take a layer's sliding window: with the ops on the CPU (their references),
+    a windowed model's engine gives generate's tokens, prompts longer than the window and chunked included."""
     import dataclasses
 
     from redline.engine.engine import registered_paged_ops
@@ -388,15 +387,15 @@ def test_windowed_decode_steps_through_the_attention_ops_give_generate_tokens():
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (3, 11, 20)]
     options = GenerationOptions(max_new_tokens=12, ignore_eos=True)
     want = [llm.generate(p, options).token_ids for p in prompts]
-    engine = Engine(llm, max_kv_tokens=512, page_size=4)
-    engine.kv.ops = registered_paged_ops()
+    engine = Engine(llm, max_kv_tokens=512, page_size=4, prefill_chunk=8)
+    prefill, decode = registered_paged_ops()
     calls = []
-    decode = engine.kv.ops[1]
-    engine.kv.ops = (engine.kv.ops[0], lambda *a: calls.append(a[-1]) or decode(*a))
+    engine.kv.ops = (lambda *a: calls.append(("prefill", a[-1])) or prefill(*a),
+                     lambda *a: calls.append(("decode", a[-1])) or decode(*a))
     with engine._lock:
         handles = [engine.add_request(p, options) for p in prompts]
     assert [h.result(timeout=120).token_ids for h in handles] == want
-    assert 6 in calls and 0 in calls  # the windowed layer's steps passed its window, the full layer none
+    assert {("prefill", 6), ("decode", 6), ("prefill", 0), ("decode", 0)} <= set(calls)  # each layer its own
     engine.shutdown()
 
 
@@ -442,10 +441,10 @@ def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
 
     calls = {"prefill": 0, "decode": 0}
 
-    def prefill(*args):
-        assert len(args) == 7 and args[3].dtype == torch.int32 and args[4].dtype == torch.int32
+    def prefill(*args):  # ... scale, window (0: this model has none)
+        assert len(args) == 8 and args[3].dtype == torch.int32 and args[4].dtype == torch.int32 and args[7] == 0
         calls["prefill"] += 1
-        return paged_prefill_attention(*args)
+        return paged_prefill_attention(*args[:7], window=args[7])
 
     def decode(*args):  # ... scale, window (0: this model has none)
         assert len(args) == 7 and args[0].dim() == 3 and args[4].dtype == torch.int32 and args[6] == 0
