@@ -100,8 +100,13 @@ def step_logits(model: Transformer, batch: StepBatch, vocab_bias: Tensor | None,
         args = (batch.ids, c.positions, c.slot_mapping, c.block_tables, c.seq_lens, c.cu_seqlens_q, batch.logits_at)
         mark_step_dynamic(*args)
         return compiled(model, c.kv, vocab_bias, *args)
-    logits = model(batch.ids, c.positions, logits_at=batch.logits_at, context=c)[0]
-    logits = logits.float()  # (L, V)
+    return paged_logits(model, c, batch.ids, batch.logits_at, vocab_bias)
+
+
+def paged_logits(model: Transformer, context: PagedContext, ids: Tensor, logits_at: Tensor,
+                 vocab_bias: Tensor | None) -> Tensor:
+    """Logits (L, V) fp32 at rows logits_at (L,) of ids (1, N) at context.positions, with the vocabulary bias."""
+    logits = model(ids, context.positions, logits_at=logits_at, context=context)[0].float()  # (L, V)
     return logits + vocab_bias if vocab_bias is not None else logits
 
 
@@ -109,9 +114,8 @@ def prefill_logits(model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | No
                    slots: Tensor, tables: Tensor, seq_lens: Tensor, cu_seqlens: Tensor, logits_at: Tensor) -> Tensor:
     """Logits (L, V) fp32 at rows logits_at (L,) of a step of prompt chunks and decode rows, ids (1, N) at
     positions (N,); the function the engine compiles. Its attention is the pool's ops, which read no host lists."""
-    context = PagedContext(positions, slots, tables, seq_lens, cu_seqlens, kv)
-    logits = model(ids, positions, logits_at=logits_at, context=context)[0].float()  # (L, V)
-    return logits + vocab_bias if vocab_bias is not None else logits
+    return paged_logits(model, PagedContext(positions, slots, tables, seq_lens, cu_seqlens, kv), ids, logits_at,
+                        vocab_bias)
 
 
 def mark_step_dynamic(ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor,
