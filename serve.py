@@ -72,8 +72,8 @@ class ServeSettings:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key is empty; give a key or leave it out")
-        for name in ("max_running", "prefill_chunk", "max_body_bytes") + (("max_queue",) if self.max_queue is not None else ()) + (
-                ("max_kv_tokens",) if self.max_kv_tokens is not None else ()):
+        optional = tuple(name for name in ("max_queue", "max_kv_tokens") if getattr(self, name) is not None)
+        for name in ("max_running", "prefill_chunk", "max_body_bytes") + optional:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not self.shutdown_grace_s >= 0:
@@ -668,7 +668,8 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
                    help="CUDA-graph decode steps (default: on for a GPU)")
     p.add_argument("--max-kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
     p.add_argument("--max-running", type=int, default=256, help="requests decoded together at most")
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens one step computes at most")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt tokens one step computes at most")
     p.add_argument("--compile-prefill", action="store_true", help="compile the steps that prefill (dynamic sizes)")
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; more are refused (429)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")

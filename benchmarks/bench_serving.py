@@ -223,7 +223,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-kv-tokens", type=int, default=None, help="default: from free GPU memory")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, help="prompt tokens a step computes at most")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt tokens a step computes at most")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--compile-prefill", action="store_true", help="compile the steps that prefill (dynamic sizes)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
