@@ -29,6 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redline.engine import Engine
+from redline.engine.engine import COMPILE_PREFILL_HELP
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK
 from redline.model import ModelArgs
 from redline.options import EngineConfig, check_text
@@ -59,7 +60,7 @@ class ServeSettings:
     compile: bool | None = None
     max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: the engine sizes it
     max_running: int = 256  # requests decoded together at most
-    compile_prefill: bool = False  # the engine's steps with prompt chunks compiled (dynamic sizes)
+    compile_prefill: bool | None = None  # steps with prompt chunks compiled; None: where it pays (the engine's rule)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens one engine step computes at most
     max_queue: int | None = 1024  # requests waiting at most; more get 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -670,7 +671,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--max-running", type=int, default=256, help="requests decoded together at most")
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens one step computes at most")
-    p.add_argument("--compile-prefill", action="store_true", help="compile the steps that prefill (dynamic sizes)")
+    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, help=COMPILE_PREFILL_HELP)
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; more are refused (429)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",

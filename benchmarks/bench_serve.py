@@ -47,7 +47,7 @@ class BenchServeConfig:
     dtype: str | None = None
     max_kv_tokens: int | None = None
     max_running: int = 256
-    compile_prefill: bool = False  # --offline: the engine's steps with prompt chunks compiled
+    compile_prefill: bool | None = None  # --offline: the engine's steps with prompt chunks compiled; None: its rule
     max_concurrency: int | None = None  # requests in flight at once at most (1: one client); None: no limit
 
     def __post_init__(self) -> None:
@@ -371,7 +371,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-kv-tokens", type=int, default=None)
     p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--compile-prefill", action="store_true", help="--offline: compile the steps that prefill")
+    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction,
+                   help="--offline: compile the steps with prompt chunks (default: where serve.py does)")
     ns = p.parse_args(argv)
     return BenchServeConfig(**{**vars(ns), "input_len": parse_range(ns.input_len),
                                "request_rates": parse_rates(ns.request_rates)})

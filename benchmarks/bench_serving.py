@@ -38,6 +38,7 @@ from redline.benchmarks.bench_env import environment
 from redline.benchmarks.bench_model import build_random_model, param_counts
 from redline.checkpoint import dtype_from_name, write_atomically
 from redline.engine import Engine
+from redline.engine.engine import COMPILE_PREFILL_HELP
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk
 from redline.generate import LLM
 from redline.model import ModelArgs
@@ -226,7 +227,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens a step computes at most")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--compile-prefill", action="store_true", help="compile the steps that prefill (dynamic sizes)")
+    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, help=COMPILE_PREFILL_HELP)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps as CUDA graphs (default: on for a GPU)")
     p.add_argument("--compare", choices=("hf",), default=None)

@@ -4,18 +4,18 @@
 #
 #   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu)
 #   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
-#   bash benchmarks/gpu_run.sh engine-compiled  # fixed, mixed and prefix again with --compile-prefill
+#   bash benchmarks/gpu_run.sh engine-eager  # fixed, mixed and prefix again with eager prefill steps
 #   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4, and the MoE models
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
 #
 # SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
-# SERVE_ARGS adds engine flags to both (SERVE_ARGS=--compile-prefill).
+# SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
 # RESULTS (default benchmarks/results/gpu-run) receives every JSON, log and plot; the last line of each part prints
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-compiled|families|serve|serve-offline}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|serve|serve-offline}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
@@ -50,11 +50,11 @@ engine)
         --json "$RESULTS/engine-mixed.json"
     run engine-prefix python3 $bench --model Llama-3-8B --workload prefix --json "$RESULTS/engine-prefix.json"
     ;;
-engine-compiled)
-    bench="benchmarks/bench_serving.py --model Llama-3-8B --compile-prefill"
-    run engine-fixed-compiled python3 $bench --workload fixed --num-requests 1024 --json "$RESULTS/engine-fixed-compiled.json"
-    run engine-mixed-compiled python3 $bench --workload mixed --json "$RESULTS/engine-mixed-compiled.json"
-    run engine-prefix-compiled python3 $bench --workload prefix --json "$RESULTS/engine-prefix-compiled.json"
+engine-eager)
+    bench="benchmarks/bench_serving.py --model Llama-3-8B --no-compile-prefill"
+    run engine-fixed-eager python3 $bench --workload fixed --num-requests 1024 --json "$RESULTS/engine-fixed-eager.json"
+    run engine-mixed-eager python3 $bench --workload mixed --json "$RESULTS/engine-mixed-eager.json"
+    run engine-prefix-eager python3 $bench --workload prefix --json "$RESULTS/engine-prefix-eager.json"
     ;;
 families)
     for model in Qwen2.5-7B Qwen3-8B Gemma-3-12B Phi-4-mini; do
@@ -95,7 +95,7 @@ serve-offline)
         --output-len 256 --json "$RESULTS/serve-64-offline.json"
     ;;
 *)
-    echo "unknown part '$part'; use tests, engine, engine-compiled, families, serve or serve-offline" >&2
+    echo "unknown part '$part'; use tests, engine, engine-eager, families, serve or serve-offline" >&2
     exit 2
     ;;
 esac

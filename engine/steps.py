@@ -27,8 +27,11 @@ class StepBatch:
 
 
 def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
-               prompt_logprobs: set[int] = frozenset()) -> StepBatch:
-    """The flattened batch of chunks; `prompt_logprobs` names chunks (by index) that need logits at every token."""
+               prompt_logprobs: set[int] = frozenset(), pad_page: int | None = None) -> StepBatch:
+    """The flattened batch of chunks; `prompt_logprobs` names chunks (by index) that need logits at every token.
+    pad_page: a page no sequence holds; a step with prompt chunks then ends with a one-token sequence writing into
+    it, and computes at least two logit rows, so that no size of the compiled prefill step is ever 0 or 1 (torch.compile
+    specializes on those: each would compile the whole model again)."""
     size = kv.page_size
     ids: list[int] = []
     positions: list[int] = []
@@ -57,16 +60,27 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
     width = pages_bucket(max(len(c.seq.pages) for c in chunks), -(-kv.rope.shape[0] // size))
     tables = [c.seq.pages + [0] * (width - len(c.seq.pages)) for c in chunks]
     single = [i for i, c in enumerate(chunks) if c.length == 1]
+    decode = len(single) == len(chunks)
+    q_lens, k_lens = [c.length for c in chunks], [c.start + c.length for c in chunks]
+    if pad_page is not None and not decode:  # token 0 at position 0 of a sequence of its own, in pad_page
+        single.append(len(chunks))
+        ids.append(0)
+        positions.append(0)
+        slots.append(pad_page * size)
+        cu.append(len(ids))
+        tables.append([pad_page] * width)
+        q_lens, k_lens = q_lens + [1], k_lens + [1]
+        logits_at += [len(ids) - 1] * max(0, 2 - len(logits_at))
     long_, i32 = torch.long, torch.int32
     context = PagedContext(
         positions=on_device(positions, long_, device),
         slot_mapping=on_device(slots, long_, device),
         block_tables=on_device(tables, i32, device),
-        seq_lens=on_device([c.start + c.length for c in chunks], i32, device),
+        seq_lens=on_device(k_lens, i32, device),
         cu_seqlens_q=on_device(cu, i32, device),
         kv=kv,
-        decode=len(single) == len(chunks),
-        host_lens=([c.length for c in chunks], [c.start + c.length for c in chunks]),
+        decode=decode,
+        host_lens=(q_lens, k_lens),
         singles=(on_device(single, long_, device), on_device([cu[i] for i in single], long_, device)),
     )
     return StepBatch(on_device([ids], long_, device), context, on_device(logits_at, long_, device),
