@@ -90,7 +90,9 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION: 
     return m_new, l_i, acc * alpha[:, None] + pv
 
 
-@triton.jit
+# Sizes that change from step to step are not specialized on (Triton compiles a variant per value of 1 and per
+# multiple of 16 otherwise, each costing a ~2 s pause the first time a step meets it).
+@triton.jit(do_not_specialize=("stride_tb", "max_keys", "num_splits"))
 def _paged_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
@@ -151,7 +153,7 @@ def _paged_split_kernel(
         tl.store(acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("max_keys", "num_splits"))
 def _paged_combine_kernel(
     m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, max_keys, num_splits, window,
     N_HEADS: tl.constexpr, SPLITS_P2: tl.constexpr, SPLIT_TILE: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -198,7 +200,7 @@ def _chunk_of_tile(cu_ptr, pid, n_seqs, n_steps, BLOCK_T: tl.constexpr):
     return lo, pid - (tl.load(cu_ptr + lo) // BLOCK_T + lo)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("stride_tb", "n_seqs", "n_steps", "max_keys"))
 def _paged_prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
