@@ -1,12 +1,15 @@
 """A mixture-of-experts layer's experts as one op, with a plain-PyTorch reference, and the module that calls it.
 
-    torch.ops.redline.moe_experts(x, w13, w2, topk_ids, topk_weights, gelu=False)  -> (T, dim)
+    torch.ops.redline.moe_experts(x, w13, w2, topk_ids, topk_weights, gelu=False, w13_scales=None,
+                                  w2_scales=None)  -> (T, dim)
 
 x (T, dim) bf16/fp16/fp32; w13 (E, 2I, dim) in x's dtype, expert e's gate projection in rows 0..I-1 and its up
 projection in rows I..2I-1; w2 (E, dim, I); topk_ids (T, k) int64 or int32, each in [0, E); topk_weights (T, k)
 fp32. Token t's output is sum_j topk_weights[t, j] * w2[e] @ (act(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t])) with
 e = topk_ids[t, j] and act silu, or gelu with the tanh approximation when gelu=True (GeGLU experts), accumulated in
-fp32 and returned in x's dtype.
+fp32 and returned in x's dtype. int8 experts (quantize.Int8MoEFeedForward): w13 and w2 int8 with w13_scales (E, 2I)
+and w2_scales (E, dim) fp32, one per expert and output row; expert e's weights are then w13[e] * w13_scales[e, :, None]
+and w2[e] * w2_scales[e, :, None], and the kernels convert the int8 rows in registers (they read a byte a weight).
 
 On a CUDA/HIP device with Triton, for weights with unit stride along their rows, the op runs the kernels of
 triton_moe.py, which read only the chosen experts' weights: up to configs.MOE_GEMV_MAX_TOKENS tokens the GEMV
@@ -16,7 +19,8 @@ GPU's shared memory (configs.fitted_moe_dot_config, fitted to device.DeviceCaps)
 the reference below runs. Neither reads a tensor on the host and every shape follows from the input shapes, so the
 op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register_fake).
 
-KernelMoE is model.MoEFeedForward with its experts on this op; kernels.use_kernels swaps it in.
+KernelMoE is model.MoEFeedForward with its experts on this op, KernelInt8MoE the same for int8 experts;
+kernels.use_kernels swaps them in.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from redline.model import MoEFeedForward
+from redline.quantize import Int8MoEFeedForward
 
 from .configs import MOE_GEMV_MAX_TOKENS, MoeDotConfig, fitted_moe_dot_config
 from .device import device_caps, triton_importable
@@ -62,7 +67,10 @@ def uses_gemv(x: Tensor) -> bool:
 
 def grouped_config(x: Tensor, w13: Tensor, topk_ids: Tensor) -> MoeDotConfig | None:
     """The grouped kernels' config on x's GPU, or None where none fits its shared memory (the op then runs the
-    reference)."""
+    reference). int8 experts under fp32 activations have none: converting their tiles for fp32 dots takes shared
+    memory beyond the configs' estimate (cross-compiled for sm80-sm90), and fp32 activations are a CPU setting."""
+    if w13.dtype == torch.int8 and x.dtype == torch.float32:
+        return None
     return fitted_moe_dot_config(topk_ids.numel(), w13.shape[0], x.element_size(), device_caps(x.device))
 
 
@@ -75,9 +83,10 @@ def activation(gate: Tensor, gelu: bool) -> Tensor:
 
 
 def moe_experts_reference(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                          gelu: bool = False) -> Tensor:
-    """The op in fp32 with PyTorch ops: each token's k experts' weights gathered (a few tokens per step), their
-    gated MLPs of the token, weighted and summed; returned in x's dtype, (T, dim)."""
+                          gelu: bool = False, w13_scales: Tensor | None = None,
+                          w2_scales: Tensor | None = None) -> Tensor:
+    """The op in fp32 with PyTorch ops: each token's k experts' weights gathered (a few tokens per step, int8 ones
+    times their row scales), their gated MLPs of the token, weighted and summed; returned in x's dtype, (T, dim)."""
     n_tokens, dim = x.shape
     top_k, hidden = topk_ids.shape[1], w2.shape[2]
     out = torch.zeros((n_tokens, dim), dtype=torch.float32, device=x.device)  # (T, dim)
@@ -85,9 +94,13 @@ def moe_experts_reference(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, 
     for start in range(0, n_tokens, step):  # fixed by the shapes: no host sync
         rows = slice(start, start + step)
         ids = topk_ids[rows].long()  # (n, k)
-        gate_up = torch.einsum("nd,nkhd->nkh", x[rows].float(), w13[ids].float())  # (n, k, 2I)
+        up_rows, down_rows = w13[ids].float(), w2[ids].float()  # (n, k, 2I, dim), (n, k, dim, I)
+        if w13_scales is not None:
+            up_rows = up_rows * w13_scales[ids].unsqueeze(-1)
+            down_rows = down_rows * w2_scales[ids].unsqueeze(-1)
+        gate_up = torch.einsum("nd,nkhd->nkh", x[rows].float(), up_rows)  # (n, k, 2I)
         h = activation(gate_up[..., :hidden], gelu) * gate_up[..., hidden:]  # (n, k, I)
-        down = torch.einsum("nki,nkdi->nkd", h, w2[ids].float())  # (n, k, dim)
+        down = torch.einsum("nki,nkdi->nkd", h, down_rows)  # (n, k, dim)
         out[rows] = (down * topk_weights[rows].float().unsqueeze(-1)).sum(dim=1)
     return out.to(x.dtype)
 
@@ -95,7 +108,8 @@ def moe_experts_reference(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, 
 # --- validation ---
 
 
-def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
+def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+               w13_scales: Tensor | None = None, w2_scales: Tensor | None = None) -> None:
     name = "redline.moe_experts"
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"{name}: x must be (T, dim), w13 (E, 2I, dim) and w2 (E, dim, I), got "
@@ -106,9 +120,19 @@ def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weight
                          f"for w2 {tuple(w2.shape)} (E, dim, I), and x {tuple(x.shape)} must have dim={dim}")
     if n_experts == 0 or hidden == 0:
         raise ValueError(f"{name}: the layer needs at least one expert and I > 0, got w2 {tuple(w2.shape)}")
-    if x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"{name}: x, w13 and w2 must share one dtype of bf16, fp16 or fp32, "
-                         f"got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if (w13_scales is None) != (w2_scales is None):
+        raise ValueError(f"{name}: int8 experts need both w13_scales and w2_scales; give both or neither")
+    if w13_scales is not None:
+        if x.dtype not in FLOAT_DTYPES or w13.dtype != torch.int8 or w2.dtype != torch.int8:
+            raise ValueError(f"{name}: with scales, w13 and w2 must be int8 and x bf16, fp16 or fp32, got "
+                             f"{w13.dtype}, {w2.dtype} and {x.dtype}")
+        for scales, weight, label in ((w13_scales, w13, "w13"), (w2_scales, w2, "w2")):
+            if scales.shape != weight.shape[:2] or scales.dtype != torch.float32:
+                raise ValueError(f"{name}: {label}_scales must be fp32 of shape {tuple(weight.shape[:2])} (one per "
+                                 f"expert and output row), got {tuple(scales.shape)} of {scales.dtype}")
+    elif x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"{name}: x, w13 and w2 must share one dtype of bf16, fp16 or fp32 (or int8 weights with "
+                         f"scales), got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in ID_DTYPES:
         raise ValueError(f"{name}: topk_ids must be int64 or int32 of shape (T, k) with T={x.shape[0]}, "
                          f"got {tuple(topk_ids.shape)} of {topk_ids.dtype}")
@@ -117,7 +141,7 @@ def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weight
     if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
         raise ValueError(f"{name}: topk_weights must be fp32 of topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)} of {topk_weights.dtype}")
-    devices = {t.device for t in (x, w13, w2, topk_ids, topk_weights)}
+    devices = {t.device for t in (x, w13, w2, topk_ids, topk_weights, w13_scales, w2_scales) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
 
@@ -127,22 +151,24 @@ def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weight
 
 @torch.library.custom_op("redline::moe_experts", mutates_args=())
 def moe_experts(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                gelu: bool = False) -> Tensor:
+                gelu: bool = False, w13_scales: Tensor | None = None, w2_scales: Tensor | None = None) -> Tensor:
     """sum_j topk_weights[t, j] * expert topk_ids[t, j]'s gated MLP of x[t]; x (T, dim) -> (T, dim)."""
-    _check_moe(x, w13, w2, topk_ids, topk_weights)
+    _check_moe(x, w13, w2, topk_ids, topk_weights, w13_scales, w2_scales)
+    scales = (w13_scales, w2_scales)
     if kernel_supported(x, w13, w2):
         if uses_gemv(x):
-            return triton_moe().moe_gemv(x, w13, w2, topk_ids, topk_weights, gelu)
+            return triton_moe().moe_gemv(x, w13, w2, topk_ids, topk_weights, gelu, scales=scales)
         config = grouped_config(x, w13, topk_ids)
         if config is not None:
-            return triton_moe().moe_grouped(x, w13, w2, topk_ids, topk_weights, gelu, config)
-    return moe_experts_reference(x, w13, w2, topk_ids, topk_weights, gelu).contiguous()
+            return triton_moe().moe_grouped(x, w13, w2, topk_ids, topk_weights, gelu, config, scales=scales)
+    return moe_experts_reference(x, w13, w2, topk_ids, topk_weights, gelu, *scales).contiguous()
 
 
 @moe_experts.register_fake
 def _moe_experts_fake(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
-                      gelu: bool = False) -> Tensor:
-    _check_moe(x, w13, w2, topk_ids, topk_weights)
+                      gelu: bool = False, w13_scales: Tensor | None = None,
+                      w2_scales: Tensor | None = None) -> Tensor:
+    _check_moe(x, w13, w2, topk_ids, topk_weights, w13_scales, w2_scales)
     return x.new_empty(x.shape)  # (T, dim)
 
 
@@ -158,3 +184,13 @@ class KernelMoE(MoEFeedForward):
         if self.w13.dtype != x2d.dtype or self.w2.dtype != x2d.dtype:
             return super().experts(x2d, topk_ids, topk_weights)
         return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu)
+
+
+class KernelInt8MoE(Int8MoEFeedForward):
+    """quantize.Int8MoEFeedForward whose int8 experts run torch.ops.redline.moe_experts with their row scales (the
+    kernels read a byte a weight); the routing is unchanged."""
+
+    def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The weighted sum (T, dim) of the chosen int8 experts' gated MLPs of x2d (T, dim), by the fused op."""
+        return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu,
+                                             self.w13_scales, self.w2_scales)

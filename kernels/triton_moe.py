@@ -26,6 +26,10 @@ expert reads that expert's weight tile once:
   weight, stored as fp32 partials (pairs, dim); torch sums each token's k partials (deterministic).
   Blocks past the last expert's rows exit at once.
 
+int8 experts (w13 and w2 int8, one fp32 scale per expert and output row) take the same four kernels with SCALED:
+the GEMVs convert each byte in registers and scale each row's sum once; the grouped kernels convert the int8 tiles
+to x's dtype (exact) for the tensor cores and scale the accumulator's columns once.
+
 Configs come from configs.py (moe_gemv_config, fitted_moe_dot_config); only kernels/moe.py imports this module,
 lazily. The caller validates shapes; expert ids must lie in [0, E) (not checked: that would read the device).
 """
@@ -60,8 +64,8 @@ def _activation(g, GELU: tl.constexpr):
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, w13_ptr, ids_ptr, h_ptr, stride_xt, stride_we, stride_wn,
-    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, GELU: tl.constexpr,
+    x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, stride_xt, stride_we, stride_wn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, GELU: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)  # t * TOP_K + j
@@ -81,14 +85,19 @@ def _gate_up_gemv_kernel(
         xk = tl.load(x_row + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]  # (1, BLOCK_K)
         acc_g += tl.load(gate_rows + k0, mask=w_ok, other=0.0).to(tl.float32) * xk
         acc_u += tl.load(up_rows + k0, mask=w_ok, other=0.0).to(tl.float32) * xk
-    h = _activation(tl.sum(acc_g, axis=1), GELU) * tl.sum(acc_u, axis=1)  # (BLOCK_N,)
+    gate, up = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)  # (BLOCK_N,) each
+    if SCALED:  # int8 experts: each output row's scale, applied once to its sum
+        gate *= tl.load(s13_ptr + e * 2 * HIDDEN + offs_n, mask=n_ok, other=0.0)
+        up *= tl.load(s13_ptr + e * 2 * HIDDEN + HIDDEN + offs_n, mask=n_ok, other=0.0)
+    h = _activation(gate, GELU) * up
     tl.store(h_ptr + pair * HIDDEN + offs_n, h, mask=n_ok)
 
 
 @triton.jit
 def _down_gemv_kernel(
-    h_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_ot,
-    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_ot,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
@@ -105,7 +114,10 @@ def _down_gemv_kernel(
             k_ok = k0 + offs_k < HIDDEN
             hk = tl.load(h_row + k0, mask=k_ok, other=0.0)[None, :]  # (1, BLOCK_K) fp32
             acc += tl.load(rows + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hk
-        out += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
+        down = tl.sum(acc, axis=1)  # (BLOCK_N,)
+        if SCALED:
+            down *= tl.load(s2_ptr + e * DIM + offs_n, mask=n_ok, other=0.0)
+        out += tl.load(weights_ptr + pair) * down
     tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -114,9 +126,10 @@ def _down_gemv_kernel(
 
 @triton.jit
 def _grouped_gate_up_kernel(
-    x_ptr, w13_ptr, pairs_ptr, block_expert_ptr, h_ptr, n_pairs, stride_xt, stride_we, stride_wn,
+    x_ptr, w13_ptr, s13_ptr, pairs_ptr, block_expert_ptr, h_ptr, n_pairs, stride_xt, stride_we, stride_wn,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, N_EXPERTS: tl.constexpr, GELU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
@@ -134,10 +147,13 @@ def _grouped_gate_up_kernel(
         for k0 in range(0, DIM, BLOCK_K):
             k_ok = (k0 + offs_k < DIM)[None, :]
             xk = tl.load(x_rows + k0, mask=row_ok[:, None] & k_ok, other=0.0)
-            wg = tl.load(gate_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
-            wu = tl.load(up_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
+            wg = tl.load(gate_rows + k0, mask=n_ok[:, None] & k_ok, other=0).to(xk.dtype)  # int8 values are exact
+            wu = tl.load(up_rows + k0, mask=n_ok[:, None] & k_ok, other=0).to(xk.dtype)
             acc_g = tl.dot(xk, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(xk, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+        if SCALED:  # int8 experts: each output column's scale, applied once to its sums
+            acc_g *= tl.load(s13_ptr + e * 2 * HIDDEN + offs_n, mask=n_ok, other=0.0)[None, :]
+            acc_u *= tl.load(s13_ptr + e * 2 * HIDDEN + HIDDEN + offs_n, mask=n_ok, other=0.0)[None, :]
         h = _activation(acc_g, GELU) * acc_u  # (BLOCK_M, BLOCK_N)
         tl.store(h_ptr + pair[:, None] * HIDDEN + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
@@ -145,8 +161,8 @@ def _grouped_gate_up_kernel(
 
 @triton.jit
 def _grouped_down_kernel(
-    h_ptr, w2_ptr, pairs_ptr, block_expert_ptr, weights_ptr, partial_ptr, n_pairs, stride_we, stride_wn,
-    DIM: tl.constexpr, HIDDEN: tl.constexpr, N_EXPERTS: tl.constexpr,
+    h_ptr, w2_ptr, s2_ptr, pairs_ptr, block_expert_ptr, weights_ptr, partial_ptr, n_pairs, stride_we, stride_wn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, N_EXPERTS: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     blk = tl.program_id(0)
@@ -163,8 +179,10 @@ def _grouped_down_kernel(
         for k0 in range(0, HIDDEN, BLOCK_K):
             k_ok = (k0 + offs_k < HIDDEN)[None, :]
             hk = tl.load(h_rows + k0, mask=row_ok[:, None] & k_ok, other=0.0)
-            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok, other=0.0)
+            w = tl.load(w_rows + k0, mask=n_ok[:, None] & k_ok, other=0).to(hk.dtype)
             acc = tl.dot(hk, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if SCALED:
+            acc *= tl.load(s2_ptr + e * DIM + offs_n, mask=n_ok, other=0.0)[None, :]
         routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)  # (BLOCK_M,) fp32
         tl.store(partial_ptr + pair[:, None] * DIM + offs_n[None, :], acc * routing[:, None],
                  mask=row_ok[:, None] & n_ok[None, :])
@@ -191,6 +209,14 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
 def dot_precision(dtype: torch.dtype, caps) -> str:
     """tf32 where the operands are 16-bit anyway and the GPU takes it, else full fp32 (ieee) dots."""
     return "tf32" if dtype != torch.float32 and caps.supports_tf32 else "ieee"
+
+
+def _scale_args(scales: tuple | None, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(w13_scales, w2_scales, True) for int8 experts; otherwise a placeholder pointer for both (never read) and
+    False."""
+    if scales is None or scales[0] is None:
+        return placeholder, placeholder, False
+    return scales[0].contiguous(), scales[1].contiguous(), True
 
 
 def padded_rows(n_pairs: int, n_experts: int, block_m: int) -> int:
@@ -225,10 +251,11 @@ def expert_blocks(topk_ids: torch.Tensor, n_experts: int, block_m: int) -> tuple
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor, gelu: bool, config: MoeGemvConfig | None = None,
-             down_config: MoeGemvConfig | None = None) -> torch.Tensor:
+             down_config: MoeGemvConfig | None = None, scales: tuple | None = None) -> torch.Tensor:
     """The layer for few tokens by the GEMV kernels; x (T, dim), w13 (E, 2I, dim), w2 (E, dim, I), topk_ids and
     topk_weights (T, k). Returns (T, dim) in x's dtype. config / down_config: the first / second kernel's
-    (default: configs.moe_gemv_config). Registers only: the tiles take no shared memory (one pipeline stage)."""
+    (default: configs.moe_gemv_config). Registers only: the tiles take no shared memory (one pipeline stage).
+    scales: (w13_scales (E, 2I), w2_scales (E, dim)) fp32 for int8 experts, else None or (None, None)."""
     n_tokens, dim = x.shape
     top_k = topk_ids.shape[1]
     hidden = w2.shape[2]
@@ -236,27 +263,32 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     down_config = down_config or moe_gemv_config(dim, hidden, x.element_size())
     x, w13, w2 = _unit_stride(x), _unit_stride(w13), _unit_stride(w2)
     ids, weights = topk_ids.contiguous(), topk_weights.contiguous()
+    s13, s2, scaled = _scale_args(scales, weights)
     out = _empty((n_tokens, dim), x.dtype, x.device)  # (T, dim)
     if out.numel() == 0:
         return out
     h = _empty((n_tokens * top_k, hidden), torch.float32, x.device)  # (T k, I) act(gate) * up per pair
     with _device_context(x):
         _gate_up_gemv_kernel[(n_tokens * top_k, triton.cdiv(hidden, config.block_n))](
-            x, w13, ids, h, x.stride(0), w13.stride(0), w13.stride(1),
-            DIM=dim, HIDDEN=hidden, TOP_K=top_k, GELU=gelu, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            x, w13, s13, ids, h, x.stride(0), w13.stride(0), w13.stride(1),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, GELU=gelu, SCALED=scaled, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=1,
         )
         _down_gemv_kernel[(n_tokens, triton.cdiv(dim, down_config.block_n))](
-            h, w2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0),
-            DIM=dim, HIDDEN=hidden, TOP_K=top_k, BLOCK_N=down_config.block_n, BLOCK_K=down_config.block_k,
+            h, w2, s2, ids, weights, out, w2.stride(0), w2.stride(1), out.stride(0),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, SCALED=scaled, BLOCK_N=down_config.block_n,
+            BLOCK_K=down_config.block_k,
             num_warps=down_config.num_warps, num_stages=1,
         )
     return out
 
 
 def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, gelu: bool, config: MoeDotConfig | None = None) -> torch.Tensor:
-    """The layer for more tokens by the grouped kernels (shapes as moe_gemv). Returns (T, dim) in x's dtype."""
+                topk_weights: torch.Tensor, gelu: bool, config: MoeDotConfig | None = None,
+                scales: tuple | None = None) -> torch.Tensor:
+    """The layer for more tokens by the grouped kernels (shapes and scales as moe_gemv; int8 weight tiles are
+    converted to x's dtype for the tensor cores). Returns (T, dim) in x's dtype."""
     n_tokens, dim = x.shape
     n_experts, top_k, hidden = w13.shape[0], topk_ids.shape[1], w2.shape[2]
     n_pairs = n_tokens * top_k
@@ -269,20 +301,23 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
         return _empty((n_tokens, dim), x.dtype, x.device).zero_()
     pairs, block_expert = expert_blocks(topk_ids, n_experts, config.block_m)
     weights = topk_weights.contiguous()
+    s13, s2, scaled = _scale_args(scales, weights)
     h = _empty((n_pairs, hidden), x.dtype, x.device)  # (T k, I): the second kernel's tl.dot operand
     partial = _empty((n_pairs, dim), torch.float32, x.device)  # (T k, dim) each pair's weighted output
     precision = dot_precision(x.dtype, caps)
     n_blocks = block_expert.shape[0]
     with _device_context(x):
         _grouped_gate_up_kernel[(n_blocks, triton.cdiv(hidden, config.block_n))](
-            x, w13, pairs, block_expert, h, n_pairs, x.stride(0), w13.stride(0), w13.stride(1),
-            DIM=dim, HIDDEN=hidden, TOP_K=top_k, N_EXPERTS=n_experts, GELU=gelu, BLOCK_M=config.block_m,
+            x, w13, s13, pairs, block_expert, h, n_pairs, x.stride(0), w13.stride(0), w13.stride(1),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, N_EXPERTS=n_experts, GELU=gelu, SCALED=scaled,
+            BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_PRECISION=precision,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         _grouped_down_kernel[(n_blocks, triton.cdiv(dim, config.block_n))](
-            h, w2, pairs, block_expert, weights, partial, n_pairs, w2.stride(0), w2.stride(1),
-            DIM=dim, HIDDEN=hidden, N_EXPERTS=n_experts, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            h, w2, s2, pairs, block_expert, weights, partial, n_pairs, w2.stride(0), w2.stride(1),
+            DIM=dim, HIDDEN=hidden, N_EXPERTS=n_experts, SCALED=scaled, BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, DOT_PRECISION=precision, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )

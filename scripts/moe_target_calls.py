@@ -47,8 +47,9 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
               tokens: Iterable[int] = MOE_TOKENS) -> list[str]:
     """Run the op's launcher for every model shape, dtype, token count, activation (silu, gelu) and expert-id dtype
-    (int64, int32; the grouped kernels read the sorted layout's int32 instead), with the path and config the op
-    would choose, setting record.call before each; returns the calls that take the reference (no config fits)."""
+    (int64, int32; the grouped kernels read the sorted layout's int32 instead), then with int8 experts (silu, int64
+    ids), with the path and config the op would choose, setting record.call before each; returns the calls that take
+    the reference (no config fits)."""
     from redline.kernels import triton_moe
 
     fallbacks = []
@@ -59,17 +60,21 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
         weights = _meta(n_tokens, shape.top_k, dtype=torch.float32)
         label = f"{shape.name} moe {str(dtype)[6:]} tokens={n_tokens}"
         gemv = moe.uses_gemv(x)
-        for gelu, id_dtype in itertools.product((False, True), ID_DTYPES if gemv else ID_DTYPES[:1]):
-            record.call = f"{label} gelu={gelu} ids={str(id_dtype)[6:]}"
+        int8 = (_meta(*w13.shape, dtype=torch.int8), _meta(*w2.shape, dtype=torch.int8),
+                (_meta(*w13.shape[:2], dtype=torch.float32), _meta(*w2.shape[:2], dtype=torch.float32)))
+        variants = [(gelu, id_dtype, None) for gelu in (False, True) for id_dtype in ID_DTYPES[:2 if gemv else 1]]
+        for gelu, id_dtype, quantized in variants + [(False, torch.int64, int8)]:
+            record.call = f"{label}{' int8 experts' if quantized else ''} gelu={gelu} ids={str(id_dtype)[6:]}"
             ids = _meta(n_tokens, shape.top_k, dtype=id_dtype)
+            up, down, scales = quantized or (w13, w2, None)
             if gemv:
-                triton_moe.moe_gemv(x, w13, w2, ids, weights, gelu)
+                triton_moe.moe_gemv(x, up, down, ids, weights, gelu, scales=scales)
                 continue
-            config = moe.grouped_config(x, w13, ids)
+            config = moe.grouped_config(x, up, ids)
             if config is None:
                 fallbacks.append(record.call)
                 continue
-            triton_moe.moe_grouped(x, w13, w2, ids, weights, gelu, config)
+            triton_moe.moe_grouped(x, up, down, ids, weights, gelu, config, scales=scales)
     return fallbacks
 
 

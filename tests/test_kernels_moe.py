@@ -17,6 +17,7 @@ from redline import kernels, model
 from redline.kernels import configs
 from redline.kernels import moe
 from redline.kernels.device import target_caps
+from redline.quantize import Int8MoEFeedForward, quantize_experts_int8
 
 from conftest import interpreted_errors_of
 
@@ -39,6 +40,12 @@ def moe_inputs(n_tokens, n_experts, top_k, dim, hidden, dtype=torch.float32, dev
     weights = weights / weights.sum(dim=-1, keepdim=True)
     return (x.to(dtype).to(device), w13.to(dtype).to(device), w2.to(dtype).to(device), ids.to(ids_dtype).to(device),
             weights.to(device))
+
+
+def int8_experts(w13, w2):
+    """(w13 int8, w2 int8, w13_scales, w2_scales) of float experts, as quantize.py stores them."""
+    (q13, s13), (q2, s2) = quantize_experts_int8(w13.float()), quantize_experts_int8(w2.float())
+    return q13, q2, s13, s2
 
 
 def per_token_loop(x, w13, w2, ids, weights, gelu):
@@ -90,6 +97,17 @@ def test_reference_low_precision_accumulates_in_fp32(dtype):
     assert rel_err(got, per_token_loop(x, w13, w2, ids, weights, False)) <= 1e-2
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+def test_reference_of_int8_experts_is_the_float_reference_of_their_dequantized_weights(gelu):
+    x, w13, w2, ids, weights = moe_inputs(6, 5, 2, 32, 24)
+    q13, q2, s13, s2 = int8_experts(w13, w2)
+    got = moe.moe_experts_reference(x, q13, q2, ids, weights, gelu, s13, s2)
+    want = moe.moe_experts_reference(x, q13.float() * s13.unsqueeze(-1), q2.float() * s2.unsqueeze(-1), ids, weights,
+                                     gelu)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
+    assert rel_err(got, moe.moe_experts_reference(x, w13, w2, ids, weights, gelu)) <= 2e-2  # int8's own error
+
+
 # --- the op on the CPU: dispatch, validation, torch.compile ---
 
 
@@ -128,9 +146,40 @@ def test_validation_errors(change, match):
         torch.ops.redline.moe_experts(*_args(**change).values())
 
 
+def _int8_args(**change):
+    args = _args()
+    args["w13"], args["w2"], args["w13_scales"], args["w2_scales"] = int8_experts(args["w13"], args["w2"])
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(w2_scales=None), "need both w13_scales and w2_scales"),
+    (dict(w13=torch.randn(4, 16, 16)), "w13 and w2 must be int8"),
+    (dict(w13_scales=torch.rand(4, 8)), r"w13_scales must be fp32 of shape \(4, 16\)"),
+    (dict(w2_scales=torch.rand(4, 16).half()), "w2_scales must be fp32"),
+    (dict(w2_scales=torch.rand(4, 16, device="meta")), "one device"),
+])
+def test_int8_validation_errors(change, match):
+    args = _int8_args(**change)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.redline.moe_experts(*list(args.values())[:5], False, args["w13_scales"], args["w2_scales"])
+
+
+def test_op_runs_the_int8_reference_on_cpu():
+    args = _int8_args()
+    got = torch.ops.redline.moe_experts(*list(args.values())[:5], True, args["w13_scales"], args["w2_scales"])
+    assert torch.equal(got, moe.moe_experts_reference(*list(args.values())[:5], True, args["w13_scales"],
+                                                      args["w2_scales"]))
+
+
 def test_opcheck_cpu():
     for gelu in (False, True):
         torch.library.opcheck(torch.ops.redline.moe_experts.default, moe_inputs(5, 4, 2, 16, 8), {"gelu": gelu})
+    x, w13, w2, ids, weights = moe_inputs(5, 4, 2, 16, 8)
+    q13, q2, s13, s2 = int8_experts(w13, w2)
+    torch.library.opcheck(torch.ops.redline.moe_experts.default, (x, q13, q2, ids, weights),
+                          {"w13_scales": s13, "w2_scales": s2})
 
 
 def test_torch_compile_fullgraph_cpu():
@@ -215,11 +264,13 @@ def test_expert_blocks_group_every_pair_once(n_tokens, n_experts, block_m):
 # --- KernelMoE ---
 
 
+TINY_MOE_ARGS = dict(dim=16, n_layer=1, n_head=2, intermediate_size=32, vocab_size=64, n_experts=4,
+                     n_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True)
+
+
 def tiny_moe_layer() -> model.MoEFeedForward:
     """A model.MoEFeedForward of 4 experts (top 2, renormalized) over 16 features, random weights."""
-    args = model.ModelArgs(dim=16, n_layer=1, n_head=2, intermediate_size=32, vocab_size=64, n_experts=4,
-                           n_experts_per_tok=2, moe_intermediate_size=8, norm_topk_prob=True)
-    layer = model.MoEFeedForward(args)
+    layer = model.MoEFeedForward(model.ModelArgs(**TINY_MOE_ARGS))
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) / 4)
@@ -244,12 +295,28 @@ def test_use_kernels_swaps_moe_layers_for_kernel_moe(tokens):
                        moe.moe_experts_reference(x.reshape(-1, 16), layer.w13, layer.w2, ids, weights, False))
 
 
+def test_use_kernels_swaps_int8_moe_layers_for_kernel_int8_moe():
+    torch.manual_seed(0)
+    float_layer = tiny_moe_layer()
+    layer = Int8MoEFeedForward(model.ModelArgs(**TINY_MOE_ARGS), dtype=torch.float32)
+    with torch.no_grad():
+        layer.gate.weight.copy_(float_layer.gate.weight)
+        layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = int8_experts(float_layer.w13, float_layer.w2)
+    x = torch.randn(1, 5, 16)
+    want = layer(x)
+    kernels.use_kernels(nn.Sequential(layer))
+    assert type(layer) is moe.KernelInt8MoE
+    assert torch.allclose(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
 # --- the Triton kernels in the interpreter ---
 
 # (tokens, experts, dim, I, gelu) per token count: dims and widths that are not multiples of the tiles included.
 INTERPRETER_SHAPES = {1: (4, 64, 32, False), 3: (8, 128, 96, True), 17: (6, 96, 48, False), 40: (8, 64, 64, True)}
 INTERPRETER_CASES = [(f"{path}_{t}", d) for path in ("gemv", "grouped") for t in INTERPRETER_SHAPES
                      for d in ("float32", "float16")]
+INTERPRETER_CASES += [(f"{path}_{t}", d) for path, t in (("gemv8", 3), ("grouped8", 40))  # int8 experts
+                      for d in ("float32", "float16")]
 
 
 def run_interpreted_case(name: str, dtype_name: str) -> float:
@@ -261,17 +328,22 @@ def run_interpreted_case(name: str, dtype_name: str) -> float:
     path, _, tokens = name.partition("_")
     n_tokens = int(tokens)
     n_experts, dim, hidden, gelu = INTERPRETER_SHAPES[n_tokens]
-    args = moe_inputs(n_tokens, n_experts, 2, dim, hidden, dtype=dtype, seed=n_tokens,
-                      ids_dtype=torch.int32 if n_tokens == 17 else torch.int64)
+    x, w13, w2, ids, weights = moe_inputs(n_tokens, n_experts, 2, dim, hidden, dtype=dtype, seed=n_tokens,
+                                          ids_dtype=torch.int32 if n_tokens == 17 else torch.int64)
+    scales = (None, None)
+    if path.endswith("8"):  # int8 experts with their row scales
+        w13, w2, *scales = int8_experts(w13, w2)
+    args = (x, w13, w2, ids, weights)
     tm._empty = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
-    if path == "gemv":
-        got = tm.moe_gemv(*args, gelu, configs.MoeGemvConfig(4, 32, 2), configs.MoeGemvConfig(8, 16, 2))
+    if path.startswith("gemv"):
+        got = tm.moe_gemv(*args, gelu, configs.MoeGemvConfig(4, 32, 2), configs.MoeGemvConfig(8, 16, 2),
+                          scales=tuple(scales))
     else:
         block_m = 32 if n_tokens == 40 else 16  # 40 tokens: tiles of 32 rows, partly padding
-        got = tm.moe_grouped(*args, gelu, configs.MoeDotConfig(block_m, 32, 32, 2, 1))
+        got = tm.moe_grouped(*args, gelu, configs.MoeDotConfig(block_m, 32, 32, 2, 1), scales=tuple(scales))
     if torch.isnan(got).any():
         return float("inf")
-    return rel_err(got, moe.moe_experts_reference(*args, gelu))
+    return rel_err(got, moe.moe_experts_reference(*args, gelu, *scales))
 
 
 @pytest.fixture(scope="module")
@@ -321,6 +393,17 @@ def test_gpu_bf16_matches_fp32_reference(shape, n_tokens):
         assert rel_err(got, _fp32_reference(x, w13, w2, ids, weights, gelu)) <= 1e-2
     got32 = torch.ops.redline.moe_experts(x, w13, w2, ids.int(), weights)  # int32 ids
     assert rel_err(got32, _fp32_reference(x, w13, w2, ids, weights)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", GPU_TOKENS)
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_int8_experts_match_fp32_reference(shape, n_tokens):
+    x, w13, w2, ids, weights = _gpu_inputs(shape, n_tokens)
+    q13, q2, s13, s2 = int8_experts(w13, w2)
+    got = torch.ops.redline.moe_experts(x, q13, q2, ids, weights, False, s13, s2)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert rel_err(got, moe.moe_experts_reference(x.float(), q13, q2, ids, weights, False, s13, s2)) <= 1e-2
 
 
 @pytest.mark.gpu
