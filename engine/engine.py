@@ -219,8 +219,8 @@ class Engine:
         self.pool = PagePool(num_pages, page_size)
         self.scheduler = Scheduler(self.pool, max_running, prefill_chunk)
         if compile_prefill and args.attn_softcap:
-            raise ValueError("compile_prefill runs the paged attention kernels, which have no soft-capping yet; leave "
-                             "compile_prefill unset (--no-compile-prefill) for this model")
+            raise ValueError("compile_prefill runs the paged attention kernels, which have no soft-capping yet; drop "
+                             "compile_prefill=True (--compile-prefill) for this model")
         kernel_ops = paged_attention_ops(llm)
         if compile_prefill is None:  # on where it pays: a compiling LLM on a GPU, with the kernels, no soft-caps
             compile_prefill = bool(llm.compile and self.device.type == "cuda" and kernel_ops and not args.attn_softcap)
@@ -267,8 +267,8 @@ class Engine:
         together; greedy and sampled), so that what the first real steps would compile on first use (Triton kernels
         specialize on sizes of 1; the compiled prefill step) is ready before serving; then set the counters back to
         zero (their pages stay in the prefix cache, the least recently used). Last, the objects alive now (compiled
-        code, graphs, the model) are moved out of the garbage collector's reach: a full collection over them took
-        1.7 s in the middle of serving an 8B model."""
+        code, graphs, the model) are moved out of the garbage collector's reach: full collections over them took
+        0.7-1.6 s each in the middle of serving an 8B model."""
         vocab = min(self.vocab_size, self.tokenizer.vocab_size if self.tokenizer is not None else self.vocab_size)
         longest = max(1, min(self.scheduler.prefill_chunk + 37, self.block_size - 4, self.pool.capacity_tokens // 8))
         for group in ((128,), (longest,), (7, 48, 301, longest)):

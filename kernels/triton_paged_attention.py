@@ -91,7 +91,7 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION: 
 
 
 # Sizes that change from step to step are not specialized on (Triton compiles a variant per value of 1 and per
-# multiple of 16 otherwise, each costing a ~2 s pause the first time a step meets it).
+# multiple of 16 otherwise, each a pause of a second or two the first time a step meets it).
 @triton.jit(do_not_specialize=("stride_tb", "max_keys", "num_splits"))
 def _paged_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
