@@ -115,9 +115,7 @@ SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS", "PAGE_SIZE"}
 # in a few predicates. tests/test_check_targets.py checks both on an NVIDIA and an AMD target; compiling every
 # variant would add about 5 minutes on 2 cores.
 ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_split_kernel": {"num_splits"},
-                         "_combine_kernel": {"num_splits"}, "_paged_split_kernel": {"num_splits", "max_keys"},
-                         "_paged_combine_kernel": {"num_splits", "max_keys"},
-                         "_paged_prefill_kernel": {"n_seqs", "n_steps", "max_keys"},
+                         "_combine_kernel": {"num_splits"},
                          "_grouped_gate_up_kernel": {"n_pairs"}, "_grouped_down_kernel": {"n_pairs"}}
 KERNEL_GROUPS = ("linear", "attention", "paged", "moe")
 

@@ -48,7 +48,7 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
               tokens: Iterable[int] = MOE_TOKENS) -> list[str]:
     """Run the op's launcher for every model shape, dtype, token count, activation (silu, gelu) and expert-id dtype
     (int64, int32; the grouped kernels read the sorted layout's int32 instead), then with int8 experts (silu, int64
-    ids), with the path and config the op would choose, setting record.call before each; returns the calls that take
+    ids; bf16 and fp16 activations), with the path and config the op would choose, setting record.call before each; returns the calls that take
     the reference (no config fits)."""
     from redline.kernels import triton_moe
 
@@ -63,7 +63,9 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
         int8 = (_meta(*w13.shape, dtype=torch.int8), _meta(*w2.shape, dtype=torch.int8),
                 (_meta(*w13.shape[:2], dtype=torch.float32), _meta(*w2.shape[:2], dtype=torch.float32)))
         variants = [(gelu, id_dtype, None) for gelu in (False, True) for id_dtype in ID_DTYPES[:2 if gemv else 1]]
-        for gelu, id_dtype, quantized in variants + [(False, torch.int64, int8)]:
+        # int8 experts under fp32 activations take the reference by design (moe.grouped_config): a CPU setting
+        quantized_variants = [(False, torch.int64, int8)] if dtype != torch.float32 else []
+        for gelu, id_dtype, quantized in variants + quantized_variants:
             record.call = f"{label}{' int8 experts' if quantized else ''} gelu={gelu} ids={str(id_dtype)[6:]}"
             ids = _meta(n_tokens, shape.top_k, dtype=id_dtype)
             up, down, scales = quantized or (w13, w2, None)
