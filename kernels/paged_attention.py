@@ -152,7 +152,7 @@ def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tenso
 
 
 def _check_paged_common(name: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                        seq_lens: Tensor) -> None:
+                        seq_lens: Tensor, window: int) -> None:
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(f"{name}: q must be (rows, H, D) and k_cache (num_pages, page_size, Hkv, D), "
                          f"got {tuple(q.shape)} and {tuple(k_cache.shape)}")
@@ -177,14 +177,14 @@ def _check_paged_common(name: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, 
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, seq_lens)}
     if len(devices) != 1:
         raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
+    if window < 0:
+        raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
 
 
 def _check_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                         window: int = 0) -> None:
     name = "redline.paged_decode_attention"
-    _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens)
-    if window < 0:
-        raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
+    _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens, window)
     if block_tables.shape[0] != q.shape[0]:
         raise ValueError(f"{name}: block_tables has {block_tables.shape[0]} rows for q's {q.shape[0]} queries; "
                          "pass one row per query")
@@ -193,9 +193,7 @@ def _check_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
 def _check_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                          seq_lens: Tensor, window: int = 0) -> None:
     name = "redline.paged_prefill_attention"
-    _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens)
-    if window < 0:
-        raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
+    _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens, window)
     n_seqs = block_tables.shape[0]
     if cu_seqlens_q.shape != (n_seqs + 1,) or cu_seqlens_q.dtype != torch.int32:
         raise ValueError(f"{name}: cu_seqlens_q must be int32 of shape ({n_seqs + 1},) (sequences + 1 offsets), "
