@@ -104,14 +104,18 @@ def model_bytes_per_token(model: Transformer) -> int:
 
 def unread_expert_bytes(model: Transformer) -> int:
     """The bytes of the experts a token does not choose: (1 - top_k / n_experts) of each sparse layer's experts."""
-    unread = 0
+    return sum(nbytes * (m.n_experts - m.top_k) // m.n_experts for m, nbytes in expert_bytes(model))
+
+
+def expert_bytes(model: Transformer) -> list[tuple[MoEFeedForward, int]]:
+    """Each sparse layer's mixture and the bytes of all its experts: w13 and w2 (and their int8 scales), the
+    module's own tensors, not the router's."""
+    out = []
     for module in model.modules():
         if isinstance(module, MoEFeedForward):
-            # w13 and w2 (and their int8 scales): the module's own tensors, not the router's
             stacked = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-            expert_bytes = sum(t.numel() * t.element_size() for t in stacked)
-            unread += expert_bytes * (module.n_experts - module.top_k) // module.n_experts
-    return unread
+            out.append((module, sum(t.numel() * t.element_size() for t in stacked)))
+    return out
 
 
 def sync(device: torch.device) -> None:

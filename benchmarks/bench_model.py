@@ -13,14 +13,21 @@ WEIGHT_STD = 0.02  # the initializer scale of Llama-family checkpoints; norm gai
 
 
 def param_counts(args: ModelArgs) -> dict[str, int]:
-    """Parameter counts from the config: the embedding, the matmuls inside the blocks, the output head, and all."""
-    per_layer = (args.dim * (args.q_size + 2 * args.kv_size) + args.q_size * args.dim
-                 + args.dim * 2 * args.intermediate_size + args.intermediate_size * args.dim)
+    """Parameter counts from the config: the embedding, the matmuls inside the blocks that one token uses (in a
+    mixture of experts: the router and top_k experts of each sparse layer), the output head, and all."""
+    attention = args.dim * (args.q_size + 2 * args.kv_size) + args.q_size * args.dim
+    dense_ffn = 3 * args.dim * args.intermediate_size
+    expert = 3 * args.dim * args.moe_intermediate_size
+    sparse = sum(args.sparse(i) for i in range(args.n_layer))
+    router = args.dim * args.n_experts
+    used = args.n_layer * attention + (args.n_layer - sparse) * dense_ffn + sparse * (
+        router + args.n_experts_per_tok * expert)
+    stored = used + sparse * (args.n_experts - args.n_experts_per_tok) * expert
     embedding = args.vocab_size * args.dim
     head = args.vocab_size * args.dim
     norms = (2 * args.n_layer + 1) * args.dim
-    total = embedding + args.n_layer * per_layer + norms + (0 if args.tie_word_embeddings else head)
-    return {"embedding": embedding, "block_matmuls": args.n_layer * per_layer, "head": head, "total": total}
+    total = embedding + stored + norms + (0 if args.tie_word_embeddings else head)
+    return {"embedding": embedding, "block_matmuls": used, "head": head, "total": total}
 
 
 def prefill_flops(args: ModelArgs, prompt_tokens: int, batch: int = 1) -> float:

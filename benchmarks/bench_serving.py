@@ -43,6 +43,7 @@ from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk
 from redline.generate import LLM
 from redline.model import ModelArgs
 from redline.options import GenerationOptions
+from redline.runner import expert_bytes
 
 WORKLOADS = ("fixed", "mixed", "single", "prefix")
 # The "prefix" workload: a first chat turn of this many tokens, then a second turn that repeats it and adds a reply
@@ -79,6 +80,13 @@ class StepLog:
     min_seconds: list[float] = field(default_factory=list)  # the roofline of each step
     pages_used: list[int] = field(default_factory=list)
     decode_only: list[bool] = field(default_factory=list)  # every chunk of the step is one decoded token
+    shapes: list[tuple[int, int]] = field(default_factory=list)  # (chunks, tokens) of each step
+
+    def slowest(self, count: int = 5) -> list[dict[str, Any]]:
+        """The slowest steps, in order: their index, ms, chunks and tokens (a one-time cost shows here)."""
+        order = sorted(range(len(self.seconds)), key=lambda i: -self.seconds[i])[:count]
+        return [{"step": i, "ms": 1e3 * self.seconds[i], "chunks": self.shapes[i][0], "tokens": self.shapes[i][1]}
+                for i in order]
 
     def by_kind(self) -> dict[str, dict[str, Any]]:
         """Decode-only steps and steps that prefill (a prompt or a preempted sequence's recompute): count,
@@ -93,45 +101,53 @@ class StepLog:
 
 
 class StepCosts:
-    """Bytes and FLOPs of one step of a model (the roofline's inputs)."""
+    """Bytes and FLOPs of one step of a model (the roofline's inputs). In a mixture of experts a step reads the
+    experts its tokens choose: with T tokens routed uniformly, a share 1 - (1 - top_k / n_experts) ** T of them."""
 
-    def __init__(self, args: ModelArgs, weight_bytes: int, element: int, bandwidth: float, peak_flops: float) -> None:
+    def __init__(self, args: ModelArgs, weight_bytes: int, element: int, bandwidth: float, peak_flops: float,
+                 expert_bytes: int = 0) -> None:
         counts = param_counts(args)
         self.block, self.head = counts["block_matmuls"], counts["head"]
         self.kv_token_bytes = 2 * args.n_layer * args.n_kv_heads * args.head_dim * element
         self.attn_unit = 4 * args.n_layer * args.n_head * args.head_dim
-        self.weight_bytes, self.bandwidth, self.peak_flops = weight_bytes, bandwidth, peak_flops
+        self.chosen = args.n_experts_per_tok / args.n_experts if args.n_experts else 0.0
+        self.expert_bytes = expert_bytes  # all experts of all sparse layers
+        self.dense_bytes = weight_bytes - expert_bytes * self.chosen  # weight_bytes: what one token reads
+        self.bandwidth, self.peak_flops = bandwidth, peak_flops
 
     def min_seconds(self, chunks: list[Chunk]) -> float:
         tokens = sum(c.length for c in chunks)
         rows = sum(1 for c in chunks if c.samples)
         keys_read = sum(c.start + c.length for c in chunks)
         visible = sum(c.length * c.start + c.length * (c.length + 1) // 2 for c in chunks)
-        nbytes = self.weight_bytes + (keys_read + tokens) * self.kv_token_bytes
+        weights = self.dense_bytes + self.expert_bytes * (1 - (1 - self.chosen) ** tokens)
+        nbytes = weights + (keys_read + tokens) * self.kv_token_bytes
         flops = 2 * self.block * tokens + 2 * self.head * rows + self.attn_unit * visible
         return max(nbytes / self.bandwidth, flops / self.peak_flops)
 
 
 class TimedEngine(Engine):
-    """The engine with each step timed (the model call, sampling and reading the tokens back)."""
+    """The engine with each step timed: from its launch (or the step before it reaching the host, when later) to
+    its tokens reaching the host."""
 
     log: StepLog
     costs: StepCosts | None = None
 
-    def _run(self, chunks: list[Chunk]) -> Any:
-        start = time.perf_counter()
-        out = super()._run(chunks)  # ends by reading the sampled tokens, so the device has finished the step
-        if self.device.type == "cuda" and not out[0]:
-            torch.cuda.synchronize(self.device)
-        self.log.seconds.append(time.perf_counter() - start)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_listener = self._log_step
+
+    def _log_step(self, chunks: list[Chunk], seconds: float) -> None:
+        self.log.seconds.append(seconds)
         self.log.min_seconds.append(self.costs.min_seconds(chunks) if self.costs is not None else 0.0)
         self.log.pages_used.append(self.pool.num_used)
         self.log.decode_only.append(all(c.length == 1 for c in chunks))
-        return out
+        self.log.shapes.append((len(chunks), sum(c.length for c in chunks)))
 
 
 def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
     engine.log = StepLog()
+    followed = engine.steps_followed
     start = time.perf_counter()
     handles = [engine.add_request(r.prompt, GenerationOptions(max_new_tokens=r.output_len, ignore_eos=True))
                for r in requests]
@@ -157,6 +173,7 @@ def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
         "preemptions": engine.stats().preemptions,
         "roofline_pct": 100 * sum(log.min_seconds) / stepped if stepped and engine.costs else None,
         "step_time_share_of_wall": stepped / wall, "steps_by_kind": log.by_kind(),
+        "steps_launched_ahead": engine.steps_followed - followed, "slowest_steps": log.slowest(),
     }
 
 
@@ -301,7 +318,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
         engine.costs = StepCosts(args, llm.bytes_per_token, model.cache_dtype.itemsize, bandwidth,
-                                 matmul_peak_flops(device, dtype))
+                                 matmul_peak_flops(device, dtype), sum(b for _, b in expert_bytes(model)))
     report: dict[str, Any] = {"env": environment(device, argv), "model": ns.model, "workload": ns.workload,
                               "settings": {k: v for k, v in vars(ns).items() if k != "json"}}
     report["env"]["command"] = "python benchmarks/bench_serving.py " + " ".join(argv)
@@ -357,7 +374,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"  output {r['output_tok_s']:.0f} tok/s, total {r['total_tok_s']:.0f} tok/s{roof}",
              f"  {r['steps']} steps, ms: mean {s['mean']:.2f}, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, "
              f"p99 {s['p99']:.2f}, max {s['max']:.2f}",
-             f"  peak KV pages {r['peak_kv_pages']} of {r['kv_pages_total']}, preemptions {r['preemptions']}"]
+             f"  peak KV pages {r['peak_kv_pages']} of {r['kv_pages_total']}, preemptions {r['preemptions']}, "
+             f"decode steps launched before the step before them was read: {r.get('steps_launched_ahead', 0)}"]
     for kind, k in r["steps_by_kind"].items():
         roof_k = f", {k['roofline_pct']:.1f}% of roofline" if k["roofline_pct"] is not None else ""
         lines.append(f"  {kind.replace('_', ' ')} steps: {k['steps']}, {k['seconds']:.2f} s{roof_k}")

@@ -12,13 +12,14 @@ import importlib
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
-from redline.engine.graphs import DecodeGraphs
+from redline.engine.graphs import DecodeGraphs, TokenReader
 from redline.engine.kv_pages import PagePool, pool_pages
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk, Scheduler
 from redline.engine.scheduler import Sequence as Seq
@@ -67,6 +68,18 @@ class EngineStats:
     generation_tokens_total: int
     preemptions: int
     requests_finished: int
+
+
+@dataclass
+class Flight:
+    """A decode graph step on the device whose tokens the host has not read yet."""
+
+    chunks: list[Chunk]
+    tokens: Tensor  # (B,) on the device: the graph's output, the next step's input
+    host: Tensor  # (B,) their pinned host copy, valid once `ready` has passed
+    ready: Any  # a CUDA event (None on the CPU)
+    started: float  # perf_counter when the host began to launch it
+    committed: bool = False  # the scheduler already counts its keys as computed
 
 
 class RequestHandle:
@@ -235,6 +248,13 @@ class Engine:
         self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device,
                                    scratch) if llm.compile else None
         self.pad_page = scratch if compile_prefill else None  # the compiled prefill step's padding sequence
+        self._reader = TokenReader(self.device)
+        self._flight: Flight | None = None  # the decode step on the device, not read yet
+        self.steps_followed = 0  # decode steps launched before the step before them was read
+        # Called as each step's tokens reach the host, with its chunks and its seconds (from the later of its
+        # launch and the step before it landing); with a listener, steps that sample nothing wait for the device.
+        self.step_listener: Callable[[list[Chunk], float], None] | None = None
+        self._landed = 0.0
         self.max_queue = max_queue
         self._ids = itertools.count()
         self._lock = threading.Condition()  # guards the inbox, aborts and the flags below
@@ -369,6 +389,7 @@ class Engine:
                 try:
                     self._step()
                 except Exception as exc:  # a bug outside the model call: end every request, keep serving
+                    self._flight = None
                     message = f"{type(exc).__name__}: {exc}".splitlines()[0]
                     for seq in list(self._seqs.values()):
                         self._end(seq, "error", message)
@@ -388,11 +409,12 @@ class Engine:
                     for handle in aborts:
                         self._end_by_id(handle.request_id, "abort")
                 if stop:
+                    self._flight = None
                     for seq in list(self._seqs.values()):
                         self._end(seq, "abort")
                     self._deliver()
                     return False
-                if self.scheduler.has_work():
+                if self.scheduler.has_work() or self._flight is not None:
                     return True
                 self._deliver()  # idle: no step will follow soon, so send what the last one made now
                 if self._closing:
@@ -400,30 +422,103 @@ class Engine:
                 self._lock.wait()
 
     def _step(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is not None:  # launch the step after it first when it can be known now, then read it
+            try:
+                self._flight = self._follow(flight)
+            except Exception as exc:
+                self._fail_step(flight.chunks, exc)
+                return
+            self._land(flight)
+            if self._flight is not None:
+                self._deliver()  # while the device runs the next step
+            return
         chunks = self.scheduler.schedule()
         for seq in self.scheduler.failed:
             self._end(seq, "error", seq.error, already_released=True)
         if not chunks:
             self._deliver()
             return
+        started = time.perf_counter()
         try:
+            if self._graph_step(chunks):
+                self._flight = self._launch(chunks, None, started)
+                self._deliver()  # while the device runs the step
+                return
             tokens, extras = self._run(chunks)
         except Exception as exc:  # a failed step ends its requests, never the engine
-            message = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            for chunk in chunks:
-                self._end(chunk.seq, "error", message)
+            self._fail_step(chunks, exc)
             return
         self.scheduler.commit(chunks)
+        self._listen(chunks, started, read=bool(tokens))
         for chunk, token, extra in zip([c for c in chunks if c.samples], tokens, extras):
             self._emit(chunk.seq, token, extra)
 
+    def _fail_step(self, chunks: list[Chunk], exc: Exception) -> None:
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        for chunk in chunks:
+            if chunk.seq.finish_reason is None:
+                self._end(chunk.seq, "error", message)
+
+    def _launch(self, chunks: list[Chunk], tokens: Tensor | None, started: float) -> Flight:
+        """Replay the decode graph of chunks (their input tokens: tokens (B,) on the device, else each sequence's
+        own) and start copying its tokens to the host."""
+        inputs = tokens if tokens is not None else [c.seq.tokens[c.start] for c in chunks]
+        out = self.graphs.run(inputs, [c.start for c in chunks], [c.seq.pages for c in chunks],
+                              [c.seq.state.settings for c in chunks])
+        host, ready = self._reader.start(out)
+        return Flight(chunks, out, host, ready, started)
+
+    def _follow(self, flight: Flight) -> Flight | None:
+        """The decode step after flight, launched before flight's tokens are read (the host's work for both then
+        runs while the device computes), when that step is known now: the same rows, one position on. None when
+        it may differ: a request arrived, was aborted or could be admitted, another sequence is prefilling, a
+        row may end by length, or a row's next page is not free. A row that ends by EOS or a stop string is then
+        computed once more, and dropped."""
+        sched, pool = self.scheduler, self.pool
+        chunks = flight.chunks
+        if self._inbox or self._aborts or len(chunks) != len(sched.running):
+            return None
+        if sched.waiting and len(sched.running) < sched.max_running:
+            return None
+        if any(c.seq.finish_reason is not None or c.seq.num_new + 1 >= c.seq.max_new_tokens for c in chunks):
+            return None
+        new_page = [(c.start + 1) % pool.page_size == 0 for c in chunks]  # its next key starts a page
+        if sum(new_page) > pool.num_free:
+            return None
+        sched.commit(chunks)
+        flight.committed = True
+        for chunk, needs in zip(chunks, new_page):
+            if needs:
+                chunk.seq.pages += pool.allocate(1)
+        self.steps_followed += 1
+        return self._launch([Chunk(c.seq, c.start + 1, 1) for c in chunks], flight.tokens, time.perf_counter())
+
+    def _land(self, flight: Flight) -> None:
+        """Read flight's tokens and hand them to its rows that still run (a row ended since is dropped)."""
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        tokens = flight.host.tolist()
+        live = [(c, t) for c, t in zip(flight.chunks, tokens)
+                if c.seq.finish_reason is None and c.seq.num_tokens == c.start + 1]
+        if not flight.committed:
+            self.scheduler.commit([c for c, _ in live])
+        self._listen(flight.chunks, flight.started, read=True)
+        for chunk, token in live:
+            self._emit(chunk.seq, token, {})
+
+    def _listen(self, chunks: list[Chunk], started: float, read: bool) -> None:
+        """Tell the step listener, if any, that a step landed."""
+        if self.step_listener is None:
+            return
+        if not read and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.step_listener(chunks, now - max(started, self._landed))
+        self._landed = now
+
     def _run(self, chunks: list[Chunk]) -> tuple[list[int], list[dict[str, Any]]]:
-        """Run the model on chunks; the sampled token of each sampling chunk and its logprob extras."""
-        if self._graph_step(chunks):
-            tokens = self.graphs.run([c.seq.tokens[c.start] for c in chunks], [c.start for c in chunks],
-                                     [c.seq.pages for c in chunks], [c.seq.state.settings for c in chunks])
-            self._deliver()  # while the device runs the step
-            return tokens.tolist(), [{} for _ in chunks]
+        """Run the model on chunks eagerly; the sampled token of each sampling chunk and its logprob extras."""
         wants_prompt = {i for i, c in enumerate(chunks)
                         if c.seq.state.prompt_logprobs is not None and c.start < c.seq.prompt_len}
         batch = step_batch(chunks, self.kv, self.device, wants_prompt, self.pad_page)

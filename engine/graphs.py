@@ -80,15 +80,19 @@ class DecodeGraphs:
     def fits(self, rows: int) -> bool:
         return rows <= MAX_GRAPH_ROWS
 
-    def run(self, tokens: list[int], positions: list[int], pages: list[list[int]],
+    def run(self, tokens: list[int] | Tensor, positions: list[int], pages: list[list[int]],
             settings: list[tuple[float, int, float, int]]) -> Tensor:
         """The next token (B,) of each decoding row (its last token, its position, its pages and sampling
-        settings), on the device: the step is launched, not awaited."""
-        rows = len(tokens)
+        settings), on the device: the step is launched, not awaited. tokens may be a device tensor (B,), the
+        previous step's output, which the step then reads without the host ever seeing it."""
+        rows = len(positions)
         bucket = batch_bucket(rows)
         width = pages_bucket(max(len(p) for p in pages), self.max_pages)
         greedy = all(s[0] == 0 for s in settings)
-        self._fill(bucket, width, tokens, positions, pages, settings)
+        on_device = isinstance(tokens, Tensor)
+        self._fill(bucket, width, [0] * rows if on_device else tokens, positions, pages, settings)
+        if on_device:
+            self.longs[:rows].copy_(tokens)  # after the fill's copy on the same stream: it overwrites the zeros
         args = self._inputs(bucket, width)
         if self.device.type != "cuda":
             return self._step(greedy, args)[:rows]
@@ -184,3 +188,25 @@ def put(buffer: Tensor, values: list) -> None:
         buffer[:len(values)].copy_(host.pin_memory(), non_blocking=True)
     else:
         buffer[:len(values)].copy_(host)
+
+
+class TokenReader:
+    """Sampled tokens (B,) copied from the device into pinned host memory without a sync, read when needed. Two
+    buffers take turns: a step's copy is issued while the host may still read the step before it."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.buffers = [torch.zeros(MAX_GRAPH_ROWS, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.turn = 0
+        self.cuda = cuda
+
+    def start(self, tokens: Tensor) -> tuple[Tensor, Any]:
+        """Issue the copy of tokens (B,); returns (host view, event to wait on, None on the CPU)."""
+        host = self.buffers[self.turn][:tokens.shape[0]]
+        self.turn ^= 1
+        host.copy_(tokens, non_blocking=self.cuda)
+        if not self.cuda:
+            return host, None
+        event = torch.cuda.Event()
+        event.record()
+        return host, event

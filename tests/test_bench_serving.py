@@ -41,3 +41,25 @@ def test_prefix_workload_serves_the_second_turn_from_the_cache(tmp_path, capsys)
     # every full page of the first turn's prompt is a hit for the second turn
     assert prefix["second_turn_cached_tokens"] == [512, 512, 512]
     assert prefix["first_turn_ttft_s"] > 0 and prefix["second_turn_ttft_s"] > 0
+
+
+def test_step_costs_of_a_mixture_read_the_experts_their_tokens_choose():
+    from redline.benchmarks.bench_model import param_counts
+    from redline.engine.scheduler import Chunk, Sequence
+    from redline.model import ModelArgs
+
+    args = ModelArgs.from_name("Qwen3-30B-A3B")
+    counts = param_counts(args)
+    assert round(counts["total"] / 1e9, 1) == 30.5 and round((counts["block_matmuls"] + 2 * counts["head"]) / 1e9, 1) \
+        == 3.4  # the published 30.5B, of which 3.3B active (norms and the untied embedding row aside)
+    experts, one_token = 4e9, 6e9  # all experts' bytes; what one token reads (8 of 128 experts)
+    costs = bench_serving.StepCosts(args, int(one_token), 2, bandwidth=1e12, peak_flops=1e30,
+                                    expert_bytes=int(experts))
+
+    def step_bytes(tokens: int) -> float:
+        seq = Sequence("r", [1] * tokens, tokens, 1)
+        return costs.min_seconds([Chunk(seq, 0, tokens)]) * 1e12 - (tokens + tokens) * costs.kv_token_bytes
+
+    assert abs(step_bytes(1) - one_token) < 1e3  # a single token: the router's top_k share of the experts
+    assert abs(step_bytes(4096) - (one_token + experts * (1 - 8 / 128))) < 1e3  # many: all of them
+    assert one_token < step_bytes(16) < step_bytes(64) < one_token + experts * (1 - 8 / 128)

@@ -279,9 +279,8 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_serves_on(
     engine.shutdown()
 
 
-def test_compiled_decode_steps_give_the_eager_tokens(tiny_llm_checkpoint, llm):
-    compiled = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
-    engine = Engine(compiled)
+def test_compiled_decode_steps_give_the_eager_tokens(compiled_llm, llm):
+    engine = Engine(compiled_llm)
     assert engine.graphs is not None and llm.engine.graphs is None
     prompts = token_prompts(llm, 3, 6)
     options = [GenerationOptions(max_new_tokens=6, ignore_eos=True),
@@ -297,6 +296,53 @@ def test_compiled_decode_steps_give_the_eager_tokens(tiny_llm_checkpoint, llm):
     assert steps and set(steps) == {3}  # three rows padded to the bucket of 4, a scratch page for the fourth
     engine.shutdown()
     assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(tiny_llm_checkpoint):
+    return LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
+
+
+def test_decode_steps_launched_ahead_give_each_request_its_tokens_alone(compiled_llm, llm):
+    """Each decode step is launched before the step before it is read, whenever the rows go on: rows that end by
+    a stop string meanwhile are dropped, new pages are taken ahead, and a pool too small for that preempts."""
+    prompts = token_prompts(llm, 4, 9)
+    lengths = (25, 9, 31, 17)
+    stop = llm.generate(prompts[2], max_new_tokens=31, ignore_eos=True).text[12:16]  # ends it early
+    options = [GenerationOptions(max_new_tokens=n, ignore_eos=True, stop=[stop] if i == 2 else [],
+                                 temperature=0.7 if i == 1 else 0.0, seed=5) for i, n in enumerate(lengths)]
+    want = [llm.generate(p, o) for p, o in zip(prompts, options)]
+    assert want[2].finish_reason == "stop" and len(want[2].token_ids) < 31
+    for kv_tokens in (2048, 88):  # 88: too few pages for all four to the end
+        engine = Engine(compiled_llm, max_kv_tokens=kv_tokens, page_size=4)
+        with engine._lock:  # all four arrive before the first step
+            handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+        got = [h.result(timeout=300) for h in handles]
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.text for r in got] == [r.text for r in want]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+        assert engine.steps_followed > 10
+        assert (kv_tokens == 88) == (engine.stats().preemptions > 0)
+        engine.shutdown()
+        assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
+
+
+def test_an_abort_while_a_step_is_launched_ahead_ends_only_that_request(compiled_llm, llm):
+    prompts = token_prompts(llm, 2, 5)
+    want = llm.generate(prompts[0], max_new_tokens=40, ignore_eos=True).token_ids
+    engine = Engine(compiled_llm, page_size=4)
+    with engine._lock:
+        keep = engine.add_request(prompts[0], GenerationOptions(max_new_tokens=40, ignore_eos=True))
+        drop = engine.add_request(prompts[1], GenerationOptions(max_new_tokens=40, ignore_eos=True))
+    for piece in drop:
+        if piece.token_ids:
+            engine.abort(drop)
+            break
+    assert keep.result(timeout=300).token_ids == want
+    dropped = drop.result(timeout=60)
+    assert dropped.finish_reason == "abort" and len(dropped.token_ids) < 40
+    engine.shutdown()
+    assert engine.pool.num_free == engine.pool.num_pages - 1
 
 
 def test_capture_graphs_is_a_no_op_without_graphs(llm):
