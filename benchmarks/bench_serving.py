@@ -9,7 +9,9 @@ Workloads (EOS ignored, so every request makes exactly its output length):
 - fixed: N requests of 128 prompt tokens and 128 output tokens each;
 - mixed: 256 requests (or N), prompt and output lengths uniform in 100..1024;
 - single: one request of 128 prompt and 256 output tokens through the engine, against LLM.generate (the static
-  path, compiled and fused as the LLM is) in the same process: decode tok/s after the first token, median of 3.
+  path, compiled and fused as the LLM is) in the same process: decode tok/s after the first token, median of 3;
+- prefix: a 4,000-token first turn, then a second turn that repeats it with a reply and 64 new tokens: time to
+  first token of each (median of 3 pairs), after the same graph capture and warm-up as serve.py's start-up.
 All requests are queued at once. Reported: output tok/s and total tok/s (prompt + output) over the wall time from
 the first add_request to the last result; the step time distribution; peak KV pages in use; preemptions; and the
 roofline of the run: the sum over its steps of max(bytes read / measured read bandwidth, FLOPs / measured bf16
@@ -49,7 +51,9 @@ WORKLOADS = ("fixed", "mixed", "single", "prefix")
 # The "prefix" workload: a first chat turn of this many tokens, then a second turn that repeats it and adds a reply
 # and a new message (the prefix cache should serve the shared part).
 PREFIX_TOKENS = 4000
+PREFIX_REPLY_TOKENS = 16
 SECOND_TURN_NEW_TOKENS = 64
+PREFIX_TURN_TOKENS = 2 * (PREFIX_REPLY_TOKENS + SECOND_TURN_NEW_TOKENS)  # the longest sequence past the prefix
 MIXED_RANGE = (100, 1024)
 MIXED_DEFAULT_REQUESTS = 256
 
@@ -276,7 +280,7 @@ def run_single(llm: LLM, engine: Engine, vocab: int, seed: int) -> dict[str, Any
 def first_token_seconds(engine: Engine, prompt: list[int]) -> tuple[float, list[int], int]:
     """(seconds from add_request to the first new token, the reply's ids, prompt tokens served from the cache)."""
     start = time.perf_counter()
-    handle = engine.add_request(prompt, GenerationOptions(max_new_tokens=16, ignore_eos=True))
+    handle = engine.add_request(prompt, GenerationOptions(max_new_tokens=PREFIX_REPLY_TOKENS, ignore_eos=True))
     outputs = iter(handle)
     first = next(outputs)
     seconds = time.perf_counter() - start
@@ -326,16 +330,17 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         report["single"] = run_single(llm, engine, args.vocab_size, ns.seed)
         engine.shutdown()
         return report
+    requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed) if ns.workload != "prefix" else []
+    longest = max((len(r.prompt) + r.output_len for r in requests), default=PREFIX_TOKENS + PREFIX_TURN_TOKENS)
+    start = time.perf_counter()
+    graphs = engine.capture_graphs(longest)
+    report["graph_capture"] = {"graphs": graphs, "seconds": time.perf_counter() - start}
+    print(f"captured {graphs} decode graphs in {report['graph_capture']['seconds']:.1f} s", flush=True)
+    engine.warm_up()  # as serve.py does before it says ready
     if ns.workload == "prefix":
         report["prefix"] = run_prefix(engine, args.vocab_size, args.block_size, ns.seed)
         engine.shutdown()
         return report
-    requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed)
-    start = time.perf_counter()
-    graphs = engine.capture_graphs(max(len(r.prompt) + r.output_len for r in requests))
-    report["graph_capture"] = {"graphs": graphs, "seconds": time.perf_counter() - start}
-    print(f"captured {graphs} decode graphs in {report['graph_capture']['seconds']:.1f} s", flush=True)
-    engine.warm_up()  # as serve.py does before it says ready
     if engine.costs is not None:
         costs = engine.costs
         report["measured"] = {"read_gb_s": costs.bandwidth / 1e9, "matmul_tflops": costs.peak_flops / 1e12}
