@@ -15,8 +15,9 @@ each 32-bit word holds 8 consecutive inputs (the GPU kernel reads one word per 8
 (N, K/group_size, 2) holding [scale, offset] side by side (one 32-bit load per group).
 The token embedding stays in the checkpoint's float dtype, and so does the output projection when it is tied to the
 embedding. The checkpoint's metadata says all of this.
-A mixture of experts (Mixtral, Qwen3-MoE) quantizes its experts in int8 only (Int8MoEFeedForward: one fp32 scale per
-expert and output row); its routers stay float. int4 is refused for those models.
+A mixture of experts (Mixtral, Qwen3-MoE) quantizes its stacked experts too: int8 with one fp32 scale per expert and
+output row (Int8MoEFeedForward), int4 with each expert's rows in the layout above (Int4MoEFeedForward: w13 and w2
+uint8 (E, N, K/2), their scales fp16 (E, N, K/group_size, 2)); its routers stay float.
 """
 from __future__ import annotations
 
@@ -97,11 +98,44 @@ def quantize_experts_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q.view(weight.shape), scales.view(weight.shape[:2])
 
 
-def check_experts_quantizable(args: ModelArgs, mode: str) -> None:
-    """A one-line refusal of int4 for a mixture of experts (its experts have no int4 form yet)."""
-    if args.n_experts and mode != "int8":
-        raise ValueError(f"{mode} does not cover the expert weights of a mixture of experts (Mixtral, Qwen3-MoE) yet; "
-                         f"quantize it with --mode int8 (quantize=\"int8\")")
+class Int4MoEFeedForward(MoEFeedForward):
+    """model.MoEFeedForward with int4 experts: each expert's w13 (2I, dim) and w2 (dim, I) in Int4Linear's layout,
+    stacked: w13 uint8 (E, 2I, dim/2) with w13_scales fp16 (E, 2I, dim/G, 2), w2 uint8 (E, dim, I/2) with w2_scales
+    fp16 (E, dim, I/G, 2); the experts that run are dequantized (in fp32, rounded to the router's dtype). The router
+    stays a float linear."""
+
+    def __init__(self, args: ModelArgs, group_size: int, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        with torch.device("meta"):
+            super().__init__(args)
+        n, hidden, dim = args.n_experts, args.moe_intermediate_size, args.dim
+        for k in (dim, hidden):
+            check_group_size(group_size, k)
+        self.group_size = group_size
+        self.gate = nn.Linear(dim, n, bias=False, device=device, dtype=dtype)  # the router, in the activations' dtype
+        del self.w13, self.w2
+        for name, (rows, k) in (("w13", (2 * hidden, dim)), ("w2", (dim, hidden))):
+            self.register_buffer(name, torch.empty(n, rows, k // 2, dtype=torch.uint8, device=device))  # (E, N, K/2)
+            self.register_buffer(f"{name}_scales", torch.empty(n, rows, k // group_size, 2, dtype=torch.float16,
+                                                               device=device))  # (E, N, K/G, 2)
+
+    def expert_weights(self, ids: Tensor | int) -> tuple[Tensor, Tensor]:
+        dtype = self.gate.weight.dtype
+        return tuple(dequantize_experts_int4(getattr(self, name)[ids], getattr(self, f"{name}_scales")[ids]).to(dtype)
+                     for name in ("w13", "w2"))  # (..., N, K) each
+
+
+def quantize_experts_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Stacked experts (E, N, K) float -> (uint8 (E, N, K/2), fp16 (E, N, K/G, 2)): quantize_int4 per expert row."""
+    packed, scales = quantize_int4(weight.reshape(-1, weight.shape[-1]), group_size)
+    return packed.view(*weight.shape[:2], -1), scales.view(*weight.shape[:2], *scales.shape[1:])
+
+
+def dequantize_experts_int4(packed: Tensor, scales: Tensor) -> Tensor:
+    """uint8 (..., N, K/2) and fp16 (..., N, K/G, 2) -> the fp32 (..., N, K) weights (dequantize_int4 per row)."""
+    front = packed.shape[:-1]
+    return dequantize_int4(packed.reshape(-1, packed.shape[-1]), scales.reshape(-1, *scales.shape[-2:])).view(
+        *front, -1)
 
 
 def sparse_layers(args: ModelArgs) -> tuple[bool, ...]:
@@ -157,8 +191,11 @@ def auto_group_size(in_features: Iterable[int]) -> int:
 
 
 def model_input_features(args: ModelArgs) -> list[int]:
-    """The input features of the quantized linears: dim (wqkv, w13, an untied head), q_size (wo), intermediate (w2)."""
-    return [args.dim, args.q_size, args.intermediate_size]
+    """The input features of the quantized linears: dim (wqkv, w13, an untied head), q_size (wo), intermediate (w2),
+    and the experts' intermediate size (their w2) in a mixture of experts."""
+    dense = any(not args.sparse(i) for i in range(args.n_layer))
+    return [args.dim, args.q_size] + ([args.intermediate_size] if dense else []) + (
+        [args.moe_intermediate_size] if args.n_experts else [])
 
 
 def parse_quant_spec(spec: str) -> tuple[str, int | None]:
@@ -246,14 +283,18 @@ def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embed
     from redline.checkpoint import progress
 
     out = dict(tensors)
-    for i in (i for i, s in enumerate(sparse) if s):  # experts: int8 only (check_experts_quantizable)
-        for part in ("w13", "w2"):
-            name = f"layers.{i}.feed_forward.{part}"
-            out[name], out[f"{name}_scales"] = quantize_experts_int8(out.pop(name))
+    experts = [f"layers.{i}.feed_forward.{part}" for i, s in enumerate(sparse) if s for part in ("w13", "w2")]
     names = quantized_linear_names(n_layer, tie_word_embeddings, sparse)
     if mode == "int4":
         for name in names:  # every layer checked before any work
             check_group_size(group_size, out[f"{name}.weight"].shape[1])
+        for name in experts:
+            check_group_size(group_size, out[name].shape[-1])
+    for name in experts:
+        if mode == "int4":
+            out[name], out[f"{name}_scales"] = quantize_experts_int4(out.pop(name), group_size)
+        else:
+            out[name], out[f"{name}_scales"] = quantize_experts_int8(out.pop(name))
     for name in progress(names, len(names), "quantizing"):
         weight = out.pop(f"{name}.weight")
         if mode == "int4":
@@ -277,7 +318,6 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
     scheme = quantization.get("scheme", "none")
     if scheme == "none":
         return
-    check_experts_quantizable(model.args, scheme)
     if scheme == "int4":
         if quantization.get("layout") != INT4_LAYOUT:
             raise ValueError(f"checkpoint uses int4 layout {quantization.get('layout')!r}, which this Redline cannot "
@@ -286,6 +326,8 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
         float_head = any(kept.startswith("output") for kept in quantization.get("not_quantized", []))
         _swap_linears(model, lambda lin: Int4Linear(lin.in_features, lin.out_features, group_size,
                                                     device=lin.weight.device), float_head)
+        _swap_experts(model, lambda ffn: Int4MoEFeedForward(model.args, group_size, ffn.gate.weight.device,
+                                                            ffn.gate.weight.dtype))
         return
     if scheme != "int8":
         raise ValueError(f"checkpoint uses quantization {scheme!r}, which this Redline cannot load; upgrade Redline")
@@ -317,12 +359,12 @@ def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.
     group_size: int4 only, auto_group_size of the model's layers when None. Every layer is checked before any is
     changed."""
     quantization_metadata(mode, model.args.tie_word_embeddings, group_size)  # validates the mode and group size
-    check_experts_quantizable(model.args, mode)
     if model_quantization(model) != "none":
         raise ValueError("the model is already quantized; load the unquantized checkpoint to quantize it")
     names = quantized_linear_names(model.args.n_layer, model.args.tie_word_embeddings, sparse_layers(model.args))
     if mode == "int4":
         inputs = [model.get_submodule(name).in_features for name in names]
+        inputs += [model.args.dim, model.args.moe_intermediate_size] if model.args.n_experts else []
         group_size = auto_group_size(inputs) if group_size is None else group_size
         for k in inputs:
             check_group_size(group_size, k)
@@ -336,7 +378,13 @@ def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.
         q.weight, q.scales = quantize_int8(lin.weight)
         return q
 
-    def build_experts(ffn: MoEFeedForward) -> Int8MoEFeedForward:
+    def build_experts(ffn: MoEFeedForward) -> MoEFeedForward:
+        if mode == "int4":
+            q = Int4MoEFeedForward(model.args, group_size, device=ffn.gate.weight.device)
+            q.gate = ffn.gate
+            q.w13, q.w13_scales = quantize_experts_int4(ffn.w13, group_size)
+            q.w2, q.w2_scales = quantize_experts_int4(ffn.w2, group_size)
+            return q
         q = Int8MoEFeedForward(model.args, device=ffn.gate.weight.device)
         q.gate = ffn.gate
         q.w13, q.w13_scales = quantize_experts_int8(ffn.w13)
@@ -405,12 +453,13 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
     info = read_checkpoint_info(checkpoint_path)
     if info.scheme != "none":
         raise ValueError(f"{info.path} is already quantized ({info.scheme}); quantize the unquantized checkpoint")
-    check_experts_quantizable(info.args, mode)
     if mode == "int4" and group_size is None:
         group_size = auto_group_size(model_input_features(info.args))
     quantization = quantization_metadata(mode, info.args.tie_word_embeddings, group_size)
     if info.args.n_experts:
-        quantization["experts"] = "int8, one fp32 scale per expert and output row (w13_scales, w2_scales)"
+        quantization["experts"] = ("int8, one fp32 scale per expert and output row (w13_scales, w2_scales)"
+                                   if mode == "int8" else "int4, each expert's rows in the int4 layout (w13_scales, "
+                                   "w2_scales: (E, N, K/group_size, 2))")
         quantization["not_quantized"].append("feed_forward.gate (the expert routers)")
     suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
     out_path = Path(out) if out is not None else default_quantized_path(info.path, suffix)

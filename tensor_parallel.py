@@ -245,6 +245,9 @@ class SliceReader:
 
 def structure(args: ModelArgs, quantization: dict[str, Any]) -> Transformer:
     """A meta-device model of these args with the checkpoint's quantization structure."""
+    if args.n_experts and quantization.get("scheme") == "int4":
+        raise ValueError("tensor parallel does not split int4 experts yet (their packed rows and groups); quantize "
+                         "this model with --mode int8 for --tp, or run the int4 file on one process")
     with torch.device("meta"):
         model = Transformer(args)
     prepare_quantized_structure(model, quantization)

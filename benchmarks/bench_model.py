@@ -52,15 +52,18 @@ def fill_random_(model: torch.nn.Module, seed: int) -> None:
 def fill_random_int4_(model: torch.nn.Module, seed: int) -> None:
     """Random packed int4 weights drawn directly (every code 0..15 equally likely), scale 0.005 and offset
     -7.5 * scale, so the values lie within +-0.0375 around 0 like an N(0, 0.02) matrix; no float copy is made."""
-    from redline.quantize import INT4_MAX, Int4Linear
+    from redline.quantize import INT4_MAX, Int4Linear, Int4MoEFeedForward
 
     gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 1)
     for module in model.modules():
-        if isinstance(module, Int4Linear):
-            module.weight.copy_(torch.randint(0, 256, module.weight.shape, generator=gen, device=module.weight.device,
-                                              dtype=torch.int32).to(torch.uint8))
-            module.scales[..., 0] = 0.005
-            module.scales[..., 1] = -0.005 * INT4_MAX / 2
+        pairs = [("weight", "scales")] if isinstance(module, Int4Linear) else [
+            ("w13", "w13_scales"), ("w2", "w2_scales")] if isinstance(module, Int4MoEFeedForward) else []
+        for codes, scales in pairs:  # int4 linears and stacked int4 experts
+            weight, scale = getattr(module, codes), getattr(module, scales)
+            weight.copy_(torch.randint(0, 256, weight.shape, generator=gen, device=weight.device,
+                                       dtype=torch.int32).to(torch.uint8))
+            scale[..., 0] = 0.005
+            scale[..., 1] = -0.005 * INT4_MAX / 2
 
 
 @torch.no_grad()

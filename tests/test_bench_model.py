@@ -105,3 +105,21 @@ def test_random_moe_model_has_drawn_int8_experts():
         codes = getattr(experts, name)
         assert codes.min().item() == -INT8_MAX and codes.max().item() == INT8_MAX
         assert torch.all(getattr(experts, f"{name}_scales") == bench_model.WEIGHT_STD * 3 ** 0.5 / INT8_MAX)
+
+
+def test_random_moe_model_has_drawn_int4_experts():
+    """Stacked int4 experts are drawn like the int4 linears: every byte value used, scale and offset set."""
+    from redline.quantize import INT4_MAX, Int4MoEFeedForward
+
+    args = ModelArgs(dim=64, n_layer=1, n_head=2, intermediate_size=64, vocab_size=64, block_size=32, n_experts=4,
+                     n_experts_per_tok=2, moe_intermediate_size=32)
+    model = bench_model.build_random_model(args, torch.device("cpu"), torch.bfloat16, "int4", group_size=32)
+    experts = model.layers[0].feed_forward
+    assert isinstance(experts, Int4MoEFeedForward) and experts.gate.weight.dtype == torch.bfloat16
+    model.setup_caches(1, 8)
+    out = model(torch.tensor([[1, 2, 3]]), torch.arange(3), from_start=True)  # bf16 activations, int4 experts
+    assert torch.isfinite(out.float()).all()
+    for name in ("w13", "w2"):
+        codes, scales = getattr(experts, name), getattr(experts, f"{name}_scales")
+        assert codes.dtype == torch.uint8 and codes.min().item() == 0 and codes.max().item() == 255
+        assert torch.all(scales[..., 0] == 0.005) and torch.all(scales[..., 1] == -0.005 * INT4_MAX / 2)

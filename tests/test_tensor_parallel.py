@@ -326,3 +326,14 @@ def test_olmo2_full_width_qk_norm_is_refused_over_several_ranks():
 
     with pytest.raises(ValueError, match="q/k norm over the whole projection width"):
         tp.shard_args(ModelArgs.from_name("OLMo-2-7B"), 2)
+
+
+def test_int4_experts_are_refused_over_several_ranks_in_one_line():
+    from redline.model import ModelArgs
+    from redline.quantize import quantization_metadata
+
+    args = tp.shard_args(ModelArgs.from_name("Qwen3-30B-A3B"), 2)
+    with pytest.raises(ValueError, match="does not split int4 experts") as info:
+        tp.structure(args, quantization_metadata("int4", args.tie_word_embeddings, 128))
+    assert "\n" not in str(info.value)
+    tp.structure(args, quantization_metadata("int8", args.tie_word_embeddings))  # int8 experts split
