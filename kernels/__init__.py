@@ -20,7 +20,8 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
                        rows, dequantize-then-F.linear for more
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
     paged_attention.py redline::paged_decode_attention, paged_prefill_attention (a paged KV cache)
-    moe.py             redline::moe_experts (a mixture-of-experts layer's chosen experts); KernelMoE, KernelInt8MoE
+    moe.py             redline::moe_experts (a mixture-of-experts layer's chosen experts); KernelMoE, KernelInt8MoE,
+                       KernelInt4MoE
     fused_decode.py    FusedDecode
     triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_attention.py, triton_paged_attention.py,
                        triton_moe.py, triton_common.py: the Triton sources and launchers
@@ -30,18 +31,18 @@ from __future__ import annotations
 import torch
 
 from redline.model import Attention, MoEFeedForward, Transformer
-from redline.quantize import Int8MoEFeedForward
+from redline.quantize import Int4MoEFeedForward, Int8MoEFeedForward
 
 from . import paged_attention  # noqa: F401  (registers torch.ops.redline.paged_*)
 from .attention import KernelAttention
 from .device import DeviceCaps, device_caps, triton_importable
 from .fused_decode import FusedDecode, fused_decode_refusal
 from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears, use_cpu_kernels
-from .moe import KernelInt8MoE, KernelMoE  # (importing it registers torch.ops.redline.moe_experts)
+from .moe import KernelInt4MoE, KernelInt8MoE, KernelMoE  # (importing it registers torch.ops.redline.moe_experts)
 
 __all__ = ["DeviceCaps", "FusedDecode", "fused_decode_refusal", "kernel_attention_fits", "KernelAttention",
            "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
-           "device_caps", "KernelInt8MoE", "KernelMoE", "use_cpu_kernels", "use_kernels"]
+           "device_caps", "KernelInt4MoE", "KernelInt8MoE", "KernelMoE", "use_cpu_kernels", "use_kernels"]
 
 
 def available() -> bool:
@@ -54,8 +55,8 @@ def use_kernels(model: Transformer) -> Transformer:
     (redline::linear), quantize.Int8Linear -> KernelInt8Linear (redline::int8_linear), quantize.Int4Linear ->
     KernelInt4Linear (redline::int4_linear), model.Attention ->
     KernelAttention (redline::decode_attention for one-token steps, redline::prefill_rope_cache for prefills from
-    position 0), model.MoEFeedForward -> KernelMoE and quantize.Int8MoEFeedForward -> KernelInt8MoE
-    (redline::moe_experts). Only classes
+    position 0), model.MoEFeedForward -> KernelMoE, quantize.Int8MoEFeedForward -> KernelInt8MoE and
+    quantize.Int4MoEFeedForward -> KernelInt4MoE (redline::moe_experts). Only classes
     change, so weights (and a tied output head) stay shared; applying it twice is a no-op. Where no kernel fits
     (the CPU, unsupported shapes) the ops run their PyTorch references."""
     swap_linears(model)
@@ -66,6 +67,8 @@ def use_kernels(model: Transformer) -> Transformer:
             module.__class__ = KernelMoE
         elif type(module) is Int8MoEFeedForward:
             module.__class__ = KernelInt8MoE
+        elif type(module) is Int4MoEFeedForward:
+            module.__class__ = KernelInt4MoE
     return model
 
 

@@ -10,6 +10,10 @@ e = topk_ids[t, j] and act silu, or gelu with the tanh approximation when gelu=T
 fp32 and returned in x's dtype. int8 experts (quantize.Int8MoEFeedForward): w13 and w2 int8 with w13_scales (E, 2I)
 and w2_scales (E, dim) fp32, one per expert and output row; expert e's weights are then w13[e] * w13_scales[e, :, None]
 and w2[e] * w2_scales[e, :, None], and the kernels convert the int8 rows in registers (they read a byte a weight).
+int4 experts (quantize.Int4MoEFeedForward): w13 uint8 (E, 2I, dim/2) and w2 uint8 (E, dim, I/2) in quantize.py's
+int4 layout per row, w13_scales fp16 (E, 2I, dim/G, 2) and w2_scales fp16 (E, dim, I/G, 2) its [scale, offset] per
+row and group of G inputs (one G for both); up to MOE_GEMV_MAX_TOKENS tokens their GEMV kernels read half a byte a
+weight; more tokens run the reference (no grouped int4 kernel yet).
 
 On a CUDA/HIP device with Triton, for weights with unit stride along their rows, the op runs the kernels of
 triton_moe.py, which read only the chosen experts' weights: up to configs.MOE_GEMV_MAX_TOKENS tokens the GEMV
@@ -19,8 +23,8 @@ GPU's shared memory (configs.fitted_moe_dot_config, fitted to device.DeviceCaps)
 the reference below runs. Neither reads a tensor on the host and every shape follows from the input shapes, so the
 op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register_fake).
 
-KernelMoE is model.MoEFeedForward with its experts on this op, KernelInt8MoE the same for int8 experts;
-kernels.use_kernels swaps them in.
+KernelMoE is model.MoEFeedForward with its experts on this op, KernelInt8MoE and KernelInt4MoE the same for int8
+and int4 experts; kernels.use_kernels swaps them in.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from redline.model import MoEFeedForward
-from redline.quantize import Int8MoEFeedForward
+from redline.quantize import Int4MoEFeedForward, Int8MoEFeedForward, dequantize_experts_int4
 
 from .configs import MOE_GEMV_MAX_TOKENS, MoeDotConfig, fitted_moe_dot_config
 from .device import device_caps, triton_importable
@@ -69,7 +73,7 @@ def grouped_config(x: Tensor, w13: Tensor, topk_ids: Tensor) -> MoeDotConfig | N
     """The grouped kernels' config on x's GPU, or None where none fits its shared memory (the op then runs the
     reference). int8 experts under fp32 activations have none: converting their tiles for fp32 dots takes shared
     memory beyond the configs' estimate (cross-compiled for sm80-sm90), and fp32 activations are a CPU setting."""
-    if w13.dtype == torch.int8 and x.dtype == torch.float32:
+    if w13.dtype == torch.uint8 or (w13.dtype == torch.int8 and x.dtype == torch.float32):  # int4: no grouped kernel
         return None
     return fitted_moe_dot_config(topk_ids.numel(), w13.shape[0], x.element_size(), device_caps(x.device))
 
@@ -86,16 +90,22 @@ def moe_experts_reference(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, 
                           gelu: bool = False, w13_scales: Tensor | None = None,
                           w2_scales: Tensor | None = None) -> Tensor:
     """The op in fp32 with PyTorch ops: each token's k experts' weights gathered (a few tokens per step, int8 ones
-    times their row scales), their gated MLPs of the token, weighted and summed; returned in x's dtype, (T, dim)."""
+    times their row scales, int4 ones dequantized), their gated MLPs of the token, weighted and summed; returned in
+    x's dtype, (T, dim)."""
     n_tokens, dim = x.shape
-    top_k, hidden = topk_ids.shape[1], w2.shape[2]
+    int4 = w13.dtype == torch.uint8
+    top_k, hidden = topk_ids.shape[1], w2.shape[2] * (2 if int4 else 1)
     out = torch.zeros((n_tokens, dim), dtype=torch.float32, device=x.device)  # (T, dim)
     step = max(1, REFERENCE_CHUNK_ELEMENTS // max(top_k * 3 * hidden * dim, 1))
     for start in range(0, n_tokens, step):  # fixed by the shapes: no host sync
         rows = slice(start, start + step)
         ids = topk_ids[rows].long()  # (n, k)
-        up_rows, down_rows = w13[ids].float(), w2[ids].float()  # (n, k, 2I, dim), (n, k, dim, I)
-        if w13_scales is not None:
+        if int4:
+            up_rows = dequantize_experts_int4(w13[ids], w13_scales[ids])  # (n, k, 2I, dim)
+            down_rows = dequantize_experts_int4(w2[ids], w2_scales[ids])  # (n, k, dim, I)
+        else:
+            up_rows, down_rows = w13[ids].float(), w2[ids].float()  # (n, k, 2I, dim), (n, k, dim, I)
+        if w13_scales is not None and not int4:
             up_rows = up_rows * w13_scales[ids].unsqueeze(-1)
             down_rows = down_rows * w2_scales[ids].unsqueeze(-1)
         gate_up = torch.einsum("nd,nkhd->nkh", x[rows].float(), up_rows)  # (n, k, 2I)
@@ -114,6 +124,9 @@ def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weight
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"{name}: x must be (T, dim), w13 (E, 2I, dim) and w2 (E, dim, I), got "
                          f"{tuple(x.shape)}, {tuple(w13.shape)} and {tuple(w2.shape)}")
+    if w13.dtype == torch.uint8 or w2.dtype == torch.uint8:
+        _check_int4(x, w13, w2, w13_scales, w2_scales)
+        return _check_routing(x, w2.shape[0], topk_ids, topk_weights, w13, w2, w13_scales, w2_scales)
     n_experts, dim, hidden = w2.shape
     if w13.shape != (n_experts, 2 * hidden, dim) or x.shape[1] != dim:
         raise ValueError(f"{name}: w13 {tuple(w13.shape)} must be (E, 2I, dim) = {(n_experts, 2 * hidden, dim)} "
@@ -133,6 +146,35 @@ def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weight
     elif x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"{name}: x, w13 and w2 must share one dtype of bf16, fp16 or fp32 (or int8 weights with "
                          f"scales), got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    _check_routing(x, n_experts, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales)
+
+
+def _check_int4(x: Tensor, w13: Tensor, w2: Tensor, w13_scales: Tensor | None, w2_scales: Tensor | None) -> None:
+    """int4 experts: packed uint8 weights, fp16 [scale, offset] per row and group, one group size dividing both."""
+    name = "redline.moe_experts"
+    if w13.dtype != torch.uint8 or w2.dtype != torch.uint8 or w13_scales is None or w2_scales is None:
+        raise ValueError(f"{name}: int4 experts need w13 and w2 uint8 with w13_scales and w2_scales, got "
+                         f"{w13.dtype} and {w2.dtype}")
+    n_experts, dim, hidden = w2.shape[0], w2.shape[1], 2 * w2.shape[2]
+    if w13.shape != (n_experts, 2 * hidden, dim // 2) or x.shape[1] != dim or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: int4 w13 {tuple(w13.shape)} must be (E, 2I, dim/2) = "
+                         f"{(n_experts, 2 * hidden, dim // 2)} for w2 {tuple(w2.shape)} (E, dim, I/2), and x "
+                         f"{tuple(x.shape)} bf16, fp16 or fp32 with dim={dim}")
+    if n_experts == 0 or hidden == 0:
+        raise ValueError(f"{name}: the layer needs at least one expert and I > 0, got w2 {tuple(w2.shape)}")
+    groups = (w13_scales.shape[2] if w13_scales.dim() == 4 else 0, w2_scales.shape[2] if w2_scales.dim() == 4 else 0)
+    group = dim // groups[0] if groups[0] and dim % groups[0] == 0 else 0
+    for scales, rows, k, label in ((w13_scales, 2 * hidden, dim, "w13"), (w2_scales, dim, hidden, "w2")):
+        want = (n_experts, rows, k // group, 2) if group else None
+        if (scales.dtype != torch.float16 or tuple(scales.shape) != want or group < 32 or group & (group - 1)
+                or k % group):
+            raise ValueError(f"{name}: int4 {label}_scales must be fp16 (E, N, K/G, 2) with one group size G (a "
+                             f"power of two >= 32) dividing dim={dim} and I={hidden}, got {tuple(scales.shape)} of "
+                             f"{scales.dtype}")
+
+
+def _check_routing(x: Tensor, n_experts: int, topk_ids: Tensor, topk_weights: Tensor, *tensors: Tensor | None) -> None:
+    name = "redline.moe_experts"
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype not in ID_DTYPES:
         raise ValueError(f"{name}: topk_ids must be int64 or int32 of shape (T, k) with T={x.shape[0]}, "
                          f"got {tuple(topk_ids.shape)} of {topk_ids.dtype}")
@@ -141,7 +183,7 @@ def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weight
     if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
         raise ValueError(f"{name}: topk_weights must be fp32 of topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)} of {topk_weights.dtype}")
-    devices = {t.device for t in (x, w13, w2, topk_ids, topk_weights, w13_scales, w2_scales) if t is not None}
+    devices = {t.device for t in (x, topk_ids, topk_weights, *tensors) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
 
@@ -184,6 +226,16 @@ class KernelMoE(MoEFeedForward):
         if self.w13.dtype != x2d.dtype or self.w2.dtype != x2d.dtype:
             return super().experts(x2d, topk_ids, topk_weights)
         return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu)
+
+
+class KernelInt4MoE(Int4MoEFeedForward):
+    """quantize.Int4MoEFeedForward whose int4 experts run torch.ops.redline.moe_experts (the GEMV kernels read half a
+    byte a weight; more tokens take the op's reference); the routing is unchanged."""
+
+    def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The weighted sum (T, dim) of the chosen int4 experts' gated MLPs of x2d (T, dim), by the fused op."""
+        return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu,
+                                             self.w13_scales, self.w2_scales)
 
 
 class KernelInt8MoE(Int8MoEFeedForward):

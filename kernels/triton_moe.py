@@ -30,6 +30,11 @@ int8 experts (w13 and w2 int8, one fp32 scale per expert and output row) take th
 the GEMVs convert each byte in registers and scale each row's sum once; the grouped kernels convert the int8 tiles
 to x's dtype (exact) for the tensor cores and scale the accumulator's columns once.
 
+int4 experts (quantize.py's int4 layout per expert row: w13 uint8 (E, 2I, dim/2) and w2 uint8 (E, dim, I/2), each
+byte two consecutive inputs, the even one in the low nibble, with fp16 [scale, offset] per row and group) have GEMV
+kernels of their own (`_gate_up_gemv_int4_kernel`, `_down_gemv_int4_kernel`): a step of BLOCK_K inputs lies in one
+group, its nibbles are multiplied by the even and the odd inputs, then scaled and offset once for the step.
+
 Configs come from configs.py (moe_gemv_config, fitted_moe_dot_config); only kernels/moe.py imports this module,
 lazily. The caller validates shapes; expert ids must lie in [0, E) (not checked: that would read the device).
 """
@@ -118,6 +123,76 @@ def _down_gemv_kernel(
         if SCALED:
             down *= tl.load(s2_ptr + e * DIM + offs_n, mask=n_ok, other=0.0)
         out += tl.load(weights_ptr + pair) * down
+    tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _int4_step(rows, scales, k0, x_even, x_odd, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, n_ok):
+    """One step of BLOCK_K inputs (within one group) of int4 rows: (BLOCK_N, BLOCK_K / 2) fp32 products. rows:
+    pointers to the rows' packed bytes at input 0; scales: pointers to the rows' [scale, offset] pairs; x_even,
+    x_odd: (1, BLOCK_K / 2) fp32 inputs k0 + 2j and k0 + 2j + 1 (the low and the high nibble of byte j)."""
+    packed = tl.load(rows + k0 // 2, mask=n_ok[:, None], other=0).to(tl.int32)  # (BLOCK_N, BLOCK_K / 2)
+    low, high = (packed & 0xF).to(tl.float32), (packed >> 4).to(tl.float32)
+    group = scales + 2 * (k0 // GROUP)
+    scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)[:, None]  # (BLOCK_N, 1)
+    offset = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    return (low * x_even + high * x_odd) * scale + offset * (x_even + x_odd)
+
+
+@triton.jit
+def _gate_up_gemv_int4_kernel(
+    x_ptr, w13_ptr, s13_ptr, ids_ptr, h_ptr, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, GELU: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_gate_up_gemv_kernel for int4 experts: w13 uint8 (E, 2I, dim / 2), s13 fp16 (E, 2I, dim / GROUP, 2); BLOCK_K
+    divides GROUP (a step never straddles two groups) and GROUP divides DIM."""
+    pair = tl.program_id(0).to(tl.int64)  # t * TOP_K + j
+    t = pair // TOP_K
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) rows of the gate (and the up) half
+    offs_j = tl.arange(0, BLOCK_K // 2)  # bytes of a step
+    n_ok = offs_n < HIDDEN
+    gate_rows = w13_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]
+    up_rows = gate_rows + HIDDEN * stride_wn
+    gate_scales = s13_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn  # (BLOCK_N,)
+    up_scales = gate_scales + HIDDEN * stride_sn
+    x_row = x_ptr + t * stride_xt + 2 * offs_j
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+    for k0 in range(0, DIM, BLOCK_K):
+        x_even = tl.load(x_row + k0).to(tl.float32)[None, :]  # (1, BLOCK_K / 2)
+        x_odd = tl.load(x_row + k0 + 1).to(tl.float32)[None, :]
+        acc_g += _int4_step(gate_rows, gate_scales, k0, x_even, x_odd, GROUP, BLOCK_K, n_ok)
+        acc_u += _int4_step(up_rows, up_scales, k0, x_even, x_odd, GROUP, BLOCK_K, n_ok)
+    h = _activation(tl.sum(acc_g, axis=1), GELU) * tl.sum(acc_u, axis=1)
+    tl.store(h_ptr + pair * HIDDEN + offs_n, h, mask=n_ok)
+
+
+@triton.jit
+def _down_gemv_int4_kernel(
+    h_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, out_ptr, stride_we, stride_wn, stride_se, stride_sn, stride_ot,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """_down_gemv_kernel for int4 experts: w2 uint8 (E, dim, I / 2), s2 fp16 (E, dim, I / GROUP, 2)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,) output features
+    offs_j = tl.arange(0, BLOCK_K // 2)
+    n_ok = offs_n < DIM
+    out = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(TOP_K):  # this program owns the tile: the sum over the experts is in a fixed order
+        pair = t * TOP_K + j
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w2_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]
+        row_scales = s2_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
+        h_row = h_ptr + pair * HIDDEN + 2 * offs_j
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            h_even = tl.load(h_row + k0)[None, :]  # (1, BLOCK_K / 2) fp32
+            h_odd = tl.load(h_row + k0 + 1)[None, :]
+            acc += _int4_step(rows, row_scales, k0, h_even, h_odd, GROUP, BLOCK_K, n_ok)
+        out += tl.load(weights_ptr + pair) * tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -258,7 +333,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     scales: (w13_scales (E, 2I), w2_scales (E, dim)) fp32 for int8 experts, else None or (None, None)."""
     n_tokens, dim = x.shape
     top_k = topk_ids.shape[1]
-    hidden = w2.shape[2]
+    int4 = w13.dtype == torch.uint8
+    hidden = w2.shape[2] * (2 if int4 else 1)
     config = config or moe_gemv_config(hidden, dim, x.element_size())
     down_config = down_config or moe_gemv_config(dim, hidden, x.element_size())
     x, w13, w2 = _unit_stride(x), _unit_stride(w13), _unit_stride(w2)
@@ -268,6 +344,9 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
     if out.numel() == 0:
         return out
     h = _empty((n_tokens * top_k, hidden), torch.float32, x.device)  # (T k, I) act(gate) * up per pair
+    if int4:
+        _int4_gemv(x, w13, w2, s13, s2, ids, weights, h, out, gelu, config, down_config)
+        return out
     with _device_context(x):
         _gate_up_gemv_kernel[(n_tokens * top_k, triton.cdiv(hidden, config.block_n))](
             x, w13, s13, ids, h, x.stride(0), w13.stride(0), w13.stride(1),
@@ -282,6 +361,26 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: tor
             num_warps=down_config.num_warps, num_stages=1,
         )
     return out
+
+
+def _int4_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor, s2: torch.Tensor,
+               ids: torch.Tensor, weights: torch.Tensor, h: torch.Tensor, out: torch.Tensor, gelu: bool,
+               config: MoeGemvConfig, down_config: MoeGemvConfig) -> None:
+    """moe_gemv's two launches for int4 experts, writing h and out; each step's inputs stay within one group."""
+    n_tokens, dim = x.shape
+    top_k, hidden = ids.shape[1], h.shape[1]
+    group = dim // s13.shape[2]
+    with _device_context(x):
+        _gate_up_gemv_int4_kernel[(n_tokens * top_k, triton.cdiv(hidden, config.block_n))](
+            x, w13, s13, ids, h, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, GELU=gelu, GROUP=group, BLOCK_N=config.block_n,
+            BLOCK_K=min(config.block_k, group), num_warps=config.num_warps, num_stages=1,
+        )
+        _down_gemv_int4_kernel[(n_tokens, triton.cdiv(dim, down_config.block_n))](
+            h, w2, s2, ids, weights, out, w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), out.stride(0),
+            DIM=dim, HIDDEN=hidden, TOP_K=top_k, GROUP=group, BLOCK_N=down_config.block_n,
+            BLOCK_K=min(down_config.block_k, group), num_warps=down_config.num_warps, num_stages=1,
+        )
 
 
 def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

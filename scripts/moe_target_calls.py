@@ -38,6 +38,7 @@ MOE_MODELS = (
 # per expert give each grouped tile height (configs.moe_block_m).
 MOE_TOKENS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 ID_DTYPES = (torch.int64, torch.int32)
+INT4_GROUP = 128  # quantize.py's default group size, which divides every shape above
 
 
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -48,8 +49,10 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
               tokens: Iterable[int] = MOE_TOKENS) -> list[str]:
     """Run the op's launcher for every model shape, dtype, token count, activation (silu, gelu) and expert-id dtype
     (int64, int32; the grouped kernels read the sorted layout's int32 instead), then with int8 experts (silu, int64
-    ids; bf16 and fp16 activations), with the path and config the op would choose, setting record.call before each; returns the calls that take
-    the reference (no config fits)."""
+    ids; bf16 and fp16 activations) and, at GEMV token counts, int4 experts in groups of INT4_GROUP (silu, int64 ids;
+    every activation dtype), with the path and config the op would choose, setting record.call before each; returns
+    the calls that take the reference (no config fits). int4 experts over more tokens take the reference by design
+    (no grouped int4 kernel yet) and are not enumerated."""
     from redline.kernels import triton_moe
 
     fallbacks = []
@@ -63,10 +66,16 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
         int8 = (_meta(*w13.shape, dtype=torch.int8), _meta(*w2.shape, dtype=torch.int8),
                 (_meta(*w13.shape[:2], dtype=torch.float32), _meta(*w2.shape[:2], dtype=torch.float32)))
         variants = [(gelu, id_dtype, None) for gelu in (False, True) for id_dtype in ID_DTYPES[:2 if gemv else 1]]
+        int4 = (_meta(shape.n_experts, 2 * shape.hidden, shape.dim // 2, dtype=torch.uint8),
+                _meta(shape.n_experts, shape.dim, shape.hidden // 2, dtype=torch.uint8),
+                (_meta(shape.n_experts, 2 * shape.hidden, shape.dim // INT4_GROUP, 2, dtype=torch.float16),
+                 _meta(shape.n_experts, shape.dim, shape.hidden // INT4_GROUP, 2, dtype=torch.float16)))
         # int8 experts under fp32 activations take the reference by design (moe.grouped_config): a CPU setting
         quantized_variants = [(False, torch.int64, int8)] if dtype != torch.float32 else []
+        quantized_variants += [(False, torch.int64, int4)] if gemv else []
         for gelu, id_dtype, quantized in variants + quantized_variants:
-            record.call = f"{label}{' int8 experts' if quantized else ''} gelu={gelu} ids={str(id_dtype)[6:]}"
+            kind = "" if quantized is None else " int8 experts" if quantized is int8 else " int4 experts"
+            record.call = f"{label}{kind} gelu={gelu} ids={str(id_dtype)[6:]}"
             ids = _meta(n_tokens, shape.top_k, dtype=id_dtype)
             up, down, scales = quantized or (w13, w2, None)
             if gemv:

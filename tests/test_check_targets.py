@@ -297,7 +297,8 @@ def test_kernel_groups_limit_the_capture():
     moe = ct.target_launches("gfx90a", 3801, DEMO, ("moe",))[0]
     assert moe and all(x.kernel.startswith("redline.kernels.triton_moe.") for x in moe)
     assert {x.kernel.rsplit(".", 1)[1] for x in moe} == {"_gate_up_gemv_kernel", "_down_gemv_kernel",
-                                                         "_grouped_gate_up_kernel", "_grouped_down_kernel"}
+                                                         "_grouped_gate_up_kernel", "_grouped_down_kernel",
+                                                         "_gate_up_gemv_int4_kernel", "_down_gemv_int4_kernel"}
     assert ct.parse_args(["--kernels", "paged, attention"]).kernels == ("paged", "attention")
     assert ct.parse_args(["--kernels", "moe"]).kernels == ("moe",)
     assert ct.main(["--kernels", "paged,gemm"]) == 2

@@ -17,7 +17,8 @@ from redline import kernels, model
 from redline.kernels import configs
 from redline.kernels import moe
 from redline.kernels.device import target_caps
-from redline.quantize import Int8MoEFeedForward, quantize_experts_int8
+from redline.quantize import (Int4MoEFeedForward, Int8MoEFeedForward, dequantize_experts_int4, quantize_experts_int4,
+                              quantize_experts_int8)
 
 from conftest import interpreted_errors_of
 
@@ -45,6 +46,12 @@ def moe_inputs(n_tokens, n_experts, top_k, dim, hidden, dtype=torch.float32, dev
 def int8_experts(w13, w2):
     """(w13 int8, w2 int8, w13_scales, w2_scales) of float experts, as quantize.py stores them."""
     (q13, s13), (q2, s2) = quantize_experts_int8(w13.float()), quantize_experts_int8(w2.float())
+    return q13, q2, s13, s2
+
+
+def int4_experts(w13, w2, group_size=32):
+    """(w13 uint8, w2 uint8, w13_scales, w2_scales) of float experts in quantize.py's int4 layout."""
+    (q13, s13), (q2, s2) = quantize_experts_int4(w13.float(), group_size), quantize_experts_int4(w2.float(), group_size)
     return q13, q2, s13, s2
 
 
@@ -108,6 +115,18 @@ def test_reference_of_int8_experts_is_the_float_reference_of_their_dequantized_w
     assert rel_err(got, moe.moe_experts_reference(x, w13, w2, ids, weights, gelu)) <= 2e-2  # int8's own error
 
 
+@pytest.mark.parametrize("gelu", [False, True])
+def test_reference_of_int4_experts_is_the_float_reference_of_their_dequantized_weights(gelu):
+    x, w13, w2, ids, weights = moe_inputs(6, 5, 2, 64, 32)
+    q13, q2, s13, s2 = int4_experts(w13, w2)
+    got = moe.moe_experts_reference(x, q13, q2, ids, weights, gelu, s13, s2)
+    want = moe.moe_experts_reference(x, dequantize_experts_int4(q13, s13), dequantize_experts_int4(q2, s2), ids,
+                                     weights, gelu)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
+    # int4 in groups of 32 through both projections: the largest error, over the largest output, measured 0.16-0.17
+    assert 1e-3 < rel_err(got, moe.moe_experts_reference(x, w13, w2, ids, weights, gelu)) <= 0.25
+
+
 # --- the op on the CPU: dispatch, validation, torch.compile ---
 
 
@@ -164,6 +183,40 @@ def test_int8_validation_errors(change, match):
     args = _int8_args(**change)
     with pytest.raises(ValueError, match=match):
         torch.ops.redline.moe_experts(*list(args.values())[:5], False, args["w13_scales"], args["w2_scales"])
+
+
+def _int4_args(**change):
+    args = dict(zip(("x", "w13", "w2", "topk_ids", "topk_weights"), moe_inputs(3, 4, 2, 64, 32)))
+    args["w13"], args["w2"], args["w13_scales"], args["w2_scales"] = int4_experts(args["w13"], args["w2"])
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(w2_scales=None), "int4 experts need w13 and w2 uint8 with w13_scales and w2_scales"),
+    (dict(w2=torch.zeros(4, 64, 16, dtype=torch.int8)), "int4 experts need w13 and w2 uint8"),
+    (dict(w13=torch.zeros(4, 64, 64, dtype=torch.uint8)), r"must be \(E, 2I, dim/2\)"),
+    (dict(x=torch.randn(3, 32)), "with dim=64"),
+    (dict(w13_scales=torch.zeros(4, 64, 2, 2)), "one group size G"),  # groups of 32 in w13, of 16 in w2: not one
+    (dict(w2_scales=torch.zeros(4, 64, 2, 2, dtype=torch.float16)), "one group size G"),  # groups of 16 in w2
+    (dict(w13_scales=torch.zeros(4, 64, 2, 2, dtype=torch.float16).float()), "must be fp16"),
+    (dict(w13_scales=torch.zeros(4, 64, 4, 2, dtype=torch.float16),
+          w2_scales=torch.zeros(4, 64, 2, 2, dtype=torch.float16)), "a power of two >= 32"),  # groups of 16
+    (dict(topk_weights=torch.rand(3, 2, device="meta")), "one device"),
+])
+def test_int4_validation_errors(change, match):
+    args = _int4_args(**change)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.redline.moe_experts(*list(args.values())[:5], False, args["w13_scales"], args["w2_scales"])
+
+
+def test_op_runs_the_int4_reference_on_cpu_and_passes_opcheck():
+    args = _int4_args()
+    scales = (args["w13_scales"], args["w2_scales"])
+    got = torch.ops.redline.moe_experts(*list(args.values())[:5], True, *scales)
+    assert torch.equal(got, moe.moe_experts_reference(*list(args.values())[:5], True, *scales))
+    torch.library.opcheck(torch.ops.redline.moe_experts.default, tuple(args.values())[:5],
+                          {"gelu": False, "w13_scales": scales[0], "w2_scales": scales[1]})
 
 
 def test_op_runs_the_int8_reference_on_cpu():
@@ -309,6 +362,24 @@ def test_use_kernels_swaps_int8_moe_layers_for_kernel_int8_moe():
     assert torch.allclose(layer(x), want, atol=1e-5, rtol=1e-5)
 
 
+def test_use_kernels_swaps_int4_moe_layers_for_kernel_int4_moe():
+    torch.manual_seed(0)
+    args = model.ModelArgs(**{**TINY_MOE_ARGS, "dim": 64, "moe_intermediate_size": 32})
+    float_layer = model.MoEFeedForward(args)
+    with torch.no_grad():
+        for p in float_layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.1)
+    layer = Int4MoEFeedForward(args, 32, dtype=torch.float32)
+    with torch.no_grad():
+        layer.gate.weight.copy_(float_layer.gate.weight)
+        layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = int4_experts(float_layer.w13, float_layer.w2)
+    x = torch.randn(1, 5, 64)
+    want = layer(x)
+    kernels.use_kernels(nn.Sequential(layer))
+    assert type(layer) is moe.KernelInt4MoE
+    assert torch.allclose(layer(x), want, atol=1e-5, rtol=1e-5)
+
+
 # --- the Triton kernels in the interpreter ---
 
 # (tokens, experts, dim, I, gelu) per token count: dims and widths that are not multiples of the tiles included.
@@ -317,6 +388,7 @@ INTERPRETER_CASES = [(f"{path}_{t}", d) for path in ("gemv", "grouped") for t in
                      for d in ("float32", "float16")]
 INTERPRETER_CASES += [(f"{path}_{t}", d) for path, t in (("gemv8", 3), ("grouped8", 40))  # int8 experts
                       for d in ("float32", "float16")]
+INTERPRETER_CASES += [(f"gemv4_{t}", d) for t in (1, 3) for d in ("float32", "float16")]  # int4 experts, groups of 32
 
 
 def run_interpreted_case(name: str, dtype_name: str) -> float:
@@ -333,6 +405,8 @@ def run_interpreted_case(name: str, dtype_name: str) -> float:
     scales = (None, None)
     if path.endswith("8"):  # int8 experts with their row scales
         w13, w2, *scales = int8_experts(w13, w2)
+    elif path.endswith("4"):  # int4 experts with their group scales
+        w13, w2, *scales = int4_experts(w13, w2)
     args = (x, w13, w2, ids, weights)
     tm._empty = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
     if path.startswith("gemv"):
@@ -401,6 +475,17 @@ def test_gpu_bf16_matches_fp32_reference(shape, n_tokens):
 def test_gpu_int8_experts_match_fp32_reference(shape, n_tokens):
     x, w13, w2, ids, weights = _gpu_inputs(shape, n_tokens)
     q13, q2, s13, s2 = int8_experts(w13, w2)
+    got = torch.ops.redline.moe_experts(x, q13, q2, ids, weights, False, s13, s2)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert rel_err(got, moe.moe_experts_reference(x.float(), q13, q2, ids, weights, False, s13, s2)) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", GPU_TOKENS)
+@pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
+def test_gpu_int4_experts_match_fp32_reference(shape, n_tokens):
+    x, w13, w2, ids, weights = _gpu_inputs(shape, n_tokens)
+    q13, q2, s13, s2 = int4_experts(w13, w2, 128)
     got = torch.ops.redline.moe_experts(x, q13, q2, ids, weights, False, s13, s2)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert rel_err(got, moe.moe_experts_reference(x.float(), q13, q2, ids, weights, False, s13, s2)) <= 1e-2
