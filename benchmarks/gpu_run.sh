@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu)
 #   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
 #   bash benchmarks/gpu_run.sh engine-eager  # fixed, mixed and prefix again with eager prefill steps
-#   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4, and the MoE models
+#   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4
+#   bash benchmarks/gpu_run.sh moe        # batch-1 decode of the MoE models in bf16, int8 and int4, and their GPU tests
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
 #
@@ -15,7 +16,7 @@
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|serve|serve-offline}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
@@ -61,8 +62,11 @@ families)
         run "decode-$model" python3 benchmarks/bench.py --model "$model" --quant none,int4 --runs 3 \
             --new-tokens 200 --json "$RESULTS/decode-$model.json"
     done
+    ;;
+moe)
+    run moe-gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_moe.py tests/test_moe.py
     for model in Qwen3-30B-A3B Mixtral-8x7B; do
-        run "decode-$model" python3 benchmarks/bench.py --model "$model" --quant none,int8 --runs 3 \
+        run "decode-$model" python3 benchmarks/bench.py --model "$model" --quant none,int8,int4 --runs 3 \
             --new-tokens 200 --json "$RESULTS/decode-$model.json"
     done
     ;;
@@ -95,7 +99,7 @@ serve-offline)
         --output-len 256 --json "$RESULTS/serve-64-offline.json"
     ;;
 *)
-    echo "unknown part '$part'; use tests, engine, engine-eager, families, serve or serve-offline" >&2
+    echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve or serve-offline" >&2
     exit 2
     ;;
 esac
