@@ -12,8 +12,7 @@ and w2_scales (E, dim) fp32, one per expert and output row; expert e's weights a
 and w2[e] * w2_scales[e, :, None], and the kernels convert the int8 rows in registers (they read a byte a weight).
 int4 experts (quantize.Int4MoEFeedForward): w13 uint8 (E, 2I, dim/2) and w2 uint8 (E, dim, I/2) in quantize.py's
 int4 layout per row, w13_scales fp16 (E, 2I, dim/G, 2) and w2_scales fp16 (E, dim, I/G, 2) its [scale, offset] per
-row and group of G inputs (one G for both); up to MOE_GEMV_MAX_TOKENS tokens their GEMV kernels read half a byte a
-weight; more tokens run the reference (no grouped int4 kernel yet).
+row and group of G inputs (one G for both); their kernels read half a byte a weight and dequantize in registers.
 
 On a CUDA/HIP device with Triton, for weights with unit stride along their rows, the op runs the kernels of
 triton_moe.py, which read only the chosen experts' weights: up to configs.MOE_GEMV_MAX_TOKENS tokens the GEMV
@@ -72,8 +71,9 @@ def uses_gemv(x: Tensor) -> bool:
 def grouped_config(x: Tensor, w13: Tensor, topk_ids: Tensor) -> MoeDotConfig | None:
     """The grouped kernels' config on x's GPU, or None where none fits its shared memory (the op then runs the
     reference). int8 experts under fp32 activations have none: converting their tiles for fp32 dots takes shared
-    memory beyond the configs' estimate (cross-compiled for sm80-sm90), and fp32 activations are a CPU setting."""
-    if w13.dtype == torch.uint8 or (w13.dtype == torch.int8 and x.dtype == torch.float32):  # int4: no grouped kernel
+    memory beyond the configs' estimate (cross-compiled for sm80-sm90), and fp32 activations are a CPU setting; int4
+    experts under fp32 activations have none either, for the same reason."""
+    if w13.dtype in (torch.int8, torch.uint8) and x.dtype == torch.float32:
         return None
     return fitted_moe_dot_config(topk_ids.numel(), w13.shape[0], x.element_size(), device_caps(x.device))
 
@@ -229,8 +229,8 @@ class KernelMoE(MoEFeedForward):
 
 
 class KernelInt4MoE(Int4MoEFeedForward):
-    """quantize.Int4MoEFeedForward whose int4 experts run torch.ops.redline.moe_experts (the GEMV kernels read half a
-    byte a weight; more tokens take the op's reference); the routing is unchanged."""
+    """quantize.Int4MoEFeedForward whose int4 experts run torch.ops.redline.moe_experts with their group scales (the
+    kernels read half a byte a weight); the routing is unchanged."""
 
     def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """The weighted sum (T, dim) of the chosen int4 experts' gated MLPs of x2d (T, dim), by the fused op."""

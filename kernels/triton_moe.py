@@ -33,7 +33,9 @@ to x's dtype (exact) for the tensor cores and scale the accumulator's columns on
 int4 experts (quantize.py's int4 layout per expert row: w13 uint8 (E, 2I, dim/2) and w2 uint8 (E, dim, I/2), each
 byte two consecutive inputs, the even one in the low nibble, with fp16 [scale, offset] per row and group) have GEMV
 kernels of their own (`_gate_up_gemv_int4_kernel`, `_down_gemv_int4_kernel`): a step of BLOCK_K inputs lies in one
-group, its nibbles are multiplied by the even and the odd inputs, then scaled and offset once for the step.
+group, its nibbles are multiplied by the even and the odd inputs, then scaled and offset once for the step. Their
+grouped kernels (`_grouped_gate_up_int4_kernel`, `_grouped_down_int4_kernel`, bf16 and fp16 activations) unpack a
+step's tile (one group) in registers, dequantize it to x's dtype and feed the tensor cores.
 
 Configs come from configs.py (moe_gemv_config, fitted_moe_dot_config); only kernels/moe.py imports this module,
 lazily. The caller validates shapes; expert ids must lie in [0, E) (not checked: that would read the device).
@@ -263,6 +265,86 @@ def _grouped_down_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _int4_tile(rows, scales, k0, n_ok, GROUP: tl.constexpr, dtype: tl.constexpr):
+    """A (BLOCK_N, BLOCK_K) weight tile of int4 rows at inputs k0.. (within one group), dequantized to dtype for the
+    tensor cores: rows point at the rows' packed bytes (BLOCK_N, BLOCK_K / 2), scales at their [scale, offset]
+    pairs (BLOCK_N,)."""
+    packed = tl.load(rows + k0 // 2, mask=n_ok[:, None], other=0).to(tl.int32)  # (BLOCK_N, BLOCK_K / 2)
+    codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)  # (BLOCK_N, BLOCK_K): input 2j, then 2j + 1
+    group = scales + 2 * (k0 // GROUP)
+    scale = tl.load(group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    offset = tl.load(group + 1, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    return (codes * scale + offset).to(dtype)
+
+
+@triton.jit
+def _grouped_gate_up_int4_kernel(
+    x_ptr, w13_ptr, s13_ptr, pairs_ptr, block_expert_ptr, h_ptr, n_pairs, stride_xt, stride_we, stride_wn,
+    stride_se, stride_sn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, N_EXPERTS: tl.constexpr, GELU: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """_grouped_gate_up_kernel for int4 experts (w13 uint8 (E, 2I, dim / 2), s13 fp16 (E, 2I, dim / GROUP, 2)):
+    each step's weight tiles dequantized in registers; BLOCK_K divides GROUP, GROUP divides DIM."""
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if e < N_EXPERTS:  # else a block past the last expert's rows
+        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+        row_ok = pair < n_pairs  # padding rows hold n_pairs
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        n_ok = offs_n < HIDDEN
+        x_rows = x_ptr + (pair // TOP_K)[:, None] * stride_xt + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+        gate_rows = w13_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]
+        up_rows = gate_rows + HIDDEN * stride_wn  # (BLOCK_N, BLOCK_K / 2)
+        gate_scales = s13_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn  # (BLOCK_N,)
+        up_scales = gate_scales + HIDDEN * stride_sn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, DIM, BLOCK_K):
+            xk = tl.load(x_rows + k0, mask=row_ok[:, None], other=0.0)
+            wg = _int4_tile(gate_rows, gate_scales, k0, n_ok, GROUP, xk.dtype)
+            wu = _int4_tile(up_rows, up_scales, k0, n_ok, GROUP, xk.dtype)
+            acc_g = tl.dot(xk, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(xk, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+        h = _activation(acc_g, GELU) * acc_u  # (BLOCK_M, BLOCK_N)
+        tl.store(h_ptr + pair[:, None] * HIDDEN + offs_n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _grouped_down_int4_kernel(
+    h_ptr, w2_ptr, s2_ptr, pairs_ptr, block_expert_ptr, weights_ptr, partial_ptr, n_pairs, stride_we, stride_wn,
+    stride_se, stride_sn,
+    DIM: tl.constexpr, HIDDEN: tl.constexpr, N_EXPERTS: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """_grouped_down_kernel for int4 experts (w2 uint8 (E, dim, I / 2), s2 fp16 (E, dim, I / GROUP, 2))."""
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    if e < N_EXPERTS:
+        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+        row_ok = pair < n_pairs
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        n_ok = offs_n < DIM
+        h_rows = h_ptr + pair[:, None] * HIDDEN + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+        w_rows = w2_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_j[None, :]
+        row_scales = s2_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            hk = tl.load(h_rows + k0, mask=row_ok[:, None], other=0.0)
+            w = _int4_tile(w_rows, row_scales, k0, n_ok, GROUP, hk.dtype)
+            acc = tl.dot(hk, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)  # (BLOCK_M,) fp32
+        tl.store(partial_ptr + pair[:, None] * DIM + offs_n[None, :], acc * routing[:, None],
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
 # --- launchers ---
 
 
@@ -389,7 +471,8 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     """The layer for more tokens by the grouped kernels (shapes and scales as moe_gemv; int8 weight tiles are
     converted to x's dtype for the tensor cores). Returns (T, dim) in x's dtype."""
     n_tokens, dim = x.shape
-    n_experts, top_k, hidden = w13.shape[0], topk_ids.shape[1], w2.shape[2]
+    n_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    hidden = w2.shape[2] * (2 if w13.dtype == torch.uint8 else 1)
     n_pairs = n_tokens * top_k
     caps = device_caps(x.device)
     config = config or fitted_moe_dot_config(n_pairs, n_experts, x.element_size(), caps)
@@ -405,6 +488,9 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     partial = _empty((n_pairs, dim), torch.float32, x.device)  # (T k, dim) each pair's weighted output
     precision = dot_precision(x.dtype, caps)
     n_blocks = block_expert.shape[0]
+    if w13.dtype == torch.uint8:
+        _int4_grouped(x, w13, w2, s13, s2, pairs, block_expert, weights, h, partial, gelu, config, precision)
+        return partial.view(n_tokens, top_k, dim).sum(dim=1).to(x.dtype)
     with _device_context(x):
         _grouped_gate_up_kernel[(n_blocks, triton.cdiv(hidden, config.block_n))](
             x, w13, s13, pairs, block_expert, h, n_pairs, x.stride(0), w13.stride(0), w13.stride(1),
@@ -421,3 +507,26 @@ def moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
             num_stages=config.num_stages,
         )
     return partial.view(n_tokens, top_k, dim).sum(dim=1).to(x.dtype)  # (T, dim), the k partials in a fixed order
+
+
+def _int4_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor, s2: torch.Tensor,
+                  pairs: torch.Tensor, block_expert: torch.Tensor, weights: torch.Tensor, h: torch.Tensor,
+                  partial: torch.Tensor, gelu: bool, config: MoeDotConfig, precision: str) -> None:
+    """moe_grouped's two launches for int4 experts, writing h and partial; a step's inputs stay within one group."""
+    dim, hidden, n_pairs = x.shape[1], h.shape[1], h.shape[0]
+    group = dim // s13.shape[2]
+    block_k = min(config.block_k, group)
+    n_blocks = block_expert.shape[0]
+    with _device_context(x):
+        _grouped_gate_up_int4_kernel[(n_blocks, triton.cdiv(hidden, config.block_n))](
+            x, w13, s13, pairs, block_expert, h, n_pairs, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0),
+            s13.stride(1), DIM=dim, HIDDEN=hidden, TOP_K=n_pairs // x.shape[0], N_EXPERTS=w13.shape[0], GELU=gelu,
+            GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=block_k, DOT_PRECISION=precision,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        _grouped_down_int4_kernel[(n_blocks, triton.cdiv(dim, config.block_n))](
+            h, w2, s2, pairs, block_expert, weights, partial, n_pairs, w2.stride(0), w2.stride(1), s2.stride(0),
+            s2.stride(1), DIM=dim, HIDDEN=hidden, N_EXPERTS=w13.shape[0], GROUP=group, BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )

@@ -116,7 +116,8 @@ SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS", "PAGE_SIZE"}
 # variant would add about 5 minutes on 2 cores.
 ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_split_kernel": {"num_splits"},
                          "_combine_kernel": {"num_splits"},
-                         "_grouped_gate_up_kernel": {"n_pairs"}, "_grouped_down_kernel": {"n_pairs"}}
+                         "_grouped_gate_up_kernel": {"n_pairs"}, "_grouped_down_kernel": {"n_pairs"},
+                         "_grouped_gate_up_int4_kernel": {"n_pairs"}, "_grouped_down_int4_kernel": {"n_pairs"}}
 KERNEL_GROUPS = ("linear", "attention", "paged", "moe")
 
 
@@ -508,7 +509,7 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
     if kernel == "_paged_prefill_kernel":
         return configs.paged_prefill_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["HEAD_DIM"],
                                                 _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)
-    if kernel in ("_grouped_gate_up_kernel", "_grouped_down_kernel"):
+    if kernel.startswith("_grouped_"):  # the float and int8 kernels, and the int4 ones (tiles converted to x's dtype)
         return grouped_moe_smem(kernel, named, options, _pointer_bytes(signature["h_ptr"]), caps)
     if kernel in ("_split_kernel", "_paged_split_kernel"):
         return configs.attention_smem_bytes(named["BLOCK_G"], named["BLOCK_S"], named["HEAD_DIM"],
@@ -600,7 +601,7 @@ def _task_seconds(task: list[Job]) -> float:
     _, target, launch, _ = task[0]
     kind = launch.kernel.rsplit(".", 1)[1]
     seconds = {"_small_m_dot_kernel": 1.0, "_split_kernel": 1.2, "_paged_split_kernel": 1.2,
-               "_paged_prefill_kernel": 1.5, "_grouped_gate_up_kernel": 1.0, "_grouped_down_kernel": 1.0}.get(kind, 0.4)
+               "_paged_prefill_kernel": 1.5}.get(kind, 1.0 if kind.startswith("_grouped_") else 0.4)
     seconds *= (2 if "(fp32" in launch.summary else 1) * (2 if target == "gfx1100" else 1)
     return seconds * (1 + 0.4 * (len(task) - 1))
 

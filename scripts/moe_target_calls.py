@@ -49,10 +49,9 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
               tokens: Iterable[int] = MOE_TOKENS) -> list[str]:
     """Run the op's launcher for every model shape, dtype, token count, activation (silu, gelu) and expert-id dtype
     (int64, int32; the grouped kernels read the sorted layout's int32 instead), then with int8 experts (silu, int64
-    ids; bf16 and fp16 activations) and, at GEMV token counts, int4 experts in groups of INT4_GROUP (silu, int64 ids;
-    every activation dtype), with the path and config the op would choose, setting record.call before each; returns
-    the calls that take the reference (no config fits). int4 experts over more tokens take the reference by design
-    (no grouped int4 kernel yet) and are not enumerated."""
+    ids; bf16 and fp16 activations) and int4 experts in groups of INT4_GROUP (silu, int64 ids; under fp32 activations
+    only the GEMVs: the grouped path takes the reference there by design), with the path and config the op would
+    choose, setting record.call before each; returns the calls that take the reference (no config fits)."""
     from redline.kernels import triton_moe
 
     fallbacks = []
@@ -72,7 +71,7 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
                  _meta(shape.n_experts, shape.dim, shape.hidden // INT4_GROUP, 2, dtype=torch.float16)))
         # int8 experts under fp32 activations take the reference by design (moe.grouped_config): a CPU setting
         quantized_variants = [(False, torch.int64, int8)] if dtype != torch.float32 else []
-        quantized_variants += [(False, torch.int64, int4)] if gemv else []
+        quantized_variants += [(False, torch.int64, int4)] if gemv or dtype != torch.float32 else []
         for gelu, id_dtype, quantized in variants + quantized_variants:
             kind = "" if quantized is None else " int8 experts" if quantized is int8 else " int4 experts"
             record.call = f"{label}{kind} gelu={gelu} ids={str(id_dtype)[6:]}"
@@ -92,7 +91,7 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
 def grouped_moe_smem(kernel: str, constexprs: dict, options: dict, elt_bytes: int, caps: DeviceCaps) -> int:
     """The shared memory configs.moe_dot_smem_bytes estimates for a grouped kernel's configuration (kernel: its
     name; constexprs and options: its specialization's), with two weight tiles in the gate/up kernel, one in the
-    down kernel."""
+    down kernel (int4 tiles count as converted to x's dtype)."""
     cfg = configs.MoeDotConfig(constexprs["BLOCK_M"], constexprs["BLOCK_N"], constexprs["BLOCK_K"],
                                options["num_warps"], options["num_stages"])
-    return configs.moe_dot_smem_bytes(cfg, elt_bytes, 2 if kernel == "_grouped_gate_up_kernel" else 1, caps)
+    return configs.moe_dot_smem_bytes(cfg, elt_bytes, 2 if kernel.startswith("_grouped_gate_up") else 1, caps)

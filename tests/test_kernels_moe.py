@@ -388,7 +388,8 @@ INTERPRETER_CASES = [(f"{path}_{t}", d) for path in ("gemv", "grouped") for t in
                      for d in ("float32", "float16")]
 INTERPRETER_CASES += [(f"{path}_{t}", d) for path, t in (("gemv8", 3), ("grouped8", 40))  # int8 experts
                       for d in ("float32", "float16")]
-INTERPRETER_CASES += [(f"gemv4_{t}", d) for t in (1, 3) for d in ("float32", "float16")]  # int4 experts, groups of 32
+INTERPRETER_CASES += [(f"{path}_{t}", d) for path, t in (("gemv4", 1), ("gemv4", 3), ("grouped4", 40))
+                      for d in ("float32", "float16")]  # int4 experts, groups of 32
 
 
 def run_interpreted_case(name: str, dtype_name: str) -> float:
