@@ -215,6 +215,18 @@ def test_prefill_validation_errors():
                                                   torch.tensor([0, 2], dtype=torch.int32), args["seq_lens"], 0.25)
 
 
+def test_a_negative_window_is_refused_by_both_ops_in_one_line():
+    args = _decode_args()
+    calls = (lambda: torch.ops.redline.paged_decode_attention(*args.values(), 0.25, -1),
+             lambda: torch.ops.redline.paged_prefill_attention(
+                 args["q"], args["k_cache"], args["v_cache"], args["block_tables"],
+                 torch.tensor([0, 1, 2], dtype=torch.int32), args["seq_lens"], 0.25, -1))
+    for call in calls:
+        with pytest.raises(ValueError, match="window must be 0 \\(none\\) or a positive number of keys, got -1") as info:
+            call()
+        assert "\n" not in str(info.value)
+
+
 def test_opcheck_cpu():
     batch = paged_batch([10, 33], 2, 16, 8)
     q = torch.randn(2, 4, 16)
