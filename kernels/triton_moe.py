@@ -202,17 +202,24 @@ def _down_gemv_int4_kernel(
 
 
 @triton.jit
+def _block_rows(block_expert_ptr, pairs_ptr, n_pairs, BLOCK_M: tl.constexpr):
+    """This program's block of the expert-sorted layout: its expert (N_EXPERTS past the last expert's rows), its
+    pair numbers (BLOCK_M,), and which of them are real rows (padding rows hold n_pairs)."""
+    blk = tl.program_id(0)
+    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
+    return e, pair, pair < n_pairs
+
+
+@triton.jit
 def _grouped_gate_up_kernel(
     x_ptr, w13_ptr, s13_ptr, pairs_ptr, block_expert_ptr, h_ptr, n_pairs, stride_xt, stride_we, stride_wn,
     DIM: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, N_EXPERTS: tl.constexpr, GELU: tl.constexpr,
     SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    blk = tl.program_id(0)
-    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    e, pair, row_ok = _block_rows(block_expert_ptr, pairs_ptr, n_pairs, BLOCK_M)
     if e < N_EXPERTS:  # else a block past the last expert's rows
-        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
-        row_ok = pair < n_pairs  # padding rows hold n_pairs
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         n_ok = offs_n < HIDDEN
@@ -242,11 +249,8 @@ def _grouped_down_kernel(
     DIM: tl.constexpr, HIDDEN: tl.constexpr, N_EXPERTS: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    blk = tl.program_id(0)
-    e = tl.load(block_expert_ptr + blk).to(tl.int64)
-    if e < N_EXPERTS:
-        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
-        row_ok = pair < n_pairs
+    e, pair, row_ok = _block_rows(block_expert_ptr, pairs_ptr, n_pairs, BLOCK_M)
+    if e < N_EXPERTS:  # else a block past the last expert's rows
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
         offs_k = tl.arange(0, BLOCK_K)
         n_ok = offs_n < DIM
@@ -288,11 +292,8 @@ def _grouped_gate_up_int4_kernel(
 ):
     """_grouped_gate_up_kernel for int4 experts (w13 uint8 (E, 2I, dim / 2), s13 fp16 (E, 2I, dim / GROUP, 2)):
     each step's weight tiles dequantized in registers; BLOCK_K divides GROUP, GROUP divides DIM."""
-    blk = tl.program_id(0)
-    e = tl.load(block_expert_ptr + blk).to(tl.int64)
+    e, pair, row_ok = _block_rows(block_expert_ptr, pairs_ptr, n_pairs, BLOCK_M)
     if e < N_EXPERTS:  # else a block past the last expert's rows
-        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
-        row_ok = pair < n_pairs  # padding rows hold n_pairs
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         offs_j = tl.arange(0, BLOCK_K // 2)
@@ -323,11 +324,8 @@ def _grouped_down_int4_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """_grouped_down_kernel for int4 experts (w2 uint8 (E, dim, I / 2), s2 fp16 (E, dim, I / GROUP, 2))."""
-    blk = tl.program_id(0)
-    e = tl.load(block_expert_ptr + blk).to(tl.int64)
-    if e < N_EXPERTS:
-        pair = tl.load(pairs_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # (BLOCK_M,)
-        row_ok = pair < n_pairs
+    e, pair, row_ok = _block_rows(block_expert_ptr, pairs_ptr, n_pairs, BLOCK_M)
+    if e < N_EXPERTS:  # else a block past the last expert's rows
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features
         offs_k = tl.arange(0, BLOCK_K)
         offs_j = tl.arange(0, BLOCK_K // 2)

@@ -348,35 +348,24 @@ def test_use_kernels_swaps_moe_layers_for_kernel_moe(tokens):
                        moe.moe_experts_reference(x.reshape(-1, 16), layer.w13, layer.w2, ids, weights, False))
 
 
-def test_use_kernels_swaps_int8_moe_layers_for_kernel_int8_moe():
-    torch.manual_seed(0)
-    float_layer = tiny_moe_layer()
-    layer = Int8MoEFeedForward(model.ModelArgs(**TINY_MOE_ARGS), dtype=torch.float32)
-    with torch.no_grad():
-        layer.gate.weight.copy_(float_layer.gate.weight)
-        layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = int8_experts(float_layer.w13, float_layer.w2)
-    x = torch.randn(1, 5, 16)
-    want = layer(x)
-    kernels.use_kernels(nn.Sequential(layer))
-    assert type(layer) is moe.KernelInt8MoE
-    assert torch.allclose(layer(x), want, atol=1e-5, rtol=1e-5)
-
-
-def test_use_kernels_swaps_int4_moe_layers_for_kernel_int4_moe():
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_use_kernels_swaps_quantized_moe_layers_for_their_kernel_modules(scheme):
     torch.manual_seed(0)
     args = model.ModelArgs(**{**TINY_MOE_ARGS, "dim": 64, "moe_intermediate_size": 32})
     float_layer = model.MoEFeedForward(args)
     with torch.no_grad():
         for p in float_layer.parameters():
             p.copy_(torch.randn(p.shape) * 0.1)
-    layer = Int4MoEFeedForward(args, 32, dtype=torch.float32)
+    layer = (Int8MoEFeedForward(args, dtype=torch.float32) if scheme == "int8"
+             else Int4MoEFeedForward(args, 32, dtype=torch.float32))
     with torch.no_grad():
         layer.gate.weight.copy_(float_layer.gate.weight)
-        layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = int4_experts(float_layer.w13, float_layer.w2)
+        quantized = (int8_experts if scheme == "int8" else int4_experts)(float_layer.w13, float_layer.w2)
+        layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = quantized
     x = torch.randn(1, 5, 64)
     want = layer(x)
     kernels.use_kernels(nn.Sequential(layer))
-    assert type(layer) is moe.KernelInt4MoE
+    assert type(layer) is (moe.KernelInt8MoE if scheme == "int8" else moe.KernelInt4MoE)
     assert torch.allclose(layer(x), want, atol=1e-5, rtol=1e-5)
 
 
