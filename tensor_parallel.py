@@ -9,8 +9,8 @@ How the weights are cut over N ranks (rank r keeps part r of every block listed)
     feed_forward.w13  rows: its gate rows, then its up rows
     attention.wo, feed_forward.w2  columns (input features), then an all-reduce of the outputs
     experts (Mixtral, Qwen3-MoE): each expert's intermediate features, as w13 and w2 above (w13 (E, 2I, dim) along
-        its rows, w2 (E, dim, I) along its columns); the router is replicated, so every rank routes alike, and the
-        whole MoEFeedForward's output is all-reduced
+        its rows, w2 (E, dim, I) along its columns, int4 experts' packed columns and group scales with them); the
+        router is replicated, so every rank routes alike, and the whole MoEFeedForward's output is all-reduced
     embedding, norms, output head: replicated
 So a rank's model is a plain model.Transformer of ModelArgs with n_head / N, n_kv_heads / N and
 intermediate_size / N (head_dim and dim unchanged), with wo and w2 wrapped in RowParallelLinear.
@@ -175,23 +175,26 @@ def shard_args(args: ModelArgs, world_size: int) -> ModelArgs:
                                moe_intermediate_size=args.moe_intermediate_size // world_size)
 
 
-def shard_plan(name: str, args: ModelArgs) -> tuple[int, tuple[int, ...]] | None:
+def shard_plan(name: str, args: ModelArgs, scheme: str = "none") -> tuple[int, tuple[int, ...]] | None:
     """How the full-model tensor `name` is cut: (dim, blocks) says that along dim it stacks blocks of these sizes,
-    each split evenly over the ranks (rank r keeps part r of every block, in order). None: replicated."""
+    each split evenly over the ranks (rank r keeps part r of every block, in order). None: replicated. The sizes
+    count inputs; a tensor that packs them (int4: two a byte) or groups them (int4 scales: one a group) along dim
+    holds a whole fraction of them (SliceReader.read scales the blocks). scheme: the checkpoint's quantization."""
     layer = name.split(".", 2)[-1] if name.startswith("layers.") else name
     if layer in ("attention.wqkv.weight", "attention.wqkv.scales", "attention.wqkv_bias"):
         return 0, (args.q_size, args.kv_size, args.kv_size)
     if layer in ("feed_forward.w13.weight", "feed_forward.w13.scales"):
         return 0, (args.intermediate_size, args.intermediate_size)
-    if layer == "attention.wo.weight":
+    grouped = scheme == "int4"  # the scales of the input-cut layers are per group of inputs, cut with them
+    if layer == "attention.wo.weight" or (grouped and layer == "attention.wo.scales"):
         return 1, (args.q_size,)
-    if layer == "feed_forward.w2.weight":
+    if layer == "feed_forward.w2.weight" or (grouped and layer == "feed_forward.w2.scales"):
         return 1, (args.intermediate_size,)
-    if layer in ("feed_forward.w13", "feed_forward.w13_scales"):  # experts (E, 2I, dim) and their int8 scales (E, 2I)
+    if layer in ("feed_forward.w13", "feed_forward.w13_scales"):  # experts (E, 2I, dim) and their scales (E, 2I, ...)
         return 1, (args.moe_intermediate_size, args.moe_intermediate_size)
-    if layer == "feed_forward.w2":  # experts (E, dim, I)
+    if layer == "feed_forward.w2" or (grouped and layer == "feed_forward.w2_scales"):  # experts (E, dim, I)
         return 2, (args.moe_intermediate_size,)
-    return None  # embedding, norms, output head, and the per-output-channel scales of wo and w2
+    return None  # embedding, norms, output head, and the int8 per-output-channel scales of wo and w2
 
 
 def rank_ranges(blocks: tuple[int, ...], rank: int, world_size: int) -> list[tuple[int, int]]:
@@ -202,6 +205,19 @@ def rank_ranges(blocks: tuple[int, ...], rank: int, world_size: int) -> list[tup
         ranges.append((offset + rank * part, offset + (rank + 1) * part))
         offset += size
     return ranges
+
+
+def stored_blocks(name: str, blocks: tuple[int, ...], stored: int, world_size: int) -> tuple[int, ...]:
+    """The blocks of a plan in the units `name` stores along the cut dim (stored of them for sum(blocks) inputs: a
+    packed or grouped tensor holds a whole fraction); ValueError when a rank's part would not be whole units."""
+    total = sum(blocks)
+    if stored == total:
+        return blocks
+    ratio = total // stored if stored and total % stored == 0 else 0
+    if not ratio or any((b // ratio) % world_size or b % ratio for b in blocks):
+        raise ValueError(f"{name} holds {stored} units for {total} inputs along the cut dimension, which "
+                         f"{world_size} ranks cannot split into whole units; use fewer ranks or a smaller int4 group")
+    return tuple(b // ratio for b in blocks)
 
 
 class SliceReader:
@@ -233,6 +249,7 @@ class SliceReader:
             else:
                 dim, blocks = plan
                 view = self._file.get_slice(name)
+                blocks = stored_blocks(name, blocks, view.get_shape()[dim], world_size)
                 cut = lambda a, b: view[(slice(None),) * dim + (slice(a, b),)]  # noqa: E731
                 parts = [cut(a, b) for a, b in rank_ranges(blocks, rank, world_size)]
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
@@ -245,9 +262,6 @@ class SliceReader:
 
 def structure(args: ModelArgs, quantization: dict[str, Any]) -> Transformer:
     """A meta-device model of these args with the checkpoint's quantization structure."""
-    if args.n_experts and quantization.get("scheme") == "int4":
-        raise ValueError("tensor parallel does not split int4 experts yet (their packed rows and groups); quantize "
-                         "this model with --mode int8 for --tp, or run the int4 file on one process")
     with torch.device("meta"):
         model = Transformer(args)
     prepare_quantized_structure(model, quantization)
@@ -273,7 +287,7 @@ def read_shards(info: CheckpointInfo, rank: int, world_size: int, device: torch.
             if found[name] != shape:
                 raise ValueError(f"{info.path}: tensor {name} has shape {found[name]}, expected {shape}")
         for name, own in local.items():
-            tensor = reader.read(name, shard_plan(name, full_args), rank, world_size)
+            tensor = reader.read(name, shard_plan(name, full_args, info.scheme), rank, world_size)
             if tuple(tensor.shape) != tuple(own.shape):
                 raise ValueError(f"{info.path}: {name} sliced to {tuple(tensor.shape)}, expected {tuple(own.shape)}")
             if tensor.is_floating_point() and not name.endswith((".scales", "_scales")):

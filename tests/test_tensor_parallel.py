@@ -328,12 +328,26 @@ def test_olmo2_full_width_qk_norm_is_refused_over_several_ranks():
         tp.shard_args(ModelArgs.from_name("OLMo-2-7B"), 2)
 
 
-def test_int4_experts_are_refused_over_several_ranks_in_one_line():
-    from redline.model import ModelArgs
-    from redline.quantize import quantization_metadata
+def test_int4_checkpoints_over_two_ranks_give_one_process_logits(tmp_path):
+    """int4 files split their packed inputs and group scales with the inputs they cut (wo, w2, the experts' w2):
+    a dense family and a mixture of experts, each rank's part whole groups of 32."""
+    from conftest import MOE_VARIANTS, save_family_checkpoint, save_random_hf_model
+    from redline.quantize import quantize_checkpoint
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
 
-    args = tp.shard_args(ModelArgs.from_name("Qwen3-30B-A3B"), 2)
-    with pytest.raises(ValueError, match="does not split int4 experts") as info:
-        tp.structure(args, quantization_metadata("int4", args.tie_word_embeddings, 128))
+    dense = save_family_checkpoint(tmp_path / "qwen2", "qwen2_tied", intermediate_size=128)[0]
+    arch, extra = MOE_VARIANTS["qwen3_moe"]
+    moe = save_random_hf_model(tmp_path / "qwen3_moe", arch, extra, 0, dict(head_dim=16, intermediate_size=128,
+                                                                             moe_intermediate_size=64),
+                               wide_routers=True)[0]
+    paths = [quantize_checkpoint(convert_hf_checkpoint(d, dtype="float32"), "int4",
+                                 tmp_path / f"{d.name}.int4.safetensors", group_size=32) for d in (dense, moe)]
+    assert_two_ranks_give_one_process_logits(paths, tmp_path)
+
+
+def test_an_int4_split_that_cuts_a_group_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="cannot split into whole units") as info:
+        tp.stored_blocks("layers.0.feed_forward.w2.scales", (96,), 3, 2)  # 3 groups of 32 over 2 ranks
     assert "\n" not in str(info.value)
-    tp.structure(args, quantization_metadata("int8", args.tie_word_embeddings))  # int8 experts split
+    assert tp.stored_blocks("layers.0.feed_forward.w2.weight", (128,), 64, 2) == (64,)  # two inputs a byte
+    assert tp.stored_blocks("layers.0.attention.wqkv.weight", (64, 32, 32), 128, 2) == (64, 32, 32)
