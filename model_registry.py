@@ -112,4 +112,6 @@ MODEL_REGISTRY: dict[str, dict[str, Any]] = {
     "debug-tiny-llama3": dict(dim=64, n_layer=2, n_head=4, n_kv_heads=1, intermediate_size=160, vocab_size=512,
                               block_size=1024, rope_base=500000.0,
                               rope_scaling={**_LLAMA31_SCALING, "original_max_position_embeddings": 64}),
+    "debug-tiny-moe": dict(dim=64, n_layer=2, n_head=4, n_kv_heads=2, intermediate_size=128, vocab_size=512,
+                           block_size=256, n_experts=4, n_experts_per_tok=2, moe_intermediate_size=64),
 }

@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
 #   bash benchmarks/gpu_run.sh engine-eager  # fixed, mixed and prefix again with eager prefill steps
 #   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4
-#   bash benchmarks/gpu_run.sh moe        # batch-1 decode of the MoE models in bf16, int8 and int4, and their GPU tests
+#   bash benchmarks/gpu_run.sh moe        # the MoE GPU tests, batch-1 decode of the MoE models in bf16, int8 and int4,
+#                                         # and the engine's mixed workload on Qwen3-30B-A3B
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
 #
@@ -69,6 +70,8 @@ moe)
         run "decode-$model" python3 benchmarks/bench.py --model "$model" --quant none,int8,int4 --runs 3 \
             --new-tokens 200 --json "$RESULTS/decode-$model.json"
     done
+    run engine-mixed-Qwen3-30B-A3B python3 benchmarks/bench_serving.py --model Qwen3-30B-A3B --workload mixed \
+        --json "$RESULTS/engine-mixed-qwen3-30b-a3b.json"
     ;;
 serve)
     port=8321

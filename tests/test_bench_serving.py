@@ -63,3 +63,11 @@ def test_step_costs_of_a_mixture_read_the_experts_their_tokens_choose():
     assert abs(step_bytes(1) - one_token) < 1e3  # a single token: the router's top_k share of the experts
     assert abs(step_bytes(4096) - (one_token + experts * (1 - 8 / 128))) < 1e3  # many: all of them
     assert one_token < step_bytes(16) < step_bytes(64) < one_token + experts * (1 - 8 / 128)
+
+
+def test_a_mixture_of_experts_runs_the_fixed_workload(tmp_path, capsys):
+    path = tmp_path / "moe.json"
+    code = bench_serving.main(["--model", "debug-tiny-moe", "--device", "cpu", "--dtype", "float32", "--num-requests",
+                               "3", "--max-kv-tokens", "1024", "--json", str(path)])
+    assert code == 0 and "debug-tiny-moe fixed: 3 requests, 384 output tokens" in capsys.readouterr().out
+    assert json.loads(path.read_text())["redline"]["output_tokens"] == 384
