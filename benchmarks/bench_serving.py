@@ -249,6 +249,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="prompt tokens a step computes at most")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, help=COMPILE_PREFILL_HELP)
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="steps that prefill one chunk of under 512 tokens replay CUDA graphs (needs compiled prefill)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps as CUDA graphs (default: on for a GPU)")
     p.add_argument("--compare", choices=("hf",), default=None)
@@ -315,7 +317,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     llm = LLM(model, None, device, compile=ns.compile if ns.compile is not None else device.type == "cuda",
               kernels=ns.kernels)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
-                         prefill_chunk=ns.prefill_chunk, compile_prefill=ns.compile_prefill)
+                         prefill_chunk=ns.prefill_chunk, compile_prefill=ns.compile_prefill,
+                         prefill_graphs=ns.prefill_graphs)
     engine.log = StepLog()
     if device.type == "cuda":
         from redline.profiling import read_bandwidth_gb_s

@@ -51,6 +51,8 @@ engine)
     run engine-mixed python3 $bench --model Llama-3-8B --workload mixed --compare hf --hf-requests 32 \
         --json "$RESULTS/engine-mixed.json"
     run engine-prefix python3 $bench --model Llama-3-8B --workload prefix --json "$RESULTS/engine-prefix.json"
+    run engine-prefix-graphs python3 $bench --model Llama-3-8B --workload prefix --prefill-graphs \
+        --json "$RESULTS/engine-prefix-graphs.json"
     ;;
 engine-eager)
     bench="benchmarks/bench_serving.py --model Llama-3-8B --no-compile-prefill"

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from redline.engine.graphs import DecodeGraphs, TokenReader
 from redline.engine.kv_pages import PagePool, pool_pages
+from redline.engine.prefill_graphs import PrefillGraphs
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk, Scheduler
 from redline.engine.scheduler import Sequence as Seq
 from redline.engine.steps import (RowSettings, chosen_logprobs, prefill_logits, sample_tokens, step_batch,
@@ -218,7 +219,8 @@ class Engine:
 
     def __init__(self, llm: LLM, *, max_kv_tokens: int | None = None, max_running: int = 256,
                  max_queue: int | None = None, page_size: int = 16,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile_prefill: bool | None = None) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile_prefill: bool | None = None,
+                 prefill_graphs: bool = False) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
         if max_queue is not None and (not isinstance(max_queue, int) or isinstance(max_queue, bool) or max_queue < 1):
@@ -248,6 +250,12 @@ class Engine:
         self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device,
                                    scratch) if llm.compile else None
         self.pad_page = scratch if compile_prefill else None  # the compiled prefill step's padding sequence
+        if prefill_graphs and not compile_prefill:
+            raise ValueError("prefill_graphs replays the compiled prefill step; add compile_prefill=True "
+                             "(--compile-prefill), or drop prefill_graphs")
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.prefill_graphs = PrefillGraphs(self.prefill_step, self.model, self.kv, self.vocab_bias, self.device,
+                                            scratch, pool) if prefill_graphs else None
         self._reader = TokenReader(self.device)
         self._flight: Flight | None = None  # the decode step on the device, not read yet
         self.steps_followed = 0  # decode steps launched before the step before them was read
@@ -521,15 +529,20 @@ class Engine:
         """Run the model on chunks eagerly; the sampled token of each sampling chunk and its logprob extras."""
         wants_prompt = {i for i, c in enumerate(chunks)
                         if c.seq.state.prompt_logprobs is not None and c.start < c.seq.prompt_len}
-        batch = step_batch(chunks, self.kv, self.device, wants_prompt, self.pad_page)
-        logits = step_logits(self.model, batch, self.vocab_bias, self.prefill_step)  # (L, V)
+        bucket = self.prefill_graphs.bucket(chunks) if self.prefill_graphs and not wants_prompt else None
+        if bucket is not None:  # one short chunk: a replayed graph; its logits row 0 is the chunk's last token
+            logits, prompt_rows, sample_rows = self.prefill_graphs.logits(chunks[0], bucket), {}, slice(0, 1)
+        else:
+            batch = step_batch(chunks, self.kv, self.device, wants_prompt, self.pad_page)
+            logits = step_logits(self.model, batch, self.vocab_bias, self.prefill_step)  # (L, V)
+            prompt_rows, sample_rows = batch.prompt_rows, batch.sample_rows
         self._deliver()  # while the device runs the step
-        for i, (begin, end) in batch.prompt_rows.items():
+        for i, (begin, end) in prompt_rows.items():
             self._prompt_logprobs(chunks[i], logits[begin:end])
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return [], []
-        rows = logits[batch.sample_rows]  # (B, V)
+        rows = logits[sample_rows]  # (B, V)
         settings = RowSettings.of([(*c.seq.state.settings, c.seq.num_tokens) for c in sampling], self.device)
         tokens = sample_tokens(rows, settings, all(c.seq.state.settings[0] == 0 for c in sampling))  # (B,)
         extras: list[dict[str, Any]] = [{} for _ in sampling]

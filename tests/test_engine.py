@@ -397,6 +397,34 @@ def test_compiled_prefill_steps_give_the_same_tokens(llm):
     assert counters["stats"]["unique_graphs"] - graphs == 1  # ...all served by one graph
 
 
+def test_prefill_graph_steps_give_the_same_tokens(llm):
+    """One-chunk steps (a request alone, a second turn served mostly from the prefix cache) run padded to a token
+    bucket with a padding sequence in the scratch page; every request gets the tokens generate gives it alone."""
+    prompts = token_prompts(llm, 4, 9) + [list(range(3, 70))]  # 9..30 tokens, and 67 (chunks of 40 and 27)
+    options = [GenerationOptions(max_new_tokens=8, ignore_eos=True),
+               GenerationOptions(max_new_tokens=8, ignore_eos=True, temperature=0.9, seed=3)] * 2 + \
+        [GenerationOptions(max_new_tokens=8, ignore_eos=True)]
+    turn = prompts[0] + llm.generate(prompts[0], options[0]).token_ids + [5, 6, 7]  # shares its first pages
+    want = [llm.generate(p, o).token_ids for p, o in zip(prompts + [turn], options + [options[0]])]
+    engine = Engine(llm, page_size=8, prefill_chunk=40, compile_prefill=True, prefill_graphs=True)
+    buckets = []
+    real = engine.prefill_graphs.logits
+    engine.prefill_graphs.logits = lambda chunk, bucket: buckets.append((chunk.length, bucket)) or real(chunk, bucket)
+    got = [engine.add_request(p, o).result(timeout=600).token_ids for p, o in zip(prompts, options)]
+    hits = engine.stats().prefix_cache_hits
+    second = engine.add_request(turn, options[0]).result(timeout=600)
+    assert got + [second.token_ids] == want and engine.stats().prefix_cache_hits > hits
+    with engine._lock:  # all at once: steps of several chunks take the compiled step itself
+        handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=600).token_ids for h in handles] == want[:5]
+    engine.shutdown()
+    assert {b for _, b in buckets} >= {16, 32, 64} and all(n < b for n, b in buckets)
+    assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
+    with pytest.raises(ValueError, match="replays the compiled prefill step; add compile_prefill=True") as info:
+        Engine(llm, compile_prefill=False, prefill_graphs=True)
+    assert "\n" not in str(info.value)
+
+
 def random_gpu_llm(compile: bool, kernels: bool) -> LLM:
     from redline.model import ModelArgs, Transformer
 
@@ -512,14 +540,19 @@ def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_prefill_steps_give_the_static_path_tokens():
+@pytest.mark.parametrize("prefill_graphs", [False, True])
+def test_gpu_compiled_prefill_steps_give_the_static_path_tokens(prefill_graphs):
     eager, graphed = random_gpu_llm(False, True), random_gpu_llm(True, True)
     prompts, options, want = greedy_and_sampled(eager, (5, 40, 17, 90, 130), 20)
-    engine = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens, prefill_chunk=64, compile_prefill=True)
+    engine = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens, prefill_chunk=64, compile_prefill=True,
+                    prefill_graphs=prefill_graphs)
     engine.capture_graphs(256)
     engine.warm_up()
     with engine._lock:  # all five arrive before the first step: chunks of 64 tokens, some that sample nothing
         handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=300).token_ids for h in handles] == want
+    # one at a time: each prompt a step of one chunk (a replayed graph with prefill_graphs), then its last chunk
+    assert [engine.add_request(p, o).result(timeout=300).token_ids for p, o in zip(prompts, options)] == want
+    assert bool(engine.prefill_graphs and engine.prefill_graphs.graphs) == prefill_graphs
     engine.shutdown()
 
