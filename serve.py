@@ -2,9 +2,8 @@
 
     python serve.py --checkpoint_path checkpoints/smollm2/float32/model.safetensors   # http://127.0.0.1:8000
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events or not), GET /v1/models,
-GET /health (503 while loading), GET /metrics (Prometheus), POST /tokenize and /detokenize; bodies and checks in
-serve_protocol.py. `create_app(engine, llm, settings)` serves any engine of redline.engine's interface.
+Endpoints: POST /v1/chat/completions, /v1/completions (streamed or not), /tokenize, /detokenize; GET /v1/models, /health
+(503 while loading), /metrics (Prometheus); bodies in serve_protocol.py. create_app serves any engine like Engine.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redline.engine import Engine
-from redline.engine.engine import COMPILE_PREFILL_HELP
+from redline.engine.engine import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK
 from redline.model import ModelArgs
 from redline.options import EngineConfig, check_text
@@ -61,6 +60,7 @@ class ServeSettings:
     max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: the engine sizes it
     max_running: int = 256  # requests decoded together at most
     compile_prefill: bool | None = None  # steps with prompt chunks compiled; None: where it pays (the engine's rule)
+    prefill_graphs: bool = False  # steps that prefill one short chunk replayed as CUDA graphs
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens one engine step computes at most
     max_queue: int | None = 1024  # requests waiting at most; more get 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -616,7 +616,7 @@ def load_llm(settings: ServeSettings) -> Any:
 def batching_engine(llm: Any, settings: ServeSettings) -> Engine:
     engine = Engine(llm, max_kv_tokens=settings.max_kv_tokens, max_running=settings.max_running,
                     max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk,
-                    compile_prefill=settings.compile_prefill)
+                    compile_prefill=settings.compile_prefill, prefill_graphs=settings.prefill_graphs)
     engine.capture_graphs()  # every decode shape before /health says ready, so no request's step pays a capture
     engine.warm_up()  # and every kernel the first prefill and decode steps compile
     return engine
@@ -672,6 +672,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
                    help="prompt tokens one step computes at most")
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, help=COMPILE_PREFILL_HELP)
+    p.add_argument("--prefill-graphs", action="store_true", help=PREFILL_GRAPHS_HELP)
     p.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; more are refused (429)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",

@@ -40,7 +40,7 @@ from redline.benchmarks.bench_env import environment
 from redline.benchmarks.bench_model import build_random_model, param_counts
 from redline.checkpoint import dtype_from_name, write_atomically
 from redline.engine import Engine
-from redline.engine.engine import COMPILE_PREFILL_HELP
+from redline.engine.engine import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk
 from redline.generate import LLM
 from redline.model import ModelArgs
@@ -249,8 +249,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="prompt tokens a step computes at most")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, help=COMPILE_PREFILL_HELP)
-    p.add_argument("--prefill-graphs", action="store_true",
-                   help="steps that prefill one chunk of under 512 tokens replay CUDA graphs (needs compiled prefill)")
+    p.add_argument("--prefill-graphs", action="store_true", help=PREFILL_GRAPHS_HELP)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="decode steps as CUDA graphs (default: on for a GPU)")
     p.add_argument("--compare", choices=("hf",), default=None)

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from redline.generate import LLM
 
 FINISH_REASONS = ("eos", "stop", "length", "abort", "error")
+PREFILL_GRAPHS_HELP = ("replay steps that prefill one chunk of under 512 tokens and nothing else (a chat's next turn) "
+                       "as CUDA graphs; needs the compiled prefill steps (default: off)")
 COMPILE_PREFILL_HELP = ("compile the steps with prompt chunks, once with dynamic sizes at start-up (default: where the "
                         "decode steps compile, on a GPU with the kernels, and the model has no soft-caps)")
 

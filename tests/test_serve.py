@@ -418,6 +418,17 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_prefill_graphs_flag_reaches_the_engine():
+    from redline.serve import batching_engine, load_llm, parse_args
+
+    settings = parse_args(["--random-weights", "debug-tiny", "--device", "cpu", "--dtype", "float32",
+                           "--compile-prefill", "--prefill-graphs", "--max-kv-tokens", "2048"])
+    assert settings.prefill_graphs and not parse_args(["--random-weights", "debug-tiny"]).prefill_graphs
+    engine = batching_engine(load_llm(settings), settings)  # warm_up() prefills one-chunk steps through it
+    assert engine.prefill_graphs is not None
+    engine.shutdown()
+
+
 def test_random_weights_serve_token_ids_without_a_tokenizer():
     from redline.serve import load_llm
 
