@@ -11,7 +11,7 @@ blocks are Redline's groups, Q4_1's d * q + m keeps scale d and offset m, Q4_0's
 offset -8d (both fp16, exactly). An output head of another type (llama.cpp writes Q6_K there) stays float; a
 projection of another type is quantized to int4 g32 from its dequantized values (the metadata lists those).
 Everything else, and every tensor with --dequantize, is dequantized to --dtype; so is every tensor of a mixture of
-experts (Redline's int4 does not cover experts: quantize.py --mode int8 does).
+experts (its Q4 blocks are not kept as int4 experts yet: quantize.py --mode int4 or int8 quantizes the converted file).
 """
 from __future__ import annotations
 
