@@ -83,11 +83,15 @@ def demo_engines(configs: tuple[str, ...], threads: int) -> dict[str, Callable[[
     return {c: makers[c] for c in configs}
 
 
-def registry_engines(name: str, configs: tuple[str, ...]) -> dict[str, Callable[[], LLM]]:
+def registry_engines(name: str, configs: tuple[str, ...], layers: int | None = None) -> dict[str, Callable[[], LLM]]:
+    import dataclasses
+
     from redline.benchmarks.bench_model import build_random_model
     from redline.model import ModelArgs
 
     args = ModelArgs.from_name(name)
+    if layers is not None:  # the model's first layers only: its real layer shapes in less memory
+        args = dataclasses.replace(args, n_layer=layers, moe_layers=args.moe_layers[:layers])
     cpu = torch.device("cpu")
     base = build_random_model(args, cpu, torch.float32, "none")
 
@@ -114,9 +118,10 @@ def prompt_for(llm: LLM) -> Any:
     return DEMO_PROMPT if llm.tokenizer is not None else list(range(1, 6))
 
 
-def run(model: str, configs: tuple[str, ...], rounds: int, tokens: int, read_mb: int, threads: int) -> dict[str, Any]:
+def run(model: str, configs: tuple[str, ...], rounds: int, tokens: int, read_mb: int, threads: int,
+        layers: int | None = None) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    makers = demo_engines(configs, threads) if model == "demo" else registry_engines(model, configs)
+    makers = demo_engines(configs, threads) if model == "demo" else registry_engines(model, configs, layers)
     engines = {config: make() for config, make in makers.items()}
     for llm in engines.values():  # warm-up: caches sized, kernels built, pages touched
         llm.generate(prompt_for(llm), max_new_tokens=4, temperature=0, ignore_eos=True)
@@ -141,7 +146,7 @@ def run(model: str, configs: tuple[str, ...], rounds: int, tokens: int, read_mb:
     for row in rows:
         row["vs_float32"] = row["decode_tok_s"] / base if base else None
     out: dict[str, Any] = {
-        "model": model, "rounds": rounds, "new_tokens": tokens, "threads": torch.get_num_threads(),
+        "model": model if layers is None else f"{model} (first {layers} layers)", "rounds": rounds, "new_tokens": tokens, "threads": torch.get_num_threads(),
         "cpu": cpu_name(), "logical_cpus": len(_affinity()), "cpu_flags": cpu_flags(),
         "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "read_bandwidth_gb_s": bw, "read_bandwidth_all": bandwidth, "rows": rows,
@@ -181,6 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
     p.add_argument("--read_mb", type=int, default=1024, help="size of the bandwidth read, MB")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--layers", type=int, default=None, help="a registry model's first N layers only (its real layer "
+                   "shapes in less memory)")
     ns = p.parse_args(argv)
     every = DEMO_CONFIGS if ns.model == "demo" else REGISTRY_CONFIGS
     configs = tuple(ns.configs.split(",")) if ns.configs else every
@@ -189,6 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown configs {unknown}; choose from {', '.join(every)}")
     if ns.rounds < 1 or ns.tokens < 2 or ns.read_mb < 1 or (ns.threads is not None and ns.threads < 1):
         p.error("--rounds, --read_mb and --threads must be positive and --tokens at least 2")
+    if ns.layers is not None and (ns.model == "demo" or ns.layers < 1):
+        p.error("--layers takes a positive number of a registry model's layers (not the demo model's)")
     ns.configs = configs
     return ns
 
@@ -198,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ns = parse_args(argv)
     try:
-        result = run(ns.model, ns.configs, ns.rounds, ns.tokens, ns.read_mb, ns.threads or physical_cores())
+        result = run(ns.model, ns.configs, ns.rounds, ns.tokens, ns.read_mb, ns.threads or physical_cores(), ns.layers)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -491,15 +491,19 @@ class ExactInt8Head(nn.Linear):
 def use_cpu_kernels(model: nn.Module) -> nn.Module:
     """Run a model's int8 and int4 linears through the ops' CPU kernels (cpu_linear.py): Int8Linear ->
     KernelInt8Linear and Int4Linear -> KernelInt4Linear in place (weights shared, nothing repacked), the C++ kernel
-    built or loaded now rather than on the first token. In a quantized model a float output head tied to the
+    built or loaded now rather than on the first token; a mixture's experts become moe.CpuMoE, CpuInt8MoE or
+    CpuInt4MoE (a decode step's chosen experts on their stored weights). In a quantized model a float output head tied to the
     embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked element by
     element, else it stays as it is). Other float linears stay as they are; applying it twice is a no-op."""
+    from .moe import cpu_moe_class
+
     quantized = False
     for module in model.modules():
         if type(module) is Int8Linear:
             module.__class__ = KernelInt8Linear
         elif type(module) is Int4Linear:
             module.__class__ = KernelInt4Linear
+        module.__class__ = cpu_moe_class(module)
         quantized = quantized or isinstance(module, (Int8Linear, Int4Linear))
     if not quantized:
         return model

@@ -23,7 +23,9 @@ the reference below runs. Neither reads a tensor on the host and every shape fol
 op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register_fake).
 
 KernelMoE is model.MoEFeedForward with its experts on this op, KernelInt8MoE and KernelInt4MoE the same for int8
-and int4 experts; kernels.use_kernels swaps them in.
+and int4 experts; kernels.use_kernels swaps them in. On the CPU, kernels.use_cpu_kernels swaps in CpuMoE, CpuInt8MoE
+and CpuInt4MoE instead: up to CPU_LOOP_TOKENS tokens each chosen expert runs on its stored weights
+(moe_experts_cpu: cpu_linear's int8 / int4 GEMVs, F.linear on float experts), more take the module's own path.
 """
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ ID_DTYPES = (torch.int64, torch.int32)
 # Elements of gathered expert weights the reference holds at once: it takes this many tokens' experts per step, so
 # a long batch on the fallback path does not gather every token's k experts at once.
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
+# Tokens up to which the CPU runs each chosen expert on its stored weights (cpu_linear's int8 / int4 GEMVs, or
+# F.linear on a float expert): the reference's gathered fp32 copies of every chosen expert made a Qwen3-30B-A3B
+# layer's int8 and int4 decode slower than float32.
+CPU_LOOP_TOKENS = 8
 
 
 @functools.cache
@@ -113,6 +119,34 @@ def moe_experts_reference(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, 
         down = torch.einsum("nki,nkdi->nkd", h, down_rows)  # (n, k, dim)
         out[rows] = (down * topk_weights[rows].float().unsqueeze(-1)).sum(dim=1)
     return out.to(x.dtype)
+
+
+def moe_experts_cpu(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor, gelu: bool = False,
+                    w13_scales: Tensor | None = None, w2_scales: Tensor | None = None) -> Tensor:
+    """The op on the CPU for a few tokens: each (token, chosen expert) through the expert's own stored weights, with
+    fp32 accumulation (the reference's arithmetic, to fp32 rounding); (T, dim) in x's dtype."""
+    hidden = w2.shape[2] * (2 if w13.dtype == torch.uint8 else 1)
+    out = torch.zeros(x.shape, dtype=torch.float32)  # (T, dim)
+    routing = topk_weights.float()
+    for t, experts in enumerate(topk_ids.tolist()):  # the host reads the routing: the CPU has no graph to keep
+        row = x[t:t + 1].float()  # (1, dim)
+        for j, e in enumerate(experts):
+            gate_up = _expert_linear(row, w13, w13_scales, e)  # (1, 2I)
+            h = activation(gate_up[:, :hidden], gelu) * gate_up[:, hidden:]  # (1, I)
+            out[t] += routing[t, j] * _expert_linear(h, w2, w2_scales, e)[0]
+    return out.to(x.dtype)
+
+
+def _expert_linear(x: Tensor, weight: Tensor, scales: Tensor | None, e: int) -> Tensor:
+    """x (M, K) fp32 through expert e of stacked weights (E, N, K) (int8 with row scales, int4 with group scales, or
+    float): (M, N) fp32."""
+    from .cpu_linear import int4_linear_cpu, int8_linear_cpu
+
+    if weight.dtype == torch.int8:
+        return int8_linear_cpu(x, weight[e], scales[e])
+    if weight.dtype == torch.uint8:
+        return int4_linear_cpu(x, weight[e], scales[e])
+    return F.linear(x, weight[e].float())
 
 
 # --- validation ---
@@ -238,6 +272,28 @@ class KernelInt4MoE(Int4MoEFeedForward):
                                              self.w13_scales, self.w2_scales)
 
 
+class _CpuExperts:
+    """The experts() of the CPU modules: few tokens through moe_experts_cpu, more by the module's own path."""
+
+    def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        if x2d.shape[0] > CPU_LOOP_TOKENS or x2d.device.type != "cpu":
+            return super().experts(x2d, topk_ids, topk_weights)
+        scales = (getattr(self, "w13_scales", None), getattr(self, "w2_scales", None))
+        return moe_experts_cpu(x2d, self.w13, self.w2, topk_ids, topk_weights, self.gelu, *scales)
+
+
+class CpuMoE(_CpuExperts, MoEFeedForward):
+    """model.MoEFeedForward with few tokens' experts run on their stored weights on the CPU."""
+
+
+class CpuInt8MoE(_CpuExperts, Int8MoEFeedForward):
+    """quantize.Int8MoEFeedForward with few tokens' experts on the CPU int8 GEMV."""
+
+
+class CpuInt4MoE(_CpuExperts, Int4MoEFeedForward):
+    """quantize.Int4MoEFeedForward with few tokens' experts on the CPU int4 GEMV."""
+
+
 class KernelInt8MoE(Int8MoEFeedForward):
     """quantize.Int8MoEFeedForward whose int8 experts run torch.ops.redline.moe_experts with their row scales (the
     kernels read a byte a weight); the routing is unchanged."""
@@ -246,3 +302,9 @@ class KernelInt8MoE(Int8MoEFeedForward):
         """The weighted sum (T, dim) of the chosen int8 experts' gated MLPs of x2d (T, dim), by the fused op."""
         return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu,
                                              self.w13_scales, self.w2_scales)
+
+
+def cpu_moe_class(module: torch.nn.Module) -> type:
+    """The CPU module class for a mixture of experts (use_cpu_kernels), or the module's own class."""
+    return {MoEFeedForward: CpuMoE, Int8MoEFeedForward: CpuInt8MoE, Int4MoEFeedForward: CpuInt4MoE}.get(
+        type(module), type(module))

@@ -369,6 +369,39 @@ def test_use_kernels_swaps_quantized_moe_layers_for_their_kernel_modules(scheme)
     assert torch.allclose(layer(x), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scheme", ["float", "int8", "int4"])
+def test_use_cpu_kernels_runs_few_tokens_experts_on_their_stored_weights(scheme):
+    """On the CPU a decode step's chosen experts run on their stored (int8 / int4 / float) weights, with the module's
+    own results to fp32 rounding; more tokens than CPU_LOOP_TOKENS take the module's own path."""
+    torch.manual_seed(0)
+    args = model.ModelArgs(**{**TINY_MOE_ARGS, "dim": 64, "moe_intermediate_size": 32})
+    layer = model.MoEFeedForward(args)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.1)
+    if scheme != "float":
+        float_layer = layer
+        layer = (Int8MoEFeedForward(args, dtype=torch.float32) if scheme == "int8"
+                 else Int4MoEFeedForward(args, 32, dtype=torch.float32))
+        with torch.no_grad():
+            layer.gate.weight.copy_(float_layer.gate.weight)
+            quantized = (int8_experts if scheme == "int8" else int4_experts)(float_layer.w13, float_layer.w2)
+            layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = quantized
+    xs = [torch.randn(1, n, 64) for n in (1, 3, moe.CPU_LOOP_TOKENS + 5)]
+    want = [layer(x) for x in xs]
+    calls = []
+    real = moe.moe_experts_cpu
+    kernels.use_cpu_kernels(nn.Sequential(layer))
+    assert type(layer).__name__ == {"float": "CpuMoE", "int8": "CpuInt8MoE", "int4": "CpuInt4MoE"}[scheme]
+    moe.moe_experts_cpu = lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest)
+    try:
+        for x, w in zip(xs, want):
+            assert torch.allclose(layer(x), w, atol=1e-5, rtol=1e-5)
+    finally:
+        moe.moe_experts_cpu = real
+    assert calls == [1, 3]  # the longest input took the module's own path
+
+
 # --- the Triton kernels in the interpreter ---
 
 # (tokens, experts, dim, I, gelu) per token count: dims and widths that are not multiples of the tiles included.
