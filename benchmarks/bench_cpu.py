@@ -114,25 +114,29 @@ def registry_engines(name: str, configs: tuple[str, ...], layers: int | None = N
     return {c: makers[c] for c in configs}
 
 
-def prompt_for(llm: LLM) -> Any:
-    return DEMO_PROMPT if llm.tokenizer is not None else list(range(1, 6))
+def prompt_for(llm: LLM, prompt_tokens: int | None = None) -> Any:
+    """The demo's text prompt; token ids 1..N for a random-weight model (N = prompt_tokens, default 5)."""
+    return DEMO_PROMPT if llm.tokenizer is not None else list(range(1, 1 + (prompt_tokens or 5)))
 
 
 def run(model: str, configs: tuple[str, ...], rounds: int, tokens: int, read_mb: int, threads: int,
-        layers: int | None = None) -> dict[str, Any]:
+        layers: int | None = None, prompt_tokens: int | None = None) -> dict[str, Any]:
     torch.set_num_threads(threads)
     makers = demo_engines(configs, threads) if model == "demo" else registry_engines(model, configs, layers)
     engines = {config: make() for config, make in makers.items()}
     for llm in engines.values():  # warm-up: caches sized, kernels built, pages touched
-        llm.generate(prompt_for(llm), max_new_tokens=4, temperature=0, ignore_eos=True)
+        llm.generate(prompt_for(llm, prompt_tokens), max_new_tokens=4, temperature=0, ignore_eos=True)
     buffer = torch.ones(read_mb * (1 << 20) // 4, dtype=torch.float32)
     rates: dict[str, list[float]] = {c: [] for c in configs}
+    ttfts: dict[str, list[float]] = {c: [] for c in configs}
     bandwidth: list[float] = []
     tokens_of: dict[str, list[int]] = {}
     for _ in range(rounds):
         for config, llm in engines.items():
-            result = llm.generate(prompt_for(llm), max_new_tokens=tokens, temperature=0, ignore_eos=True)
+            result = llm.generate(prompt_for(llm, prompt_tokens), max_new_tokens=tokens, temperature=0,
+                                  ignore_eos=True)
             rates[config].append(result.stats.decode_tok_s)
+            ttfts[config].append(result.stats.ttft_s)
             tokens_of[config] = result.token_ids
         bandwidth.append(read_bandwidth_gb_s(buffer))
     bw = statistics.median(bandwidth)
@@ -140,13 +144,16 @@ def run(model: str, configs: tuple[str, ...], rounds: int, tokens: int, read_mb:
     for config, llm in engines.items():
         tok_s = statistics.median(rates[config])
         rows.append({"config": config, "decode_tok_s": tok_s, "tok_s_all": rates[config],
+                     "ttft_ms": 1e3 * statistics.median(ttfts[config]),
                      "bytes_per_token": llm.bytes_per_token,
                      "bandwidth_share": tok_s * llm.bytes_per_token / (bw * 1e9)})
     base = next((r["decode_tok_s"] for r in rows if r["config"] == "float32"), None)
     for row in rows:
         row["vs_float32"] = row["decode_tok_s"] / base if base else None
     out: dict[str, Any] = {
-        "model": model if layers is None else f"{model} (first {layers} layers)", "rounds": rounds, "new_tokens": tokens, "threads": torch.get_num_threads(),
+        "model": model if layers is None else f"{model} (first {layers} layers)", "rounds": rounds,
+        "prompt_tokens": len(prompt_for(next(iter(engines.values())), prompt_tokens))
+        if model != "demo" else None, "new_tokens": tokens, "threads": torch.get_num_threads(),
         "cpu": cpu_name(), "logical_cpus": len(_affinity()), "cpu_flags": cpu_flags(),
         "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "read_bandwidth_gb_s": bw, "read_bandwidth_all": bandwidth, "rows": rows,
@@ -166,12 +173,12 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} on {result['cpu']}, {result['threads']} threads, torch {result['torch']}, "
              f"median of {result['rounds']} rounds of {result['new_tokens']} tokens; "
              f"read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s",
-             "| weights | decode tok/s | vs float32 | MB read / token | % of read bandwidth |",
-             "|---|---:|---:|---:|---:|"]
+             "| weights | decode tok/s | vs float32 | MB read / token | % of read bandwidth | TTFT ms |",
+             "|---|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
         ratio = f"{row['vs_float32']:.2f}x" if row["vs_float32"] else "-"
         lines.append(f"| {row['config']} | {row['decode_tok_s']:.1f} | {ratio} | {row['bytes_per_token'] / 1e6:.0f} | "
-                     f"{row['bandwidth_share']:.0%} |")
+                     f"{row['bandwidth_share']:.0%} | {row['ttft_ms']:.0f} |")
     if "q4_1_greedy_equals_float32" in result:
         lines.append(f"native Q4_1 greedy tokens == float32 dequantization's: {result['q4_1_greedy_equals_float32']}")
     return "\n".join(lines)
@@ -186,6 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the physical cores)")
     p.add_argument("--read_mb", type=int, default=1024, help="size of the bandwidth read, MB")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="a registry model's prompt length (default 5)")
     p.add_argument("--layers", type=int, default=None, help="a registry model's first N layers only (its real layer "
                    "shapes in less memory)")
     ns = p.parse_args(argv)
@@ -198,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--rounds, --read_mb and --threads must be positive and --tokens at least 2")
     if ns.layers is not None and (ns.model == "demo" or ns.layers < 1):
         p.error("--layers takes a positive number of a registry model's layers (not the demo model's)")
+    if ns.prompt_tokens is not None and (ns.model == "demo" or ns.prompt_tokens < 1):
+        p.error("--prompt-tokens takes a positive length for a registry model (the demo model has its text prompt)")
     ns.configs = configs
     return ns
 
@@ -207,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ns = parse_args(argv)
     try:
-        result = run(ns.model, ns.configs, ns.rounds, ns.tokens, ns.read_mb, ns.threads or physical_cores(), ns.layers)
+        result = run(ns.model, ns.configs, ns.rounds, ns.tokens, ns.read_mb, ns.threads or physical_cores(), ns.layers,
+                     ns.prompt_tokens)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,8 +24,8 @@ op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register
 
 KernelMoE is model.MoEFeedForward with its experts on this op, KernelInt8MoE and KernelInt4MoE the same for int8
 and int4 experts; kernels.use_kernels swaps them in. On the CPU, kernels.use_cpu_kernels swaps in CpuMoE, CpuInt8MoE
-and CpuInt4MoE instead: up to CPU_LOOP_TOKENS tokens each chosen expert runs on its stored weights
-(moe_experts_cpu: cpu_linear's int8 / int4 GEMVs, F.linear on float experts), more take the module's own path.
+and CpuInt4MoE instead, which run only the chosen experts, on their stored weights (moe_experts_cpu: cpu_linear's
+int8 / int4 GEMVs for a few tokens, each expert once over its tokens for more; F.linear on float experts).
 """
 from __future__ import annotations
 
@@ -46,9 +46,8 @@ ID_DTYPES = (torch.int64, torch.int32)
 # Elements of gathered expert weights the reference holds at once: it takes this many tokens' experts per step, so
 # a long batch on the fallback path does not gather every token's k experts at once.
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
-# Tokens up to which the CPU runs each chosen expert on its stored weights (cpu_linear's int8 / int4 GEMVs, or
-# F.linear on a float expert): the reference's gathered fp32 copies of every chosen expert made a Qwen3-30B-A3B
-# layer's int8 and int4 decode slower than float32.
+# Tokens up to which the CPU runs each (token, chosen expert) pair on its own (cpu_linear's int8 / int4 GEMVs, or
+# F.linear on a float expert's rows), as cpu_linear.GEMV_ROWS does; more are grouped by expert.
 CPU_LOOP_TOKENS = 8
 
 
@@ -123,17 +122,26 @@ def moe_experts_reference(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, 
 
 def moe_experts_cpu(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor, gelu: bool = False,
                     w13_scales: Tensor | None = None, w2_scales: Tensor | None = None) -> Tensor:
-    """The op on the CPU for a few tokens: each (token, chosen expert) through the expert's own stored weights, with
-    fp32 accumulation (the reference's arithmetic, to fp32 rounding); (T, dim) in x's dtype."""
+    """The op on the CPU: each chosen expert through its own stored weights, with fp32 accumulation (the reference's
+    arithmetic, to fp32 rounding); (T, dim) in x's dtype. Up to CPU_LOOP_TOKENS tokens one (token, expert) pair at a
+    time (GEMVs); more, the tokens grouped by expert on the host, so each expert that some token chose runs once
+    over its tokens (a prompt computes only its chosen experts)."""
     hidden = w2.shape[2] * (2 if w13.dtype == torch.uint8 else 1)
     out = torch.zeros(x.shape, dtype=torch.float32)  # (T, dim)
     routing = topk_weights.float()
-    for t, experts in enumerate(topk_ids.tolist()):  # the host reads the routing: the CPU has no graph to keep
-        row = x[t:t + 1].float()  # (1, dim)
-        for j, e in enumerate(experts):
-            gate_up = _expert_linear(row, w13, w13_scales, e)  # (1, 2I)
-            h = activation(gate_up[:, :hidden], gelu) * gate_up[:, hidden:]  # (1, I)
-            out[t] += routing[t, j] * _expert_linear(h, w2, w2_scales, e)[0]
+    if x.shape[0] <= CPU_LOOP_TOKENS:
+        groups = [(torch.tensor([t]), routing[t, j:j + 1], e) for t, experts in enumerate(topk_ids.tolist())
+                  for j, e in enumerate(experts)]  # the host reads the routing: the CPU has no graph to keep
+    else:
+        flat = topk_ids.reshape(-1).long()  # (T k,)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+        pairs = order.split(counts)  # the (token, choice) pairs of each expert, in token order
+        groups = [(p // topk_ids.shape[1], routing.reshape(-1)[p], e) for e, p in enumerate(pairs) if p.numel()]
+    for tokens, weight, e in groups:
+        gate_up = _expert_linear(x[tokens].float(), w13, w13_scales, e)  # (n, 2I)
+        h = activation(gate_up[:, :hidden], gelu) * gate_up[:, hidden:]  # (n, I)
+        out.index_add_(0, tokens, _expert_linear(h, w2, w2_scales, e) * weight.unsqueeze(1))
     return out.to(x.dtype)
 
 
@@ -273,10 +281,10 @@ class KernelInt4MoE(Int4MoEFeedForward):
 
 
 class _CpuExperts:
-    """The experts() of the CPU modules: few tokens through moe_experts_cpu, more by the module's own path."""
+    """The experts() of the CPU modules: moe_experts_cpu (only the chosen experts run, on their stored weights)."""
 
     def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        if x2d.shape[0] > CPU_LOOP_TOKENS or x2d.device.type != "cpu":
+        if x2d.device.type != "cpu":
             return super().experts(x2d, topk_ids, topk_weights)
         scales = (getattr(self, "w13_scales", None), getattr(self, "w2_scales", None))
         return moe_experts_cpu(x2d, self.w13, self.w2, topk_ids, topk_weights, self.gelu, *scales)

@@ -370,9 +370,9 @@ def test_use_kernels_swaps_quantized_moe_layers_for_their_kernel_modules(scheme)
 
 
 @pytest.mark.parametrize("scheme", ["float", "int8", "int4"])
-def test_use_cpu_kernels_runs_few_tokens_experts_on_their_stored_weights(scheme):
-    """On the CPU a decode step's chosen experts run on their stored (int8 / int4 / float) weights, with the module's
-    own results to fp32 rounding; more tokens than CPU_LOOP_TOKENS take the module's own path."""
+def test_use_cpu_kernels_runs_only_the_chosen_experts_on_their_stored_weights(scheme):
+    """On the CPU the chosen experts run on their stored (int8 / int4 / float) weights, one (token, expert) pair at a
+    time for a few tokens and grouped by expert for more, with the module's own results to fp32 rounding."""
     torch.manual_seed(0)
     args = model.ModelArgs(**{**TINY_MOE_ARGS, "dim": 64, "moe_intermediate_size": 32})
     layer = model.MoEFeedForward(args)
@@ -399,7 +399,7 @@ def test_use_cpu_kernels_runs_few_tokens_experts_on_their_stored_weights(scheme)
             assert torch.allclose(layer(x), w, atol=1e-5, rtol=1e-5)
     finally:
         moe.moe_experts_cpu = real
-    assert calls == [1, 3]  # the longest input took the module's own path
+    assert calls == [1, 3, moe.CPU_LOOP_TOKENS + 5]
 
 
 # --- the Triton kernels in the interpreter ---
