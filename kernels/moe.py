@@ -147,14 +147,15 @@ def moe_experts_cpu(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_w
 
 def _expert_linear(x: Tensor, weight: Tensor, scales: Tensor | None, e: int) -> Tensor:
     """x (M, K) fp32 through expert e of stacked weights (E, N, K) (int8 with row scales, int4 with group scales, or
-    float): (M, N) fp32."""
+    float; bf16 and fp16 experts multiply in their own dtype, as model.py's experts do, with no fp32 copy of the
+    expert): (M, N) fp32."""
     from .cpu_linear import int4_linear_cpu, int8_linear_cpu
 
     if weight.dtype == torch.int8:
         return int8_linear_cpu(x, weight[e], scales[e])
     if weight.dtype == torch.uint8:
         return int4_linear_cpu(x, weight[e], scales[e])
-    return F.linear(x, weight[e].float())
+    return F.linear(x.to(weight.dtype), weight[e]).float()
 
 
 # --- validation ---
