@@ -348,20 +348,28 @@ def test_use_kernels_swaps_moe_layers_for_kernel_moe(tokens):
                        moe.moe_experts_reference(x.reshape(-1, 16), layer.w13, layer.w2, ids, weights, False))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_use_kernels_swaps_quantized_moe_layers_for_their_kernel_modules(scheme):
+def tiny_layer(scheme: str) -> nn.Module:
+    """A mixture of 4 experts (dim 64, I 32) with random float weights, or its int8 / int4 (group 32) form."""
     torch.manual_seed(0)
     args = model.ModelArgs(**{**TINY_MOE_ARGS, "dim": 64, "moe_intermediate_size": 32})
-    float_layer = model.MoEFeedForward(args)
+    layer = model.MoEFeedForward(args)
     with torch.no_grad():
-        for p in float_layer.parameters():
+        for p in layer.parameters():
             p.copy_(torch.randn(p.shape) * 0.1)
-    layer = (Int8MoEFeedForward(args, dtype=torch.float32) if scheme == "int8"
-             else Int4MoEFeedForward(args, 32, dtype=torch.float32))
+    if scheme == "float":
+        return layer
+    quantized = (Int8MoEFeedForward(args, dtype=torch.float32) if scheme == "int8"
+                 else Int4MoEFeedForward(args, 32, dtype=torch.float32))
     with torch.no_grad():
-        layer.gate.weight.copy_(float_layer.gate.weight)
-        quantized = (int8_experts if scheme == "int8" else int4_experts)(float_layer.w13, float_layer.w2)
-        layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = quantized
+        quantized.gate.weight.copy_(layer.gate.weight)
+        experts = (int8_experts if scheme == "int8" else int4_experts)(layer.w13, layer.w2)
+        quantized.w13, quantized.w2, quantized.w13_scales, quantized.w2_scales = experts
+    return quantized
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_use_kernels_swaps_quantized_moe_layers_for_their_kernel_modules(scheme):
+    layer = tiny_layer(scheme)
     x = torch.randn(1, 5, 64)
     want = layer(x)
     kernels.use_kernels(nn.Sequential(layer))
@@ -373,20 +381,7 @@ def test_use_kernels_swaps_quantized_moe_layers_for_their_kernel_modules(scheme)
 def test_use_cpu_kernels_runs_only_the_chosen_experts_on_their_stored_weights(scheme):
     """On the CPU the chosen experts run on their stored (int8 / int4 / float) weights, one (token, expert) pair at a
     time for a few tokens and grouped by expert for more, with the module's own results to fp32 rounding."""
-    torch.manual_seed(0)
-    args = model.ModelArgs(**{**TINY_MOE_ARGS, "dim": 64, "moe_intermediate_size": 32})
-    layer = model.MoEFeedForward(args)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape) * 0.1)
-    if scheme != "float":
-        float_layer = layer
-        layer = (Int8MoEFeedForward(args, dtype=torch.float32) if scheme == "int8"
-                 else Int4MoEFeedForward(args, 32, dtype=torch.float32))
-        with torch.no_grad():
-            layer.gate.weight.copy_(float_layer.gate.weight)
-            quantized = (int8_experts if scheme == "int8" else int4_experts)(float_layer.w13, float_layer.w2)
-            layer.w13, layer.w2, layer.w13_scales, layer.w2_scales = quantized
+    layer = tiny_layer(scheme)
     xs = [torch.randn(1, n, 64) for n in (1, 3, moe.CPU_LOOP_TOKENS + 5)]
     want = [layer(x) for x in xs]
     calls = []
