@@ -24,8 +24,9 @@ op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register
 
 KernelMoE is model.MoEFeedForward with its experts on this op, KernelInt8MoE and KernelInt4MoE the same for int8
 and int4 experts; kernels.use_kernels swaps them in. On the CPU, kernels.use_cpu_kernels swaps in CpuMoE, CpuInt8MoE
-and CpuInt4MoE instead, which run only the chosen experts, on their stored weights (moe_experts_cpu: cpu_linear's
-int8 / int4 GEMVs for a few tokens, each expert once over its tokens for more; F.linear on float experts).
+and CpuInt4MoE instead, which run only the chosen experts, on their stored weights (the op redline::moe_experts_cpu,
+opaque to torch.compile, around moe_experts_cpu: cpu_linear's int8 / int4 GEMVs for a few tokens, each expert once
+over its tokens for more; F.linear on float experts).
 """
 from __future__ import annotations
 
@@ -281,14 +282,32 @@ class KernelInt4MoE(Int4MoEFeedForward):
                                              self.w13_scales, self.w2_scales)
 
 
+@torch.library.custom_op("redline::moe_experts_cpu", mutates_args=(), device_types="cpu")
+def _moe_experts_cpu_op(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                        gelu: bool = False, w13_scales: Tensor | None = None,
+                        w2_scales: Tensor | None = None) -> Tensor:
+    """moe_experts_cpu as an op (its host loop is opaque to torch.compile); the arguments of redline::moe_experts."""
+    _check_moe(x, w13, w2, topk_ids, topk_weights, w13_scales, w2_scales)
+    return moe_experts_cpu(x, w13, w2, topk_ids, topk_weights, gelu, w13_scales, w2_scales)
+
+
+@_moe_experts_cpu_op.register_fake
+def _moe_experts_cpu_fake(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                          gelu: bool = False, w13_scales: Tensor | None = None,
+                          w2_scales: Tensor | None = None) -> Tensor:
+    return x.new_empty(x.shape)  # (T, dim)
+
+
 class _CpuExperts:
-    """The experts() of the CPU modules: moe_experts_cpu (only the chosen experts run, on their stored weights)."""
+    """The experts() of the CPU modules: redline::moe_experts_cpu (only the chosen experts run, on their stored
+    weights)."""
 
     def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         if x2d.device.type != "cpu":
             return super().experts(x2d, topk_ids, topk_weights)
         scales = (getattr(self, "w13_scales", None), getattr(self, "w2_scales", None))
-        return moe_experts_cpu(x2d, self.w13, self.w2, topk_ids, topk_weights, self.gelu, *scales)
+        return torch.ops.redline.moe_experts_cpu(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu,
+                                                 *scales)
 
 
 class CpuMoE(_CpuExperts, MoEFeedForward):

@@ -397,6 +397,23 @@ def test_use_cpu_kernels_runs_only_the_chosen_experts_on_their_stored_weights(sc
     assert calls == [1, 3, moe.CPU_LOOP_TOKENS + 5]
 
 
+@pytest.mark.parametrize("scheme", ["float", "int8", "int4"])
+def test_cpu_experts_op_compiles_in_one_graph_and_passes_opcheck(scheme):
+    """The CPU modules' host loop sits inside redline::moe_experts_cpu, so a compiled decode step (fullgraph) traces
+    through it."""
+    layer = tiny_layer(scheme)
+    kernels.use_cpu_kernels(nn.Sequential(layer))
+    x = torch.randn(1, 3, 64)
+    compiled = torch.compile(lambda t: layer(t) * 2, fullgraph=True)
+    with torch.no_grad():  # as every decode step runs (the op has no backward)
+        assert torch.allclose(compiled(x), layer(x) * 2, atol=1e-6, rtol=1e-6)
+        weights, ids = layer.route(x.reshape(-1, 64))
+    scales = (getattr(layer, "w13_scales", None), getattr(layer, "w2_scales", None))
+    torch.library.opcheck(torch.ops.redline.moe_experts_cpu.default,
+                          (x.reshape(-1, 64), layer.w13.detach(), layer.w2.detach(), ids, weights.float()),
+                          {"gelu": False, "w13_scales": scales[0], "w2_scales": scales[1]})
+
+
 # --- the Triton kernels in the interpreter ---
 
 # (tokens, experts, dim, I, gelu) per token count: dims and widths that are not multiples of the tiles included.
