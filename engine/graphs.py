@@ -154,18 +154,24 @@ class DecodeGraphs:
         return pick_tokens(logits, greedy, args[1], *args[5:])
 
     def _capture(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:
-        """Warm up on a side stream (the real rows: decode is idempotent for them, it rewrites the same k and v;
-        the first call of a shape compiles), then capture."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._step(greedy, args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's generation on the same GPU does not break the capture.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._step(greedy, args)
-        return graph, out
+        """The step captured (its real rows warm up first: decode is idempotent for them, it rewrites the same k
+        and v; the first call of a shape compiles)."""
+        return captured(lambda: self._step(greedy, args), self.device, self.pool)
+
+
+def captured(step: Any, device: torch.device, pool: Any) -> tuple[Any, Tensor]:
+    """(CUDA graph, its output) of step(): run once on a side stream (the first call of a shape compiles), then
+    captured into pool."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's generation on the same GPU does not break the capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = step()
+    return graph, out
 
 
 def mark_sizes_dynamic(ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor) -> None:

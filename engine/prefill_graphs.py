@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from redline.engine.graphs import pages_bucket, put
+from redline.engine.graphs import captured, pages_bucket, put
 from redline.engine.scheduler import Chunk
 from redline.engine.steps import mark_step_dynamic
 from redline.model import PagedKVCache, Transformer
@@ -83,13 +83,5 @@ class PrefillGraphs:
         return self.compiled(self.model, self.kv, self.vocab_bias, *args)  # (2, V)
 
     def _capture(self, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:
-        """Run the step once on a side stream (it rewrites the same keys and values), then capture it."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._step(args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._step(args)
-        return graph, out
+        """The step captured (its warm-up run rewrites the same keys and values)."""
+        return captured(lambda: self._step(args), self.device, self.pool)

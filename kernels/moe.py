@@ -272,14 +272,18 @@ class KernelMoE(MoEFeedForward):
         return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu)
 
 
-class KernelInt4MoE(Int4MoEFeedForward):
-    """quantize.Int4MoEFeedForward whose int4 experts run torch.ops.redline.moe_experts with their group scales (the
-    kernels read half a byte a weight); the routing is unchanged."""
+class _QuantizedKernelExperts:
+    """The experts() of the quantized kernel modules: torch.ops.redline.moe_experts with the experts' scales."""
 
     def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """The weighted sum (T, dim) of the chosen int4 experts' gated MLPs of x2d (T, dim), by the fused op."""
+        """The weighted sum (T, dim) of the chosen quantized experts' gated MLPs of x2d (T, dim), by the fused op."""
         return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu,
                                              self.w13_scales, self.w2_scales)
+
+
+class KernelInt4MoE(_QuantizedKernelExperts, Int4MoEFeedForward):
+    """quantize.Int4MoEFeedForward whose int4 experts run the op with their group scales (the kernels read half a
+    byte a weight); the routing is unchanged."""
 
 
 @torch.library.custom_op("redline::moe_experts_cpu", mutates_args=(), device_types="cpu")
@@ -322,14 +326,9 @@ class CpuInt4MoE(_CpuExperts, Int4MoEFeedForward):
     """quantize.Int4MoEFeedForward with few tokens' experts on the CPU int4 GEMV."""
 
 
-class KernelInt8MoE(Int8MoEFeedForward):
+class KernelInt8MoE(_QuantizedKernelExperts, Int8MoEFeedForward):
     """quantize.Int8MoEFeedForward whose int8 experts run torch.ops.redline.moe_experts with their row scales (the
     kernels read a byte a weight); the routing is unchanged."""
-
-    def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
-        """The weighted sum (T, dim) of the chosen int8 experts' gated MLPs of x2d (T, dim), by the fused op."""
-        return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu,
-                                             self.w13_scales, self.w2_scales)
 
 
 def cpu_moe_class(module: torch.nn.Module) -> type:
