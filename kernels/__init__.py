@@ -20,8 +20,8 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
                        rows, dequantize-then-F.linear for more
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
     paged_attention.py redline::paged_decode_attention, paged_prefill_attention (a paged KV cache)
-    moe.py             redline::moe_experts (a mixture-of-experts layer's chosen experts); KernelMoE, KernelInt8MoE,
-                       KernelInt4MoE
+    moe.py             redline::moe_experts (a mixture-of-experts layer's chosen experts), redline::moe_route (its
+                       router's softmax and top-k); KernelMoE, KernelInt8MoE, KernelInt4MoE
     fused_decode.py    FusedDecode
     triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_attention.py, triton_paged_attention.py,
                        triton_moe.py, triton_common.py: the Triton sources and launchers

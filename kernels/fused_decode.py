@@ -4,7 +4,8 @@
     logits = fused(token, input_pos)  # one token: the fused path; anything else: model(...)
 
 Per block: norm+qkv, rope+cache write+attention (redline::decode_attention_qkv), wo+residual,
-norm+gate/up+SwiGLU, w2+residual (a q/k/v bias, Qwen2's, or q/k norms, Qwen3's, add one or two more); the final
+norm+gate/up+SwiGLU, w2+residual (a q/k/v bias, Qwen2's, or q/k norms, Qwen3's, add one or two more; a mixture
+of experts runs norm, router, redline::moe_route and redline::moe_experts after the attention's three); the final
 norm rides in the output head's GEMV. Each residual kernel also adds its output's sum of squares into a slot of an
 fp32 buffer, so the next norm needs no pass of its own. Same math and roundings as model.Transformer.forward,
 except that the normalized input of a projection stays fp32 (the GPU kernel does not round it to the activation
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from redline.model import Attention, ModelArgs, RMSNorm, Transformer, TransformerBlock
+from redline.model import Attention, ModelArgs, MoEFeedForward, RMSNorm, Transformer, TransformerBlock
 from redline.quantize import Int4Linear, Int8Linear
 
 # The fused kernels add each output's sum of squares into this many lanes (program i into lane i % lanes):
@@ -45,25 +46,36 @@ def residual_projection(linear: nn.Module, x: Tensor, residual: Tensor, sums: Te
 
 
 def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor | None,
-                index: int) -> Tensor:
-    """block.forward for one token (batch 1) in five ops. x (1, 1, dim).
+                index: int, sum_in: int) -> Tensor:
+    """block.forward for one token (batch 1) in five ops (a mixture-of-experts block: its attention in three, then
+    its norm, router and experts as the kernel modules run them, and the residual add). x (1, 1, dim).
 
     With `sums`, the residual kernels sum their outputs' squares into slots 2 * index and 2 * index + 1 and each
-    norm reads them (block 0's first norm sums x itself, sum_in -1). Without (a tensor-parallel rank) each norm sums
-    the squares of its all-reduced input in its own GEMV's K loop, so every rank computes identical norms."""
+    norm reads them: the first norm reads slot sum_in, or sums x itself for sum_in -1 (block 0, and a block after a
+    mixture of experts, whose output comes from an add). Without (a tensor-parallel rank) each norm sums the squares
+    of its all-reduced input in its own GEMV's K loop, so every rank computes identical norms."""
     attn, ffn = block.attention, block.feed_forward
     cache = attn.cache()
     lanes = sums is not None
     qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm, sums=sums,
-                           sum_in=2 * index - 1 if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
+                           sum_in=sum_in if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
     if attn.wqkv_bias is not None:  # Qwen2/2.5: added after the rounded projection, as Attention.qkv does
         qkv = qkv + attn.wqkv_bias
     qkv = attn.normed_qkv(qkv)  # Qwen3's q/k norms, before the kernel ropes q and k
     out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
     h = residual_projection(attn.wo, out, x, sums, 2 * index)  # (1, 1, dim)
+    if sparse(block):  # the router's choice stays on the device: no host sync in the step
+        return h + ffn(block.ffn_norm(h))  # (1, 1, dim); all-reduced on a tensor-parallel rank
+
     act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums,
                            sum_in=2 * index if lanes else -1)  # (1, 1, I)
     return residual_projection(ffn.w2, act, h, sums, 2 * index + 1)  # (1, 1, dim)
+
+
+def sparse(block: TransformerBlock) -> bool:
+    """Whether the block's feed-forward is a mixture of experts (on a tensor-parallel rank, wrapped for its
+    all-reduce)."""
+    return isinstance(getattr(block.feed_forward, "inner", block.feed_forward), MoEFeedForward)
 
 
 def fused_decode_refusal(args: ModelArgs) -> str | None:
@@ -80,7 +92,6 @@ def fused_decode_refusal(args: ModelArgs) -> str | None:
         ("an attention scale", args.attention_scale not in (0.0, args.head_dim ** -0.5)),
         ("soft-capping", args.attn_softcap > 0 or args.final_softcap > 0),
         ("sliding windows", any(args.layer_windows)),
-        ("a mixture of experts", args.n_experts > 0),
     ]
     found = [name for name, present in deltas if present]
     if not found:
@@ -130,7 +141,9 @@ class FusedDecode(nn.Module):
         # The attention kernel reads the rope row at input_pos from the whole (S, 2, D/2) table itself: a gather here
         # would be one more kernel, which inductor re-emits before several layers' attention. No mask either: the
         # kernel reads keys 0..input_pos.
+        sum_in = -1
         for i, layer in enumerate(model.layers):
-            x = fused_block(layer, x, model.rope, input_pos, sums, i)
+            x = fused_block(layer, x, model.rope, input_pos, sums, i, sum_in)
+            sum_in = -1 if sparse(layer) else 2 * i + 1
         return fused_projection(model.output, x, norm=model.norm, sums=sums,
-                                sum_in=2 * len(model.layers) - 1 if sums is not None else -1)  # (1, 1, vocab)
+                                sum_in=sum_in if sums is not None else -1)  # (1, 1, vocab)

@@ -22,11 +22,18 @@ GPU's shared memory (configs.fitted_moe_dot_config, fitted to device.DeviceCaps)
 the reference below runs. Neither reads a tensor on the host and every shape follows from the input shapes, so the
 op is CUDA-graph capturable; it is opaque to torch.compile (custom_op + register_fake).
 
-KernelMoE is model.MoEFeedForward with its experts on this op, KernelInt8MoE and KernelInt4MoE the same for int8
-and int4 experts; kernels.use_kernels swaps them in. On the CPU, kernels.use_cpu_kernels swaps in CpuMoE, CpuInt8MoE
-and CpuInt4MoE instead, which run only the chosen experts, on their stored weights (the op redline::moe_experts_cpu,
-opaque to torch.compile, around moe_experts_cpu: cpu_linear's int8 / int4 GEMVs for a few tokens, each expert once
-over its tokens for more; F.linear on float experts).
+    torch.ops.redline.moe_route(logits, top_k, renormalize)  -> weights (T, k) fp32, ids (T, k) int64
+
+is the router's choice, model.MoEFeedForward.route after the gate linear: softmax in fp32 over logits (T, E)
+bf16/fp16/fp32, the top_k probabilities (largest first) and their experts, divided by their sum when renormalize. On
+a CUDA/HIP device with Triton and E <= ROUTE_MAX_EXPERTS it is one kernel (triton_moe.moe_route), elsewhere
+moe_route_reference; capturable and opaque to torch.compile like moe_experts.
+
+KernelMoE is model.MoEFeedForward with its routing and its experts on these ops, KernelInt8MoE and KernelInt4MoE the
+same for int8 and int4 experts; kernels.use_kernels swaps them in. On the CPU, kernels.use_cpu_kernels swaps in
+CpuMoE, CpuInt8MoE and CpuInt4MoE instead, which run only the chosen experts, on their stored weights (the op
+redline::moe_experts_cpu, opaque to torch.compile, around moe_experts_cpu: cpu_linear's int8 / int4 GEMVs for a few
+tokens, each expert once over its tokens for more; F.linear on float experts).
 """
 from __future__ import annotations
 
@@ -47,6 +54,9 @@ ID_DTYPES = (torch.int64, torch.int32)
 # Elements of gathered expert weights the reference holds at once: it takes this many tokens' experts per step, so
 # a long batch on the fallback path does not gather every token's k experts at once.
 REFERENCE_CHUNK_ELEMENTS = 1 << 24
+# Experts up to which redline::moe_route runs its kernel: it holds a token's whole row of logits in registers (8 a
+# lane over triton_moe.ROUTE_MAX_WARPS warps at this size), and no released MoE model has more experts.
+ROUTE_MAX_EXPERTS = 1024
 # Tokens up to which the CPU runs each (token, chosen expert) pair on its own (cpu_linear's int8 / int4 GEMVs, or
 # F.linear on a float expert's rows), as cpu_linear.GEMV_ROWS does; more are grouped by expert.
 CPU_LOOP_TOKENS = 8
@@ -84,7 +94,23 @@ def grouped_config(x: Tensor, w13: Tensor, topk_ids: Tensor) -> MoeDotConfig | N
     return fitted_moe_dot_config(topk_ids.numel(), w13.shape[0], x.element_size(), device_caps(x.device))
 
 
+def route_kernel_supported(logits: Tensor) -> bool:
+    """The routing kernel takes these logits: on a CUDA/HIP device, at most ROUTE_MAX_EXPERTS experts, Triton
+    importable."""
+    return logits.is_cuda and logits.shape[1] <= ROUTE_MAX_EXPERTS and triton_importable()
+
+
 # --- reference (plain PyTorch, fp32) ---
+
+
+def moe_route_reference(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """model.MoEFeedForward.route's choice from logits (T, E): softmax in fp32, torch.topk (sorted), optionally
+    divided by the chosen probabilities' sum; weights (T, k) fp32 and ids (T, k) int64."""
+    probs = logits.float().softmax(dim=-1)  # (T, E)
+    weights, ids = probs.topk(top_k, dim=-1)  # (T, k) each, largest first
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.contiguous(), ids.contiguous()
 
 
 def activation(gate: Tensor, gelu: bool) -> Tensor:
@@ -232,7 +258,34 @@ def _check_routing(x: Tensor, n_experts: int, topk_ids: Tensor, topk_weights: Te
         raise ValueError(f"{name}: all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-# --- the custom op ---
+def _check_route(logits: Tensor, top_k: int) -> None:
+    name = "redline.moe_route"
+    if logits.dim() != 2:
+        raise ValueError(f"{name}: logits must be (T, E), got shape {tuple(logits.shape)}; flatten the tokens first")
+    if logits.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: logits must be bf16, fp16 or fp32, got {logits.dtype}; pass the router's output")
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"{name}: top_k={top_k} must be in 1..E={logits.shape[1]}; choose fewer experts per token")
+
+
+# --- the custom ops ---
+
+
+@torch.library.custom_op("redline::moe_route", mutates_args=())
+def moe_route(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """The top_k softmax probabilities of logits (T, E) and their experts, largest first, divided by their sum when
+    renormalize: weights (T, k) fp32, ids (T, k) int64."""
+    _check_route(logits, top_k)
+    if route_kernel_supported(logits):
+        return triton_moe().moe_route(logits, top_k, renormalize)
+    return moe_route_reference(logits, top_k, renormalize)
+
+
+@moe_route.register_fake
+def _moe_route_fake(logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    _check_route(logits, top_k)
+    shape = (logits.shape[0], top_k)  # (T, k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
 
 
 @torch.library.custom_op("redline::moe_experts", mutates_args=())
@@ -261,8 +314,18 @@ def _moe_experts_fake(x: Tensor, w13: Tensor, w2: Tensor, topk_ids: Tensor, topk
 # --- the module use_kernels swaps in ---
 
 
-class KernelMoE(MoEFeedForward):
-    """model.MoEFeedForward whose experts run torch.ops.redline.moe_experts; the routing is unchanged."""
+class _KernelRoute:
+    """The route() of the kernel modules: the router linear, then torch.ops.redline.moe_route; model.py's semantics
+    (MoEFeedForward.route), weights rounded to x's dtype where the model's router rounds them."""
+
+    def route(self, x2d: Tensor) -> tuple[Tensor, Tensor]:
+        """x2d (T, dim) -> the chosen experts' weights (T, k) fp32 and ids (T, k) int64."""
+        weights, ids = torch.ops.redline.moe_route(self.gate(x2d), self.top_k, self.norm_topk_prob)
+        return (weights.to(x2d.dtype).float() if self.rounded else weights), ids
+
+
+class KernelMoE(_KernelRoute, MoEFeedForward):
+    """model.MoEFeedForward whose routing runs torch.ops.redline.moe_route and experts torch.ops.redline.moe_experts."""
 
     def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """The weighted sum (T, dim) of the chosen experts' gated MLPs of x2d (T, dim), by the fused op; weights
@@ -272,8 +335,9 @@ class KernelMoE(MoEFeedForward):
         return torch.ops.redline.moe_experts(x2d, self.w13, self.w2, topk_ids, topk_weights.float(), self.gelu)
 
 
-class _QuantizedKernelExperts:
-    """The experts() of the quantized kernel modules: torch.ops.redline.moe_experts with the experts' scales."""
+class _QuantizedKernelExperts(_KernelRoute):
+    """The route() and experts() of the quantized kernel modules: torch.ops.redline.moe_route, and
+    torch.ops.redline.moe_experts with the experts' scales."""
 
     def experts(self, x2d: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
         """The weighted sum (T, dim) of the chosen quantized experts' gated MLPs of x2d (T, dim), by the fused op."""
@@ -283,7 +347,7 @@ class _QuantizedKernelExperts:
 
 class KernelInt4MoE(_QuantizedKernelExperts, Int4MoEFeedForward):
     """quantize.Int4MoEFeedForward whose int4 experts run the op with their group scales (the kernels read half a
-    byte a weight); the routing is unchanged."""
+    byte a weight); the routing runs redline::moe_route."""
 
 
 @torch.library.custom_op("redline::moe_experts_cpu", mutates_args=(), device_types="cpu")
@@ -328,7 +392,7 @@ class CpuInt4MoE(_CpuExperts, Int4MoEFeedForward):
 
 class KernelInt8MoE(_QuantizedKernelExperts, Int8MoEFeedForward):
     """quantize.Int8MoEFeedForward whose int8 experts run torch.ops.redline.moe_experts with their row scales (the
-    kernels read a byte a weight); the routing is unchanged."""
+    kernels read a byte a weight); the routing runs redline::moe_route."""
 
 
 def cpu_moe_class(module: torch.nn.Module) -> type:

@@ -37,6 +37,11 @@ group, its nibbles are multiplied by the even and the odd inputs, then scaled an
 grouped kernels (`_grouped_gate_up_int4_kernel`, `_grouped_down_int4_kernel`, bf16 and fp16 activations) unpack a
 step's tile (one group) in registers, dequantize it to x's dtype and feed the tensor cores.
 
+The router's softmax and top-k (`moe_route`, one `_route_kernel` program per token): the row of E logits in
+registers (padded to a power of two), softmax in fp32, then k rounds of argmax, each masking the expert it chose
+(ties go to the lowest expert index), optionally renormalized over the k chosen; weights fp32 and ids int64 (T, k),
+in descending order of probability.
+
 Configs come from configs.py (moe_gemv_config, fitted_moe_dot_config); only kernels/moe.py imports this module,
 lazily. The caller validates shapes; expert ids must lie in [0, E) (not checked: that would read the device).
 """
@@ -54,6 +59,11 @@ from .device import device_caps
 # 2 * sqrt(2 / pi): gelu_tanh(g) = g * sigmoid(GELU_TANH_SCALE * (g + 0.044715 g^3)); a constexpr, as Triton reads
 # globals in kernels
 GELU_TANH_SCALE: tl.constexpr = tl.constexpr(1.5957691216057308)
+# Experts per warp of the routing kernel: 8 fp32 logits a lane on 32-lane warps, few enough to stay in registers.
+ROUTE_EXPERTS_PER_WARP = 256
+# The routing kernel's most warps: a row is small work, and each more warp adds shared-memory steps to the k argmax
+# reductions; 4 warps hold kernels.moe's largest E (ROUTE_MAX_EXPERTS = 1024) at 8 logits a lane.
+ROUTE_MAX_WARPS = 4
 
 
 @triton.jit
@@ -343,6 +353,39 @@ def _grouped_down_int4_kernel(
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
+# --- routing: softmax and top-k per token ---
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, weights_ptr, ids_ptr, stride_lt,
+    N_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Token t's k largest softmax probabilities over its E logits, largest first (ties: the lowest expert), and
+    their experts; divided by their sum when RENORMALIZE. BLOCK_E >= N_EXPERTS, BLOCK_K >= TOP_K."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_ok = offs_e < N_EXPERTS
+    logits = tl.load(logits_ptr + t * stride_lt + offs_e, mask=e_ok, other=-float("inf")).to(tl.float32)
+    shifted = tl.exp(logits - tl.max(logits, axis=0))  # (BLOCK_E,) 0 in the padding
+    probs = shifted / tl.sum(shifted, axis=0)
+    probs = tl.where(e_ok, probs, -1.0)  # the padding loses even to an expert whose probability underflowed to 0
+    offs_k = tl.arange(0, BLOCK_K)
+    weights = tl.zeros([BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_K], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best, e = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        weights = tl.where(offs_k == j, best, weights)
+        ids = tl.where(offs_k == j, e, ids)
+        probs = tl.where(offs_e == e, -2.0, probs)  # chosen: below every expert and the padding
+    if RENORMALIZE:
+        weights = weights / tl.sum(weights, axis=0)  # slots past TOP_K hold 0
+    k_ok = offs_k < TOP_K
+    tl.store(weights_ptr + t * TOP_K + offs_k, weights, mask=k_ok)
+    tl.store(ids_ptr + t * TOP_K + offs_k, ids.to(tl.int64), mask=k_ok)
+
+
 # --- launchers ---
 
 
@@ -528,3 +571,28 @@ def _int4_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: tor
             BLOCK_N=config.block_n, BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
+
+
+def route_num_warps(n_experts: int) -> int:
+    """Warps of the routing kernel: one per ROUTE_EXPERTS_PER_WARP experts (at least one, so up to that many experts
+    its k reductions stay within a warp), at most ROUTE_MAX_WARPS."""
+    return max(1, min(ROUTE_MAX_WARPS, triton.next_power_of_2(n_experts) // ROUTE_EXPERTS_PER_WARP))
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice per token by _route_kernel: logits (T, E) bf16/fp16/fp32 -> weights (T, k) fp32 (the
+    softmax probabilities, divided by their sum when renormalize) and ids (T, k) int64, largest first."""
+    n_tokens, n_experts = logits.shape
+    logits = _unit_stride(logits)
+    weights = _empty((n_tokens, top_k), torch.float32, logits.device)  # (T, k)
+    ids = _empty((n_tokens, top_k), torch.int64, logits.device)  # (T, k)
+    if n_tokens == 0:
+        return weights, ids
+    with _device_context(logits):
+        _route_kernel[(n_tokens,)](
+            logits, weights, ids, logits.stride(0),
+            N_EXPERTS=n_experts, TOP_K=top_k, RENORMALIZE=renormalize,
+            BLOCK_E=triton.next_power_of_2(n_experts), BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=route_num_warps(n_experts), num_stages=1,
+        )
+    return weights, ids

@@ -1,7 +1,9 @@
 """The mixture-of-experts calls scripts/check_targets.py records on each target, on meta tensors through the
 launchers redline::moe_experts calls (kernels/triton_moe.py): the GEMV kernels for a few tokens, the grouped
-kernels for more, for each MoE model shape, dtype, token count, activation and expert-id dtype (moe_calls); and
-the shared memory the dispatcher assumed for a grouped kernel's compiled configuration (grouped_moe_smem).
+kernels for more, for each MoE model shape, dtype, token count, activation and expert-id dtype, and the router's
+softmax and top-k kernel (redline::moe_route) for each expert count, k, token count, dtype and renormalization
+(moe_calls); and the shared memory the dispatcher assumed for a grouped kernel's compiled configuration
+(grouped_moe_smem).
 
 Kept apart from check_targets.py (which imports it) so that module stays within one readable file; nothing here
 compiles. `record` is check_targets' launch recorder: its `call` names the call being made.
@@ -39,6 +41,11 @@ MOE_MODELS = (
 MOE_TOKENS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 ID_DTYPES = (torch.int64, torch.int32)
 INT4_GROUP = 128  # quantize.py's default group size, which divides every shape above
+# The router's calls: expert counts of Mixtral (8), OLMoE (64) and Qwen3-MoE (128), with k of 2 (Mixtral) and 8 (the
+# others), over decode, batch and prompt token counts (these change only the grid, so they compile alike).
+ROUTE_EXPERTS = (8, 64, 128)
+ROUTE_TOP_K = (2, 8)
+ROUTE_TOKENS = (1, 4, 256, 4096)
 
 
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -51,9 +58,11 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
     (int64, int32; the grouped kernels read the sorted layout's int32 instead), then with int8 experts (silu, int64
     ids; bf16 and fp16 activations) and int4 experts in groups of INT4_GROUP (silu, int64 ids; under fp32 activations
     only the GEMVs: the grouped path takes the reference there by design), with the path and config the op would
-    choose, setting record.call before each; returns the calls that take the reference (no config fits)."""
+    choose, setting record.call before each, then route_calls; returns the calls that take the reference (no config
+    fits)."""
     from redline.kernels import triton_moe
 
+    dtypes = tuple(dtypes)
     fallbacks = []
     for shape, dtype, n_tokens in itertools.product(models, dtypes, tokens):
         x = _meta(n_tokens, shape.dim, dtype=dtype)
@@ -85,7 +94,21 @@ def moe_calls(record, models: Iterable[MoeShape], dtypes: Iterable[torch.dtype],
                 fallbacks.append(record.call)
                 continue
             triton_moe.moe_grouped(x, up, down, ids, weights, gelu, config, scales=scales)
+    route_calls(record, dtypes)
     return fallbacks
+
+
+def route_calls(record, dtypes: Iterable[torch.dtype]) -> None:
+    """Run redline::moe_route's launcher for every expert count, k (k <= E), token count, logits dtype and
+    renormalization, setting record.call before each (every E here is within moe.ROUTE_MAX_EXPERTS: none takes the
+    reference)."""
+    from redline.kernels import triton_moe
+
+    for n_experts, top_k, n_tokens, dtype, renormalize in itertools.product(
+            ROUTE_EXPERTS, ROUTE_TOP_K, ROUTE_TOKENS, dtypes, (False, True)):
+        if top_k <= n_experts:
+            record.call = f"route {str(dtype)[6:]} experts={n_experts} k={top_k} tokens={n_tokens} renorm={renormalize}"
+            triton_moe.moe_route(_meta(n_tokens, n_experts, dtype=dtype), top_k, renormalize)
 
 
 def grouped_moe_smem(kernel: str, constexprs: dict, options: dict, elt_bytes: int, caps: DeviceCaps) -> int:

@@ -300,7 +300,8 @@ def test_kernel_groups_limit_the_capture():
     assert {x.kernel.rsplit(".", 1)[1] for x in moe} == {"_gate_up_gemv_kernel", "_down_gemv_kernel",
                                                          "_grouped_gate_up_kernel", "_grouped_down_kernel",
                                                          "_gate_up_gemv_int4_kernel", "_down_gemv_int4_kernel",
-                                                         "_grouped_gate_up_int4_kernel", "_grouped_down_int4_kernel"}
+                                                         "_grouped_gate_up_int4_kernel", "_grouped_down_int4_kernel",
+                                                         "_route_kernel"}
     assert ct.parse_args(["--kernels", "paged, attention"]).kernels == ("paged", "attention")
     assert ct.parse_args(["--kernels", "moe"]).kernels == ("moe",)
     assert ct.main(["--kernels", "paged,gemm"]) == 2

@@ -9,12 +9,14 @@ from redline.kernels import fused_decode
 from redline.model import ModelArgs, Transformer
 
 
-@pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm", "partial_longrope"])
+@pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm", "partial_longrope", "moe", "moe_int8",
+                                     "moe_int4"])
 def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
     """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
     the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise.
     Also int8, with a q/k/v bias (Qwen2) or per-head q/k norms (Qwen3) between the projection and the kernel, and
-    with Phi-3's partial rotary and LongRoPE (the kernel ropes the first features from the model's table)."""
+    with Phi-3's partial rotary and LongRoPE (the kernel ropes the first features from the model's table), and for
+    mixtures of experts (a dense block after a sparse one, float, int8 and int4 experts)."""
     import dataclasses
 
     from redline.quantize import quantize_
@@ -23,6 +25,9 @@ def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
     torch.manual_seed(0)
     args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), qkv_bias=variant == "qkv_bias",
                                qk_norm="head" if variant == "qk_norm" else "none")  # GQA 4:1, llama3 rope
+    if variant.startswith("moe"):  # layers 0 and 2 sparse, layer 1 dense: each kind follows the other
+        args = dataclasses.replace(ModelArgs.from_name("debug-tiny-moe"), n_layer=3, moe_layers=(True, False, True),
+                                   moe_intermediate_size=128)
     if variant == "partial_longrope":  # 12 of 16 features rotate; the 64-token cache is past the original 32
         args = dataclasses.replace(args, rotary_dim=12, rope_scaling=RopeScaling(
             rope_type="longrope", original_max_position_embeddings=32, short_factor=(1.0, 1.5, 2.0, 2.5, 3.0, 4.0),
@@ -36,8 +41,11 @@ def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
                     extra.normal_(0, 0.5)
                 elif extra is not None:
                     extra.weight.normal_(1, 0.5)
-    if variant == "int8":
-        quantize_(model, "int8")
+            for experts in (getattr(layer.feed_forward, name, None) for name in ("w13", "w2")):
+                if isinstance(experts, torch.Tensor) and experts.dim() == 3:  # (E, N, K), made empty
+                    experts.normal_(0, experts.shape[-1] ** -0.5)
+    if variant in ("int8", "moe_int8", "moe_int4"):
+        quantize_(model, variant.removeprefix("moe_"))
     kernels.use_kernels(model)
     fused = kernels.FusedDecode(model)
     ids = torch.randint(0, 512, (1, 24))

@@ -319,7 +319,7 @@ def expert_projection_errors(module: MoEFeedForward, float_module: MoEFeedForwar
     return errors
 
 
-def test_kernel_modules_run_the_experts_op_and_the_fused_decode_refuses_them(moe_checkpoint):
+def test_kernel_modules_run_the_experts_op_and_the_fused_decode(moe_checkpoint):
     from redline.kernels import FusedDecode, KernelLinear, KernelMoE, fused_decode_refusal, use_kernels
     from redline.tensor_parallel import shard_args
 
@@ -333,15 +333,22 @@ def test_kernel_modules_run_the_experts_op_and_the_fused_decode_refuses_them(moe
         want = prefill_then_decode_logits(ref, ids, prompt_len=6, cache_len=32)
         got = prefill_then_decode_logits(model, ids, prompt_len=6, cache_len=32)
     assert (got - want).abs().max().item() <= 1e-5, variant
-    assert "a mixture of experts" in fused_decode_refusal(model.args)
-    with pytest.raises(ValueError, match="mixture of experts") as info:
-        FusedDecode(model)
-    assert "\n" not in str(info.value)
     # Tensor parallel splits each expert's intermediate features (tests/test_tensor_parallel.py runs two ranks).
     assert shard_args(model.args, 2).moe_intermediate_size == model.args.moe_intermediate_size // 2
     with pytest.raises(ValueError, match="intermediate_size and moe_intermediate_size divisible by 64") as info:
         shard_args(model.args, 64)
     assert "\n" not in str(info.value)
+    # The fused batch-1 decode takes the sparse blocks too (not Mixtral's sliding window): the same logits.
+    refusal = fused_decode_refusal(model.args)
+    if any(model.args.layer_windows):
+        assert "sliding windows" in refusal and "experts" not in refusal
+        return
+    assert refusal is None
+    fused = FusedDecode(model)
+    model.setup_caches(1, 32)
+    with torch.no_grad():
+        steps = [fused(ids[:, :6], torch.arange(6))] + [fused(ids[:, p:p + 1], torch.tensor([p])) for p in range(6, 16)]
+    assert (torch.cat(steps, dim=1) - want).abs().max().item() <= 1e-5, variant
 
 
 # --- config.json readers and the registry ---
