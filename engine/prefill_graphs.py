@@ -38,8 +38,17 @@ class PrefillGraphs:
         self.max_pages = -(-block_size // kv.page_size)
         self.buckets = tuple(b for b in PREFILL_GRAPH_TOKENS if b <= block_size)  # padding positions stay in range
         n = PREFILL_GRAPH_TOKENS[-1]
-        self.longs = torch.zeros(3 * n + 2, dtype=torch.long, device=device)  # ids, positions, slots, logits_at
-        self.ints = torch.zeros(5 + 2 * self.max_pages, dtype=torch.int32, device=device)  # lens, cu_seqlens, tables
+        # Inference tensors, as the engine thread's own step inputs are: a normal tensor's extra dispatch key
+        # (ADInplaceOrView) fails the compiled step's guards and compiles it a second time.
+        with torch.inference_mode():
+            # The host's values land in two packed buffers (two copies a step)...
+            self.longs = torch.zeros(3 * n + 2, dtype=torch.long, device=device)  # ids, positions, slots, logits_at
+            self.ints = torch.zeros(5 + 2 * self.max_pages, dtype=torch.int32, device=device)  # lens, cu, tables
+            # ...which the step copies into inputs of their own, each at storage offset 0 like the engine's other
+            # step inputs: an offset of 2 or more would fail the compiled step's guards as well.
+            self.step_longs = [torch.zeros(size, dtype=torch.long, device=device) for size in (n, n, n, 2)]
+            self.step_ints = [torch.zeros(size, dtype=torch.int32, device=device)
+                              for size in (2, 3, 2 * self.max_pages)]
         self.graphs: dict[tuple[int, int], tuple[Any, Tensor]] = {}
 
     def bucket(self, chunks: list[Chunk]) -> int | None:
@@ -70,18 +79,27 @@ class PrefillGraphs:
         graph.replay()
         return out
 
-    def _inputs(self, bucket: int, width: int) -> tuple[Tensor, ...]:
-        """ids (1, T), positions, slots (T,), tables (2, W), seq_lens (2,), cu_seqlens (3,), logits_at (2,): views
-        of the staging buffers for one (bucket, width)."""
+    def _inputs(self, bucket: int, width: int) -> tuple[list[tuple[Tensor, Tensor]], tuple[Tensor, ...]]:
+        """(packed view, step input) pairs, and the step's inputs: ids (1, T), positions, slots (T,), tables (2, W),
+        seq_lens (2,), cu_seqlens (3,), logits_at (2,), for one (bucket, width)."""
+        ids, positions, slots = (buffer[:bucket] for buffer in self.step_longs[:3])
+        logits_at, (seq_lens, cu_seqlens, tables) = self.step_longs[3], self.step_ints
+        tables = tables[:2 * width]
         longs, ints = self.longs, self.ints
-        ids, positions, slots = longs[:3 * bucket].view(3, bucket)
-        tables = ints[5:5 + 2 * width].view(2, width)
-        return ids.view(1, bucket), positions, slots, tables, ints[:2], ints[2:5], longs[3 * bucket:3 * bucket + 2]
+        packed = [*longs[:3 * bucket].view(3, bucket), longs[3 * bucket:3 * bucket + 2], ints[:2], ints[2:5],
+                  ints[5:5 + 2 * width]]
+        own = [ids, positions, slots, logits_at, seq_lens, cu_seqlens, tables]
+        return list(zip(packed, own)), (ids.view(1, bucket), positions, slots, tables.view(2, width), seq_lens,
+                                        cu_seqlens, logits_at)
 
-    def _step(self, args: tuple[Tensor, ...]) -> Tensor:
+    def _step(self, inputs: tuple[list[tuple[Tensor, Tensor]], tuple[Tensor, ...]]) -> Tensor:
+        pairs, args = inputs
+        for packed, own in pairs:
+            own.copy_(packed)
         mark_step_dynamic(*args)
         return self.compiled(self.model, self.kv, self.vocab_bias, *args)  # (2, V)
 
-    def _capture(self, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:
-        """The step captured (its warm-up run rewrites the same keys and values)."""
-        return captured(lambda: self._step(args), self.device, self.pool)
+    def _capture(self, inputs: tuple[list[tuple[Tensor, Tensor]], tuple[Tensor, ...]]) -> tuple[Any, Tensor]:
+        """The step captured, its copies from the packed buffers included (its warm-up run rewrites the same keys and
+        values)."""
+        return captured(lambda: self._step(inputs), self.device, self.pool)

@@ -399,7 +399,10 @@ def test_compiled_prefill_steps_give_the_same_tokens(llm):
 
 def test_prefill_graph_steps_give_the_same_tokens(llm):
     """One-chunk steps (a request alone, a second turn served mostly from the prefix cache) run padded to a token
-    bucket with a padding sequence in the scratch page; every request gets the tokens generate gives it alone."""
+    bucket with a padding sequence in the scratch page; every request gets the tokens generate gives it alone. The
+    padded steps and the steps of several chunks share one compiled graph (the staging buffers pass its guards)."""
+    from torch._dynamo.utils import counters
+
     prompts = token_prompts(llm, 4, 9) + [list(range(3, 70))]  # 9..30 tokens, and 67 (chunks of 40 and 27)
     options = [GenerationOptions(max_new_tokens=8, ignore_eos=True),
                GenerationOptions(max_new_tokens=8, ignore_eos=True, temperature=0.9, seed=3)] * 2 + \
@@ -410,6 +413,8 @@ def test_prefill_graph_steps_give_the_same_tokens(llm):
     buckets = []
     real = engine.prefill_graphs.logits
     engine.prefill_graphs.logits = lambda chunk, bucket: buckets.append((chunk.length, bucket)) or real(chunk, bucket)
+    torch._dynamo.reset()  # no graph of prefill_logits from an earlier test
+    graphs = counters["stats"]["unique_graphs"]
     got = [engine.add_request(p, o).result(timeout=600).token_ids for p, o in zip(prompts, options)]
     hits = engine.stats().prefix_cache_hits
     second = engine.add_request(turn, options[0]).result(timeout=600)
@@ -419,6 +424,7 @@ def test_prefill_graph_steps_give_the_same_tokens(llm):
     assert [h.result(timeout=600).token_ids for h in handles] == want[:5]
     engine.shutdown()
     assert {b for _, b in buckets} >= {16, 32, 64} and all(n < b for n, b in buckets)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
     assert engine.pool.num_free == engine.pool.num_pages - 1  # the scratch page stays held
     with pytest.raises(ValueError, match="replays the compiled prefill step; add compile_prefill=True") as info:
         Engine(llm, compile_prefill=False, prefill_graphs=True)
