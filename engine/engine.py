@@ -249,8 +249,11 @@ class Engine:
         self.vocab_bias = vocab_bias(self.vocab_size, self.tokenizer, self.device)
         # Decode steps as CUDA graphs (compiled on the CPU) when the LLM compiles; padding rows write a scratch page.
         scratch = self.pool.reserve() if llm.compile or compile_prefill else None
-        self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device,
-                                   scratch) if llm.compile else None
+        # A one-row step runs the fused batch-1 decode's blocks where the LLM fuses its own (its own sums buffer:
+        # the LLM's static path may run beside the engine).
+        fused = FusedDecode(self.model) if llm.fuse else None
+        self.graphs = DecodeGraphs(self.model, self.kv, self.vocab_bias, self.device, scratch,
+                                   fused) if llm.compile else None
         self.pad_page = scratch if compile_prefill else None  # the compiled prefill step's padding sequence
         if prefill_graphs and not compile_prefill:
             raise ValueError("prefill_graphs replays the compiled prefill step; add compile_prefill=True "

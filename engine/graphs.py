@@ -60,10 +60,13 @@ class DecodeGraphs:
     copies, one per dtype, laid out so that each bucket's slice of the staging buffers is contiguous."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, device: torch.device,
-                 scratch_page: int) -> None:
+                 scratch_page: int, step_model: Any = None) -> None:
+        """step_model: what a step calls, model by default; the LLM's kernels.FusedDecode runs a one-row step's
+        blocks in its fused kernels (the other buckets go on to model)."""
         from redline.runner import CompiledStep
 
         self.model, self.kv, self.vocab_bias, self.device = model, kv, vocab_bias, device
+        self.step_model = model if step_model is None else step_model
         self.max_pages = -(-model.args.block_size // kv.page_size)
         self.scratch_page = scratch_page
         n = MAX_GRAPH_ROWS
@@ -150,7 +153,7 @@ class DecodeGraphs:
     def _step(self, greedy: bool, args: tuple[Tensor, ...]) -> Tensor:
         if self.device.type == "cuda":
             mark_sizes_dynamic(*args[:5])
-        logits = self.compiled(self.model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
+        logits = self.compiled(self.step_model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
         return pick_tokens(logits, greedy, args[1], *args[5:])
 
     def _capture(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from redline.model import Attention, ModelArgs, MoEFeedForward, RMSNorm, Transformer, TransformerBlock
+from redline.model import (Attention, ModelArgs, MoEFeedForward, PagedContext, RMSNorm, Transformer, TransformerBlock,
+                           split_rotated_qkv)
 from redline.quantize import Int4Linear, Int8Linear
 
 # The fused kernels add each output's sum of squares into this many lanes (program i into lane i % lanes):
@@ -46,30 +47,44 @@ def residual_projection(linear: nn.Module, x: Tensor, residual: Tensor, sums: Te
 
 
 def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor | None,
-                index: int, sum_in: int) -> Tensor:
+                index: int, sum_in: int, context: PagedContext | None = None) -> Tensor:
     """block.forward for one token (batch 1) in five ops (a mixture-of-experts block: its attention in three, then
-    its norm, router and experts as the kernel modules run them, and the residual add). x (1, 1, dim).
+    its norm, router and experts as the kernel modules run them, and the residual add). x (1, 1, dim). With a paged
+    context (the batching engine's decode step of one row) the attention between the two projections is the paged
+    one: rope, the page write and the paged decode kernel, as model.Attention runs them.
 
     With `sums`, the residual kernels sum their outputs' squares into slots 2 * index and 2 * index + 1 and each
     norm reads them: the first norm reads slot sum_in, or sums x itself for sum_in -1 (block 0, and a block after a
     mixture of experts, whose output comes from an add). Without (a tensor-parallel rank) each norm sums the squares
     of its all-reduced input in its own GEMV's K loop, so every rank computes identical norms."""
     attn, ffn = block.attention, block.feed_forward
-    cache = attn.cache()
     lanes = sums is not None
     qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm, sums=sums,
                            sum_in=sum_in if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
     if attn.wqkv_bias is not None:  # Qwen2/2.5: added after the rounded projection, as Attention.qkv does
         qkv = qkv + attn.wqkv_bias
-    qkv = attn.normed_qkv(qkv)  # Qwen3's q/k norms, before the kernel ropes q and k
-    out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
+    if context is None:
+        cache = attn.cache()
+        qkv = attn.normed_qkv(qkv)  # Qwen3's q/k norms, before the kernel ropes q and k
+        out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
+    else:
+        out = paged_attention(attn, qkv, rope, context)  # (1, 1, H D)
     h = residual_projection(attn.wo, out, x, sums, 2 * index)  # (1, 1, dim)
     if sparse(block):  # the router's choice stays on the device: no host sync in the step
         return h + ffn(block.ffn_norm(h))  # (1, 1, dim); all-reduced on a tensor-parallel rank
-
     act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums,
                            sum_in=2 * index if lanes else -1)  # (1, 1, I)
     return residual_projection(ffn.w2, act, h, sums, 2 * index + 1)  # (1, 1, dim)
+
+
+def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedContext) -> Tensor:
+    """The projection qkv (1, 1, (H + 2 Hkv) D) of one decoding row -> its attention output (1, 1, H D): q/k norms,
+    rope (rope: the row's (1, 2, Dr/2)), k and v written to the row's page slot, the paged decode attention."""
+    a = attn.args
+    q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim,
+                                None if attn.q_norm is None else attn.normed_qk)  # (1, 1, heads, D) each
+    out = context.attend(q[0], k[0], v[0], a.attention_scale, attn.window, a.attn_softcap)  # (1, H, D)
+    return out.reshape(1, 1, a.q_size)
 
 
 def sparse(block: TransformerBlock) -> bool:
@@ -123,27 +138,34 @@ class FusedDecode(nn.Module):
                                                       device=device), persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
-                from_start: bool = False) -> Tensor:
-        """model.forward's contract; idx (1, 1) takes the fused path and returns logits (1, 1, vocab)."""
+                from_start: bool = False, context: PagedContext | None = None) -> Tensor:
+        """model.forward's contract; idx (1, 1) takes the fused path and returns logits (1, 1, vocab): on the static
+        cache, or with a paged context when it is a decode step (the batching engine's, one row)."""
         model = self.model
-        if idx.numel() != 1:
-            return model(idx, input_pos, logits_at, from_start)
+        if idx.numel() != 1 or (context is not None and not context.decode):
+            return model(idx, input_pos, logits_at, from_start, context)
+        x = model.tok_embeddings(idx)  # (1, 1, dim)
+        if context is not None:
+            return self.token_logits(x, context.kv.rope[context.positions], context.positions, context)
         if model.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
-        return self.one_token_logits(model.tok_embeddings(idx), input_pos)  # (1, 1, vocab)
+        # The attention kernel reads the rope row at input_pos from the whole (S, 2, D/2) table itself: a gather here
+        # would be one more kernel, which inductor re-emits before several layers' attention. No mask either: the
+        # kernel reads keys 0..input_pos.
+        return self.token_logits(x, model.rope, input_pos)  # (1, 1, vocab)
 
-    def one_token_logits(self, x: Tensor, input_pos: Tensor) -> Tensor:
-        """x (1, 1, dim), the token's embedding -> logits (1, 1, vocab), each block in five kernels."""
+    def token_logits(self, x: Tensor, rope: Tensor, input_pos: Tensor, context: PagedContext | None = None) -> Tensor:
+        """x (1, 1, dim), the token's embedding -> logits (1, 1, vocab), each block in five kernels. rope: the whole
+        table (static cache), or the row's (1, 2, Dr/2) (paged)."""
         model = self.model
         sums = None if self.parallel else self.norm_sums
         if sums is not None:
             sums.zero_()
-        # The attention kernel reads the rope row at input_pos from the whole (S, 2, D/2) table itself: a gather here
-        # would be one more kernel, which inductor re-emits before several layers' attention. No mask either: the
-        # kernel reads keys 0..input_pos.
         sum_in = -1
         for i, layer in enumerate(model.layers):
-            x = fused_block(layer, x, model.rope, input_pos, sums, i, sum_in)
+            if context is not None:
+                context.layer = i
+            x = fused_block(layer, x, rope, input_pos, sums, i, sum_in, context)
             sum_in = -1 if sparse(layer) else 2 * i + 1
         return fused_projection(model.output, x, norm=model.norm, sums=sums,
                                 sum_in=sum_in if sums is not None else -1)  # (1, 1, vocab)

@@ -90,3 +90,55 @@ def test_fused_decode_zeroes_its_sums_each_step():
         first = fused(token, pos)
         assert fused.norm_sums.abs().sum() > 0  # the residual kernels wrote their sums
         torch.testing.assert_close(fused(token, pos), first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qk_norm", "moe"])
+def test_fused_paged_decode_gives_the_model_logits(variant):
+    """A one-row paged decode step (the batching engine's, engine/graphs.decode_logits) through FusedDecode runs the
+    fused projections around the paged attention: the logits of model.forward_paged, step after step, with the keys
+    and values each path wrote to its own pool; a step of two rows goes on to the model."""
+    import dataclasses
+
+    from redline.engine.graphs import decode_logits
+    from redline.model import PagedKVCache
+
+    torch.manual_seed(0)
+    args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), qk_norm="head" if variant == "qk_norm"
+                               else "none", block_size=64)
+    if variant == "moe":
+        args = dataclasses.replace(ModelArgs.from_name("debug-tiny-moe"), block_size=64, moe_layers=(True, False))
+    model = kernels.use_kernels(Transformer(args).eval())
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 3:  # stacked experts, made empty
+                p.normal_(0, p.shape[-1] ** -0.5)
+        for name, norm in model.named_modules():
+            if name.endswith(("q_norm", "k_norm")):
+                norm.weight.normal_(1, 0.5)
+    fused = kernels.FusedDecode(model)
+    page_size, pages = 4, [3, 0, 5, 1]  # a sequence's pages out of order in the pool
+    ids = torch.randint(0, args.vocab_size, (14,))
+
+    def logits_of(step_model, rows: int) -> torch.Tensor:  # (steps, rows, V): one token a step from position 0
+        kv = PagedKVCache(args, 8, page_size, torch.float32, torch.device("cpu"))
+        tables = torch.tensor([pages] * rows, dtype=torch.int32)  # (rows, W): rows share pages (same tokens)
+        out = []
+        for p in range(ids.numel()):
+            positions = torch.full((rows,), p)
+            slots = torch.full((rows,), pages[p // page_size] * page_size + p % page_size)
+            seq_lens = torch.full((rows,), p + 1, dtype=torch.int32)
+            out.append(decode_logits(step_model, kv, None, ids[p].repeat(1, rows), positions, slots, tables, seq_lens))
+        return torch.stack(out)
+
+    calls = []
+    original = fused_decode.fused_block
+    with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_decode, "fused_block", lambda *a: calls.append(1) or original(*a))
+        want = logits_of(model, 1)
+        assert not calls
+        got = logits_of(fused, 1)
+        assert len(calls) == ids.numel() * args.n_layer  # every step took the fused path
+        two = logits_of(fused, 2)
+        assert len(calls) == ids.numel() * args.n_layer  # two rows: the model's path
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(two, want.expand_as(two), atol=1e-4, rtol=1e-4)
