@@ -4,12 +4,12 @@
     logits = fused(token, input_pos)  # one token: the fused path; anything else: model(...)
 
 Per block: norm+qkv, rope+cache write+attention (redline::decode_attention_qkv), wo+residual,
-norm+gate/up+SwiGLU, w2+residual (a q/k/v bias, Qwen2's, or q/k norms, Qwen3's, add one or two more; a mixture
+norm+gate/up+SwiGLU, w2+residual (Qwen2's q/k/v bias rides in the first; Qwen3's q/k norms add one or two; a mixture
 of experts runs norm, router, redline::moe_route and redline::moe_experts after the attention's three); the final
 norm rides in the output head's GEMV. Each residual kernel also adds its output's sum of squares into a slot of an
 fp32 buffer, so the next norm needs no pass of its own. Same math and roundings as model.Transformer.forward,
 except that the normalized input of a projection stays fp32 (the GPU kernel does not round it to the activation
-dtype).
+dtype) and a q/k/v bias is added to the projection before it is rounded.
 """
 from __future__ import annotations
 
@@ -59,10 +59,11 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
     of its all-reduced input in its own GEMV's K loop, so every rank computes identical norms."""
     attn, ffn = block.attention, block.feed_forward
     lanes = sums is not None
-    qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm, sums=sums,
+    # Qwen2/2.5's q/k/v bias rides in the projection's kernel as its residual (added to the fp32 product, where
+    # Attention.qkv adds it to the rounded projection).
+    bias = None if attn.wqkv_bias is None else attn.wqkv_bias.view(1, 1, -1)
+    qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm, residual=bias, sums=sums,
                            sum_in=sum_in if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
-    if attn.wqkv_bias is not None:  # Qwen2/2.5: added after the rounded projection, as Attention.qkv does
-        qkv = qkv + attn.wqkv_bias
     if context is None:
         cache = attn.cache()
         qkv = attn.normed_qkv(qkv)  # Qwen3's q/k norms, before the kernel ropes q and k
