@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from redline.model import Attention, split_rotated_qkv
+from redline.model import Attention, rms_norm, split_rotated_qkv
 
 from .configs import AttentionConfig, fitted_attention_config
 from .device import device_caps, triton_importable
@@ -163,13 +163,16 @@ def _decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_po
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous like the real output
 
 
-def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
-                                   input_pos: Tensor) -> Tensor:
-    """The unfused model's steps: split qkv, rope q and k (model.split_rotated_qkv), write k and v into the caches at
+def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
+                                   q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                                   norm_eps: float = 0.0) -> Tensor:
+    """The unfused model's steps: split qkv, per-head RMS norms of q and k when given (model.rms_norm with the
+    weights q_norm and k_norm (D,)), rope q and k (model.split_rotated_qkv), write k and v into the caches at
     input_pos, then decode attention; returns (B, 1, H D)."""
     batch = qkv.shape[0]
     n_heads, n_kv_heads, head_dim = _qkv_heads(qkv, k_cache)
-    q, k, v = split_rotated_qkv(qkv, rope[input_pos], n_heads, n_kv_heads, head_dim)
+    normed = None if q_norm is None else (lambda q, k: (rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)))
+    q, k, v = split_rotated_qkv(qkv, rope[input_pos], n_heads, n_kv_heads, head_dim, normed)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
     k_cache.index_copy_(2, input_pos, k)
     v_cache.index_copy_(2, input_pos, v)
@@ -177,9 +180,20 @@ def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor
     return out.transpose(1, 2).reshape(batch, 1, n_heads * head_dim)
 
 
-def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
-                                input_pos: Tensor) -> None:
+def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
+                                q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                                norm_eps: float = 0.0) -> None:
     name = "redline.decode_attention_qkv"
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{name}: per-head norms need both q_norm and k_norm; pass both or neither")
+    if q_norm is not None:
+        head_dim = k_cache.shape[-1]
+        for label, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if weight.shape != (head_dim,) or weight.dtype != qkv.dtype or weight.device != qkv.device:
+                raise ValueError(f"{name}: {label} must be ({head_dim},) of {qkv.dtype} on {qkv.device} (one weight a "
+                                 f"head feature), got {tuple(weight.shape)} of {weight.dtype} on {weight.device}")
+        if not norm_eps > 0:
+            raise ValueError(f"{name}: norm_eps must be positive with per-head norms, got {norm_eps}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"{name}: k_cache and v_cache must be (B, Hkv, S, D) of one shape, "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -207,23 +221,28 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
 
 
 @torch.library.custom_op("redline::decode_attention_qkv", mutates_args=("k_cache", "v_cache"))
-def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor) -> Tensor:
+def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
+                         q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
     """One decode token's attention from its raw qkv projection: rotates q and k with rope (the model's cos/sin
     table; row input_pos is read on the device, so no gather kernel runs before this op), writes k and v into the
-    caches at input_pos, attends over keys 0..input_pos; (B, 1, H D).
+    caches at input_pos, attends over keys 0..input_pos; (B, 1, H D). q_norm and k_norm (D,): per-head RMS norms
+    (eps norm_eps) of q and k before rope, Qwen3's, in the same kernel.
     On the GPU it is one kernel (two with a long cache: the split partials are combined)."""
-    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
+    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm, norm_eps)
     # (qkv's device and dtype match the cache's: checked above)
     n_heads = _qkv_heads(qkv, k_cache)[0]
     if _kernel_supported(k_cache) and attention_kernel_config(qkv.shape[0], n_heads, k_cache) is not None:
-        return triton_attention().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
-    return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos).contiguous()
+        norms = None if q_norm is None else (q_norm.contiguous(), k_norm.contiguous(), norm_eps)
+        return triton_attention().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, qk_norms=norms)
+    return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm,
+                                          norm_eps).contiguous()
 
 
 @decode_attention_qkv.register_fake
-def _decode_attention_qkv_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
-                               input_pos: Tensor) -> Tensor:
-    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos)
+def _decode_attention_qkv_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
+                               q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                               norm_eps: float = 0.0) -> Tensor:
+    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm, norm_eps)
     batch, n_kv_heads, _, head_dim = k_cache.shape
     return qkv.new_empty((batch, 1, qkv.shape[-1] - 2 * n_kv_heads * head_dim))
 

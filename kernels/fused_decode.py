@@ -4,7 +4,7 @@
     logits = fused(token, input_pos)  # one token: the fused path; anything else: model(...)
 
 Per block: norm+qkv, rope+cache write+attention (redline::decode_attention_qkv), wo+residual,
-norm+gate/up+SwiGLU, w2+residual (Qwen2's q/k/v bias rides in the first; Qwen3's q/k norms add one or two; a mixture
+norm+gate/up+SwiGLU, w2+residual (Qwen2's q/k/v bias rides in the first, Qwen3's q/k norms in the second; a mixture
 of experts runs norm, router, redline::moe_route and redline::moe_experts after the attention's three); the final
 norm rides in the output head's GEMV. Each residual kernel also adds its output's sum of squares into a slot of an
 fp32 buffer, so the next norm needs no pass of its own. Same math and roundings as model.Transformer.forward,
@@ -66,8 +66,11 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
                            sum_in=sum_in if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
     if context is None:
         cache = attn.cache()
-        qkv = attn.normed_qkv(qkv)  # Qwen3's q/k norms, before the kernel ropes q and k
-        out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos)  # (1, 1, H D)
+        norms = head_norms(attn)  # Qwen3's per-head q/k norms, in the attention kernel before it ropes q and k
+        if norms is None:
+            qkv = attn.normed_qkv(qkv)  # other q/k norms (or none) run before it
+        out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos,
+                                                     *(norms or ()))  # (1, 1, H D)
     else:
         out = paged_attention(attn, qkv, rope, context)  # (1, 1, H D)
     h = residual_projection(attn.wo, out, x, sums, 2 * index)  # (1, 1, dim)
@@ -76,6 +79,15 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
     act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums,
                            sum_in=2 * index if lanes else -1)  # (1, 1, I)
     return residual_projection(ffn.w2, act, h, sums, 2 * index + 1)  # (1, 1, dim)
+
+
+def head_norms(attn: Attention) -> tuple[Tensor, Tensor, float] | None:
+    """The q and k norms' weights and eps where they are plain RMS norms over each head's features (Qwen3), which
+    the attention kernel applies itself; else None."""
+    a = attn.args
+    if attn.q_norm is None or a.qk_norm != "head" or a.norm_offset != 0.0 or a.norm_scale_fp32:
+        return None
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
 
 
 def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedContext) -> Tensor:

@@ -82,6 +82,22 @@ def _rotated(ptr, offs_d, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def _normed_rotated(ptr, offs_d, cos, sin, HALF: tl.constexpr, w_ptr, eps, HEAD_DIM: tl.constexpr,
+                    ROW_AXIS: tl.constexpr, dtype: tl.constexpr):
+    """_rotated of rows first normalized as model.rms_norm does over each row's HEAD_DIM features (Qwen3's per-head
+    q/k norm): x * rsqrt(mean(x**2) + eps) in fp32, rounded to dtype, times the weight w_ptr (D,), rounded again.
+    ROW_AXIS: the axis of offs_d that holds a row's features."""
+    x = tl.load(ptr + offs_d).to(tl.float32)  # (..., D)
+    inv = tl.rsqrt(tl.sum(x * x, axis=ROW_AXIS, keep_dims=True) / HEAD_DIM + eps)  # (..., 1)
+    partner_d = (offs_d + HALF) % (2 * HALF)
+    partner = tl.load(ptr + partner_d).to(tl.float32)
+    x = ((x * inv).to(dtype).to(tl.float32) * tl.load(w_ptr + offs_d).to(tl.float32)).to(dtype).to(tl.float32)
+    partner = ((partner * inv).to(dtype).to(tl.float32)
+               * tl.load(w_ptr + partner_d).to(tl.float32)).to(dtype).to(tl.float32)
+    return x * cos + tl.where(offs_d < HALF, -partner, partner) * sin
+
+
+@triton.jit
 def _seen(s_idx, length, lo, WINDOW: tl.constexpr):
     """Which keys at positions s_idx a query sees: before length, and with WINDOW from lo on."""
     if WINDOW:
@@ -108,19 +124,20 @@ def _attend_block(q, k, v, s_idx, length, lo, m_i, l_i, acc, qk_scale, DOT_PRECI
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, rope_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, rope_ptr, qn_ptr, kn_ptr,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh,
-    seq_len, num_splits, qk_scale,
+    seq_len, num_splits, qk_scale, norm_eps,
     N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROPE_QKV: tl.constexpr, USE_PDL: tl.constexpr, ROT: tl.constexpr,
-    window, WINDOW: tl.constexpr,
+    window, WINDOW: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of the token at input_pos; the kernel
     rotates the first ROT features of q and the new key (rope_ptr: the (S, 2, ROT/2) fp32 cos/sin table; row
     input_pos; ROT < D is partial rotary, the rest pass through), and the split that owns input_pos writes the key
-    and value into the caches before any program of its group reads them.
+    and value into the caches before any program of its group reads them. QK_NORM (with ROPE_QKV): each query and
+    the new key are first RMS-normalized per head with the weights qn_ptr / kn_ptr (D,) and norm_eps (Qwen3).
 
     With ROPE_QKV the split's first block of keys and values is loaded before the PDL wait: those cache rows
     (before input_pos) were written by earlier steps, input_pos by the step's start and the rope table at setup, so
@@ -160,12 +177,20 @@ def _split_kernel(
     if ROPE_QKV:
         q_rows = q_ptr + b * stride_qb + tl.minimum(heads, N_KV_HEADS * GROUP - 1)[:, None] * HEAD_DIM
         # Padded rows re-read the last head (in bounds, finite) and are never stored.
-        q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(k_ptr.dtype.element_ty)
+        if QK_NORM:
+            q = _normed_rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF, qn_ptr, norm_eps, HEAD_DIM,
+                                1, k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+        else:
+            q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(k_ptr.dtype.element_ty)
         q = tl.where(row_ok[:, None], q, 0.0)  # (BLOCK_G, D)
         if split == active - 1:  # this split holds input_pos: store the token's key and value first
             new_k = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + kvh) * HEAD_DIM
             new_v = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + N_KV_HEADS + kvh) * HEAD_DIM
-            k_new = _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty)  # (D,)
+            if QK_NORM:
+                k_new = _normed_rotated(new_k, offs_d, cos, sin, HALF, kn_ptr, norm_eps, HEAD_DIM, 0,
+                                        k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # (D,)
+            else:
+                k_new = _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty)  # (D,)
             v_new = tl.load(new_v + offs_d)
             tl.store(k_base + pos * stride_ks + offs_d, k_new)
             tl.store(v_base + pos * stride_vs + offs_d, v_new)
@@ -322,23 +347,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
-                         input_pos: torch.Tensor, config: AttentionConfig | None = None) -> torch.Tensor:
+                         input_pos: torch.Tensor, config: AttentionConfig | None = None,
+                         qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """Rope, cache write and attention for one token: qkv (B, 1, (H + 2 Hkv) D) raw projections at input_pos,
     rope (S', 2, R/2) fp32, the cos/sin table of the first R <= D features of each head with S' >= the cache length
     S (row input_pos is read on the device). Writes the rotated key and the value into the caches at input_pos and
-    returns (B, 1, H D) contiguous. The caller (kernels/attention.py) validates."""
+    returns (B, 1, H D) contiguous. qk_norms: (q weight (D,), k weight (D,), eps) of per-head RMS norms applied to q
+    and k before rope. The caller (kernels/attention.py) validates."""
     batch = qkv.shape[0]
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
     qkv = qkv.reshape(batch, -1).contiguous()
     out = torch.empty((batch, 1, n_heads * head_dim), device=qkv.device, dtype=qkv.dtype)  # (B, 1, H D)
-    _launch(qkv, k_cache, v_cache, input_pos, out, n_heads, rope.contiguous(), config)
+    _launch(qkv, k_cache, v_cache, input_pos, out, n_heads, rope.contiguous(), config, qk_norms=qk_norms)
     return out
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
             out: torch.Tensor, n_heads: int, rope: torch.Tensor | None, config: AttentionConfig | None,
-            window: int = 0) -> None:
+            window: int = 0, qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
     """Run the split (and combine) kernels into out, viewed as (B, H, D) rows of D. q is (B, H, 1, D)
     rotated queries, or with rope given the raw (B, (H + 2 Hkv) D) projections (the fused kernel)."""
     batch = q.shape[0]
@@ -373,13 +400,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         _split_kernel[(batch * n_kv_heads, splits)](
             q, k_cache, v_cache, input_pos, out, m, l, acc, rope if rope is not None else q,
+            *(qk_norms[:2] if qk_norms else (q, q)),
             q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), n_heads * head_dim, head_dim,
-            seq_len, splits, LOG2E / math.sqrt(head_dim),
+            seq_len, splits, LOG2E / math.sqrt(head_dim), qk_norms[2] if qk_norms else 0.0,
             N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, BLOCK_G=block_g, BLOCK_S=config.block_s,
             HEAD_DIM=head_dim, DOT_PRECISION=precision, ROPE_QKV=rope is not None, USE_PDL=pdl,
             ROT=head_dim if rope is None else 2 * rope.shape[-1], window=window, WINDOW=window > 0,
-            num_warps=config.num_warps, num_stages=stages, **extra,
+            QK_NORM=qk_norms is not None, num_warps=config.num_warps, num_stages=stages, **extra,
         )
         if splits > 1:
             _combine_kernel[(batch * n_heads,)](

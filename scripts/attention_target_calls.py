@@ -59,6 +59,11 @@ def attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype], dec
         if attention.attention_kernel_config(1, h, cache) is not None:
             triton_attention.decode_attention_qkv(_meta(1, 1, (h + 2 * hkv) * d, dtype=dtype), cache, cache, partial,
                                                   _meta(1, dtype=torch.int64))
+            # Qwen3's per-head q/k norms in the fused decode's kernel are one more variant of it.
+            record.call = f"{model.name} attention q/k norms {str(dtype)[6:]}"
+            norm = _meta(d, dtype=dtype)
+            triton_attention.decode_attention_qkv(_meta(1, 1, (h + 2 * hkv) * d, dtype=dtype), cache, cache, rope,
+                                                  _meta(1, dtype=torch.int64), qk_norms=(norm, norm, 1e-6))
             # A sliding-window layer's decode (Gemma 3, Phi-3-mini) is one more variant of both kernels.
             record.call = f"{model.name} attention window {str(dtype)[6:]}"
             triton_attention.decode_attention(_meta(1, h, 1, d, dtype=dtype), cache, cache, _meta(1, dtype=torch.int64),

@@ -57,7 +57,8 @@ def test_each_target_gets_the_paths_it_supports(launches):
                      "_prefill_rope_cache_kernel", "_paged_split_kernel", "_paged_combine_kernel",
                      "_paged_prefill_kernel", "_gate_up_gemv_kernel", "_down_gemv_kernel",
                      "_grouped_gate_up_kernel", "_grouped_down_kernel", "_gate_up_gemv_int4_kernel",
-                     "_down_gemv_int4_kernel", "_grouped_gate_up_int4_kernel", "_grouped_down_int4_kernel"}
+                     "_down_gemv_int4_kernel", "_grouped_gate_up_int4_kernel", "_grouped_down_int4_kernel",
+                     "_route_kernel"}
     assert any(x.kernel.startswith("redline.kernels.triton_int4.") for x in gfx90a)
     # the int4 tensor-core kernel converts nibbles with inline PTX on NVIDIA only
     assert _find(sm90, "_int4_dot_kernel", "PTX=True") and not _find(sm90, "_int4_dot_kernel", "PTX=False")

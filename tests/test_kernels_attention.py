@@ -351,6 +351,66 @@ def test_qkv_op_validation(change, match):
 def test_qkv_op_opcheck_cpu():
     qkv, k, v, rope, ip = qkv_inputs(1, 8, 2, 40, 32, 5)
     torch.library.opcheck(torch.ops.redline.decode_attention_qkv.default, (qkv, k, v, rope, ip))
+    q_norm, k_norm = torch.rand(32) + 0.5, torch.rand(32) + 0.5
+    torch.library.opcheck(torch.ops.redline.decode_attention_qkv.default, (qkv, k, v, rope, ip, q_norm, k_norm, 1e-6))
+
+
+def head_normed_steps(qkv, k, v, rope, pos, q_norm, k_norm, eps):
+    """unfused_steps after Qwen3's per-head q/k norms (model.rms_norm over each head of q and of k)."""
+    from redline.model import rms_norm
+
+    head_dim = k.shape[-1]
+    n_q = qkv.shape[-1] - 2 * k.shape[1] * head_dim
+    q_, k_, v_ = qkv.split([n_q, k.shape[1] * head_dim, k.shape[1] * head_dim], dim=-1)
+    q_ = rms_norm(q_.unflatten(-1, (-1, head_dim)), q_norm, eps).flatten(-2)
+    k_ = rms_norm(k_.unflatten(-1, (-1, head_dim)), k_norm, eps).flatten(-2)
+    return unfused_steps(torch.cat([q_, k_, v_], dim=-1), k, v, rope, pos)
+
+
+@pytest.mark.parametrize("pos", [0, 17])
+def test_qkv_op_with_head_norms_on_cpu(pos):
+    """q_norm / k_norm: each head of q and of k RMS-normalized (Qwen3) before rope, the cache write and attention;
+    weights and inputs far from unit scale, so the test fails without the norms."""
+    qkv, k, v, rope, ip = qkv_inputs(2, 8, 2, 40, 32, pos)
+    qkv = qkv * 4
+    q_norm, k_norm = torch.rand(32) * 2 + 0.2, torch.rand(32) * 2 + 0.2
+    ref, k_ref, v_ref = head_normed_steps(qkv, k, v, rope, pos, q_norm, k_norm, 1e-6)
+    out = torch.ops.redline.decode_attention_qkv(qkv, k, v, rope, ip, q_norm, k_norm, 1e-6)
+    torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(k[:, :, pos], unfused_steps(qkv, k, v, rope, pos)[1][:, :, pos], atol=1e-2)
+    if pos:  # (at position 0 the output is the one value, whatever q and k)
+        assert not torch.allclose(out, unfused_steps(qkv, k, v, rope, pos)[0], atol=1e-2)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(k_norm=None), "need both q_norm and k_norm"),
+    (dict(q_norm=torch.ones(16)), "q_norm must be \\(32,\\)"),
+    (dict(k_norm=torch.ones(32, dtype=torch.float16)), "k_norm must be"),
+    (dict(eps=0.0), "norm_eps must be positive"),
+])
+def test_qkv_op_head_norm_validation(change, match):
+    qkv, k, v, rope, ip = qkv_inputs(1, 4, 2, 40, 32, 3)
+    args = dict(q_norm=torch.ones(32), k_norm=torch.ones(32), eps=1e-6)
+    args.update(change)
+    with pytest.raises(ValueError, match=match) as info:
+        torch.ops.redline.decode_attention_qkv(qkv, k, v, rope, ip, args["q_norm"], args["k_norm"], args["eps"])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_len", [256, 2304])
+def test_gpu_qkv_kernel_with_head_norms_matches_unfused_steps(seq_len):
+    """Qwen3-8B's heads (32 q, 8 kv, 128 wide) with per-head q/k norms in the kernel, against the model's steps."""
+    for pos in (0, 63, seq_len - 1):
+        qkv, k, v, rope, ip = qkv_inputs(1, 32, 8, seq_len, 128, pos, torch.bfloat16, "cuda")
+        qkv = qkv * 4
+        q_norm = (torch.rand(128, device="cuda") * 2 + 0.2).bfloat16()
+        k_norm = (torch.rand(128, device="cuda") * 2 + 0.2).bfloat16()
+        ref, _, _ = head_normed_steps(qkv.float(), k.float(), v.float(), rope, pos, q_norm.float(), k_norm.float(),
+                                      1e-6)
+        out = torch.ops.redline.decode_attention_qkv(qkv, k.clone(), v.clone(), rope, ip, q_norm, k_norm, 1e-6)
+        assert rel_err(out, ref) <= BF16_TOL, pos
 
 
 @pytest.mark.gpu

@@ -34,7 +34,7 @@ CASES = [
     *[(f"dot_{m}", d) for m in (2, 17, 70) for d in ("float32", "float16")],
     ("dot_int8", "float16"),
     *[(f"int4dot_{m}", d) for m in INT4_DOT_ROWS for d in ("float32", "float16")],
-    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial", "window",
+    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial", "qkvnorm", "window",
                                        "windowsingle") for d in ("float32", "float16")],
     ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"), ("rope_partial", "float32"),
 ]
@@ -131,8 +131,13 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
         rope = _rope_table(seq_len, 24 if variant == "qkvpartial" else head_dim)
         qkv = torch.randn(batch, 1, (n_heads + 2 * n_kv_heads) * head_dim, dtype=dtype)
         k_ref, v_ref = k_cache.clone(), v_cache.clone()
-        want = da.decode_attention_qkv_reference(qkv, k_ref, v_ref, rope, input_pos)
-        got = ta.decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, config=config)
+        # qkvnorm: Qwen3's per-head q/k norms in the kernel, weights far from 1, rows far from unit scale
+        norms = (torch.randn(head_dim, dtype=dtype) * 0.5 + 1, torch.randn(head_dim, dtype=dtype) * 0.5 + 1, 1e-6)
+        if variant == "qkvnorm":
+            qkv = qkv * 3
+        norms = norms if variant == "qkvnorm" else None
+        want = da.decode_attention_qkv_reference(qkv, k_ref, v_ref, rope, input_pos, *(norms or ()))
+        got = ta.decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, config=config, qk_norms=norms)
         cache_err = max(_rel_err(k_cache[:, :, pos], k_ref[:, :, pos]), _rel_err(v_cache[:, :, pos], v_ref[:, :, pos]))
         return max(_rel_err(got, want), cache_err)
     q = torch.randn(batch, n_heads, 1, head_dim, dtype=dtype)  # (B, H, 1, D)
