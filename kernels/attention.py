@@ -165,10 +165,11 @@ def _decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_po
 
 def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
                                    q_norm: Tensor | None = None, k_norm: Tensor | None = None,
-                                   norm_eps: float = 0.0) -> Tensor:
+                                   norm_eps: float = 0.0, window: int = 0, scale: float = 0.0) -> Tensor:
     """The unfused model's steps: split qkv, per-head RMS norms of q and k when given (model.rms_norm with the
     weights q_norm and k_norm (D,)), rope q and k (model.split_rotated_qkv), write k and v into the caches at
-    input_pos, then decode attention; returns (B, 1, H D)."""
+    input_pos, then decode attention (window > 0: over the last `window` keys; scale: the scores' factor, 0 for
+    D ** -0.5, applied to q in fp32); returns (B, 1, H D)."""
     batch = qkv.shape[0]
     n_heads, n_kv_heads, head_dim = _qkv_heads(qkv, k_cache)
     normed = None if q_norm is None else (lambda q, k: (rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)))
@@ -176,14 +177,20 @@ def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
     k_cache.index_copy_(2, input_pos, k)
     v_cache.index_copy_(2, input_pos, v)
-    out = torch.ops.redline.decode_attention(q, k_cache, v_cache, input_pos)  # (B, H, 1, D)
+    if scale and scale != head_dim ** -0.5:  # the op scales by D ** -0.5: q carries the rest
+        q = (q.float() * (scale * math.sqrt(head_dim))).to(q.dtype)
+    out = torch.ops.redline.decode_attention(q, k_cache, v_cache, input_pos, window)  # (B, H, 1, D)
     return out.transpose(1, 2).reshape(batch, 1, n_heads * head_dim)
 
 
 def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
                                 q_norm: Tensor | None = None, k_norm: Tensor | None = None,
-                                norm_eps: float = 0.0) -> None:
+                                norm_eps: float = 0.0, window: int = 0, scale: float = 0.0) -> None:
     name = "redline.decode_attention_qkv"
+    if window < 0:
+        raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
+    if not (scale >= 0 and math.isfinite(scale)):
+        raise ValueError(f"{name}: scale must be a finite factor > 0, or 0 for head_dim ** -0.5, got {scale}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError(f"{name}: per-head norms need both q_norm and k_norm; pass both or neither")
     if q_norm is not None:
@@ -222,27 +229,30 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
 
 @torch.library.custom_op("redline::decode_attention_qkv", mutates_args=("k_cache", "v_cache"))
 def decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
-                         q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+                         q_norm: Tensor | None = None, k_norm: Tensor | None = None, norm_eps: float = 0.0,
+                         window: int = 0, scale: float = 0.0) -> Tensor:
     """One decode token's attention from its raw qkv projection: rotates q and k with rope (the model's cos/sin
     table; row input_pos is read on the device, so no gather kernel runs before this op), writes k and v into the
-    caches at input_pos, attends over keys 0..input_pos; (B, 1, H D). q_norm and k_norm (D,): per-head RMS norms
-    (eps norm_eps) of q and k before rope, Qwen3's, in the same kernel.
+    caches at input_pos, attends over keys 0..input_pos (window > 0: the last `window` of them, a sliding-window
+    layer); (B, 1, H D). q_norm and k_norm (D,): per-head RMS norms (eps norm_eps) of q and k before rope, Qwen3's,
+    in the same kernel. scale: the scores' factor (Gemma's query_pre_attn_scalar ** -0.5), 0 for D ** -0.5.
     On the GPU it is one kernel (two with a long cache: the split partials are combined)."""
-    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm, norm_eps)
+    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm, norm_eps, window, scale)
     # (qkv's device and dtype match the cache's: checked above)
     n_heads = _qkv_heads(qkv, k_cache)[0]
     if _kernel_supported(k_cache) and attention_kernel_config(qkv.shape[0], n_heads, k_cache) is not None:
         norms = None if q_norm is None else (q_norm.contiguous(), k_norm.contiguous(), norm_eps)
-        return triton_attention().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, qk_norms=norms)
-    return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm,
-                                          norm_eps).contiguous()
+        return triton_attention().decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, qk_norms=norms,
+                                                       window=window, scale=scale)
+    return decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm, norm_eps,
+                                          window, scale).contiguous()
 
 
 @decode_attention_qkv.register_fake
 def _decode_attention_qkv_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
                                q_norm: Tensor | None = None, k_norm: Tensor | None = None,
-                               norm_eps: float = 0.0) -> Tensor:
-    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm, norm_eps)
+                               norm_eps: float = 0.0, window: int = 0, scale: float = 0.0) -> Tensor:
+    _check_decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, q_norm, k_norm, norm_eps, window, scale)
     batch, n_kv_heads, _, head_dim = k_cache.shape
     return qkv.new_empty((batch, 1, qkv.shape[-1] - 2 * n_kv_heads * head_dim))
 

@@ -27,13 +27,22 @@ NORM_SUM_LANES = 32
 
 
 def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None,
-                     swiglu: bool = False, sums: Tensor | None = None, sum_in: int = -1, sum_out: int = -1) -> Tensor:
+                     swiglu: bool = False, sums: Tensor | None = None, sum_in: int = -1, sum_out: int = -1,
+                     gelu: bool = False) -> Tensor:
     """redline::fused_linear on a kernel linear layer (KernelLinear, KernelInt8Linear or KernelInt4Linear):
-    [norm(x) ->] linear [-> silu(gate) * up] [+ residual], one GPU kernel for a single row of x. sums[sum_in]
-    holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to sums[sum_out]."""
+    [norm(x) ->] linear [-> act(gate) * up: silu, or gelu for GeGLU] [+ residual], one GPU kernel for a single row
+    of x. sums[sum_in] holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to
+    sums[sum_out]."""
     return torch.ops.redline.fused_linear(
-        x, linear.weight, linear.scales, None if norm is None else norm.weight,
-        0.0 if norm is None else norm.eps, residual, swiglu, sums, sum_in, sum_out)
+        x, linear.weight, linear.scales, None if norm is None else scaling_weight(norm),
+        0.0 if norm is None else norm.eps, residual, swiglu, sums, sum_in, sum_out, gelu)
+
+
+def scaling_weight(norm: RMSNorm) -> Tensor:
+    """What a fused GEMV scales the normalized input by: the norm's weight, or for a norm with an offset or fp32
+    scaling (Gemma's 1 + w, OLMo 2's) the fp32 copy FusedDecode made of offset + w (the GEMV keeps the normalized
+    input in fp32 either way, so it scales in fp32 and rounds once, as those norms do)."""
+    return getattr(norm, "fused_weight", norm.weight)
 
 
 def residual_projection(linear: nn.Module, x: Tensor, residual: Tensor, sums: Tensor | None, sum_out: int) -> Tensor:
@@ -46,39 +55,63 @@ def residual_projection(linear: nn.Module, x: Tensor, residual: Tensor, sums: Te
     return reduce(fused_projection(linear.inner, x, residual=residual if linear.rank == 0 else None))
 
 
+def sublayer_residual(block: TransformerBlock, linear: nn.Module, x: Tensor, residual: Tensor,
+                      post_norm: RMSNorm | None, sums: Tensor | None, sum_out: int) -> Tensor:
+    """residual + the sub-layer's output projection of x: added in the GEMV (residual_projection), or where the
+    output is normalized first (Gemma's and OLMo 2's post-norms) the GEMV, then the norm and the add as the block
+    runs them (all-reduced first on a tensor-parallel rank)."""
+    if post_norm is None:
+        return residual_projection(linear, x, residual, sums, sum_out)
+    reduce = getattr(linear, "reduce", None)
+    y = fused_projection(linear, x) if reduce is None else reduce(fused_projection(linear.inner, x))
+    return block.residual(residual, y, post_norm)
+
+
 def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor | None,
                 index: int, sum_in: int, context: PagedContext | None = None) -> Tensor:
     """block.forward for one token (batch 1) in five ops (a mixture-of-experts block: its attention in three, then
-    its norm, router and experts as the kernel modules run them, and the residual add). x (1, 1, dim). With a paged
-    context (the batching engine's decode step of one row) the attention between the two projections is the paged
-    one: rope, the page write and the paged decode kernel, as model.Attention runs them.
+    its norm, router and experts as the kernel modules run them, and the residual add; a post-norm, Gemma's or
+    OLMo 2's, adds the norm and the add after its projection). x (1, 1, dim). With a paged context (the batching
+    engine's decode step of one row) the attention between the two projections is the paged one: rope, the page
+    write and the paged decode kernel, as model.Attention runs them.
 
     With `sums`, the residual kernels sum their outputs' squares into slots 2 * index and 2 * index + 1 and each
-    norm reads them: the first norm reads slot sum_in, or sums x itself for sum_in -1 (block 0, and a block after a
-    mixture of experts, whose output comes from an add). Without (a tensor-parallel rank) each norm sums the squares
-    of its all-reduced input in its own GEMV's K loop, so every rank computes identical norms."""
+    norm reads them: the first norm reads slot sum_in, or sums x itself for sum_in -1 (block 0, and a block after
+    one whose output comes from an add: a mixture of experts, a post-norm). Without (a tensor-parallel rank) each
+    norm sums the squares of its all-reduced input in its own GEMV's K loop, so every rank computes identical
+    norms."""
     attn, ffn = block.attention, block.feed_forward
     lanes = sums is not None
     # Qwen2/2.5's q/k/v bias rides in the projection's kernel as its residual (added to the fp32 product, where
     # Attention.qkv adds it to the rounded projection).
     bias = None if attn.wqkv_bias is None else attn.wqkv_bias.view(1, 1, -1)
-    qkv = fused_projection(attn.wqkv, x, norm=block.attention_norm, residual=bias, sums=sums,
-                           sum_in=sum_in if lanes else -1)  # (1, 1, (H + 2 Hkv) D)
+    norm = block.attention_norm  # None: OLMo 2 normalizes outputs only
+    qkv = fused_projection(attn.wqkv, x, norm=norm, residual=bias, sums=sums,
+                           sum_in=sum_in if lanes and norm is not None else -1)  # (1, 1, (H + 2 Hkv) D)
     if context is None:
         cache = attn.cache()
         norms = head_norms(attn)  # Qwen3's per-head q/k norms, in the attention kernel before it ropes q and k
         if norms is None:
             qkv = attn.normed_qkv(qkv)  # other q/k norms (or none) run before it
         out = torch.ops.redline.decode_attention_qkv(qkv, cache.k[:1], cache.v[:1], rope, input_pos,
-                                                     *(norms or ()))  # (1, 1, H D)
+                                                     *(norms or (None, None, 0.0)), attn.window,
+                                                     attn.args.attention_scale)  # (1, 1, H D)
     else:
         out = paged_attention(attn, qkv, rope, context)  # (1, 1, H D)
-    h = residual_projection(attn.wo, out, x, sums, 2 * index)  # (1, 1, dim)
+    h = sublayer_residual(block, attn.wo, out, x, block.post_attention_norm, sums, 2 * index)  # (1, 1, dim)
+    norm = block.ffn_norm
     if sparse(block):  # the router's choice stays on the device: no host sync in the step
-        return h + ffn(block.ffn_norm(h))  # (1, 1, dim); all-reduced on a tensor-parallel rank
-    act = fused_projection(ffn.w13, h, norm=block.ffn_norm, swiglu=True, sums=sums,
-                           sum_in=2 * index if lanes else -1)  # (1, 1, I)
-    return residual_projection(ffn.w2, act, h, sums, 2 * index + 1)  # (1, 1, dim)
+        # (1, 1, dim); all-reduced on a tensor-parallel rank
+        return block.residual(h, ffn(h if norm is None else norm(h)), block.post_ffn_norm)
+    summed = lanes and norm is not None and block.post_attention_norm is None  # the wo kernel summed h's squares
+    act = fused_projection(ffn.w13, h, norm=norm, swiglu=True, sums=sums, sum_in=2 * index if summed else -1,
+                           gelu=ffn.gelu)  # (1, 1, I)
+    return sublayer_residual(block, ffn.w2, act, h, block.post_ffn_norm, sums, 2 * index + 1)  # (1, 1, dim)
+
+
+def sums_written(block: TransformerBlock) -> bool:
+    """Whether the block's last kernel summed its output's squares for the next norm (not after an add)."""
+    return not sparse(block) and block.post_ffn_norm is None
 
 
 def head_norms(attn: Attention) -> tuple[Tensor, Tensor, float] | None:
@@ -107,24 +140,20 @@ def sparse(block: TransformerBlock) -> bool:
 
 
 def fused_decode_refusal(args: ModelArgs) -> str | None:
-    """Why the fused kernels cannot compute this model's blocks (they implement Llama's: pre-norms of weight * x,
-    SwiGLU, plain softmax attention, no scales; a q/k/v bias or q/k norms run between the qkv projection and the
-    attention kernel, which ropes the first rotary_dim features of each head from the model's table, LongRoPE's
-    included), or None when they can."""
+    """Why the fused kernels cannot compute this model's blocks, or None when they can. They implement Llama's
+    blocks and these deltas: a q/k/v bias, q/k norms, norms with an offset or scaled in fp32 and placed on a
+    sub-layer's input, output or both (Gemma, OLMo 2), GeGLU, an embedding scale, partial rotary and LongRoPE, sliding
+    windows with their own rope base, an attention scale (Gemma's), mixtures of experts; not an output bias, residual
+    or logit scales (Granite) or soft-capping (Gemma 2)."""
     deltas = [
         ("an output bias", args.o_bias),
-        ("Gemma/OLMo 2 norms", args.norm_offset != 0.0 or args.norm_scale_fp32 or args.norm_placement != "pre"),
-        ("GeGLU", args.activation != "silu"),
-        ("embedding, residual or logit scales", (args.embedding_scale, args.residual_scale, args.logits_divisor)
-         != (1.0, 1.0, 1.0)),
-        ("an attention scale", args.attention_scale not in (0.0, args.head_dim ** -0.5)),
+        ("residual or logit scales", (args.residual_scale, args.logits_divisor) != (1.0, 1.0)),
         ("soft-capping", args.attn_softcap > 0 or args.final_softcap > 0),
-        ("sliding windows", any(args.layer_windows)),
     ]
     found = [name for name, present in deltas if present]
     if not found:
         return None
-    return f"the fused batch-1 decode implements Llama blocks only; this model has {', '.join(found)}"
+    return f"the fused batch-1 decode does not implement {', '.join(found)}"
 
 
 class FusedDecode(nn.Module):
@@ -139,7 +168,8 @@ class FusedDecode(nn.Module):
         refusal = fused_decode_refusal(model.args)
         if refusal is not None:
             raise ValueError(f"{refusal}; decode through the unfused kernels (fuse=False)")
-        if any(type(m) in (nn.Linear, Int8Linear, Int4Linear, Attention) for m in model.modules()):
+        # (attention layers the kernels do not take keep model.Attention; the fused path runs them through its ops)
+        if any(type(m) in (nn.Linear, Int8Linear, Int4Linear) for m in model.modules()):
             raise ValueError("FusedDecode needs the model's layers swapped for the kernel ones first; "
                              "call kernels.use_kernels(model)")
         self.model = model
@@ -149,6 +179,9 @@ class FusedDecode(nn.Module):
         # The blocks' sums of squares, zeroed each step: (2 n_layer, NORM_SUM_LANES) fp32.
         self.register_buffer("norm_sums", torch.zeros(2 * model.args.n_layer, NORM_SUM_LANES, dtype=torch.float32,
                                                       device=device), persistent=False)
+        for norm in model.modules():  # the fp32 scales of Gemma's and OLMo 2's norms, made once (scaling_weight)
+            if isinstance(norm, RMSNorm) and (norm.offset or norm.scale_fp32):
+                norm.register_buffer("fused_weight", norm.weight.detach().float() + norm.offset, persistent=False)
 
     def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
                 from_start: bool = False, context: PagedContext | None = None) -> Tensor:
@@ -159,17 +192,26 @@ class FusedDecode(nn.Module):
             return model(idx, input_pos, logits_at, from_start, context)
         x = model.tok_embeddings(idx)  # (1, 1, dim)
         if context is not None:
-            return self.token_logits(x, context.kv.rope[context.positions], context.positions, context)
+            kv, positions = context.kv, context.positions
+            if model.args.embedding_scale != 1.0:  # rounded to the activation dtype, as forward_paged does
+                x = x * torch.tensor(model.args.embedding_scale, dtype=model.cache_dtype).item()
+            local = kv.rope_local[positions] if kv.rope_local.numel() else None  # (1, 2, Dr/2)
+            return self.token_logits(x, kv.rope[positions], positions, local, context)
         if model.max_seq_length == 0:
             raise RuntimeError("call setup_caches(max_batch_size, max_seq_length) before forward")
+        if model.embedding_scale != 1.0:
+            x = x * model.embedding_scale
         # The attention kernel reads the rope row at input_pos from the whole (S, 2, D/2) table itself: a gather here
         # would be one more kernel, which inductor re-emits before several layers' attention. No mask either: the
         # kernel reads keys 0..input_pos.
-        return self.token_logits(x, model.rope, input_pos)  # (1, 1, vocab)
+        local = model.rope_local if model.rope_local.numel() else None
+        return self.token_logits(x, model.rope, input_pos, local)  # (1, 1, vocab)
 
-    def token_logits(self, x: Tensor, rope: Tensor, input_pos: Tensor, context: PagedContext | None = None) -> Tensor:
+    def token_logits(self, x: Tensor, rope: Tensor, input_pos: Tensor, local_rope: Tensor | None = None,
+                     context: PagedContext | None = None) -> Tensor:
         """x (1, 1, dim), the token's embedding -> logits (1, 1, vocab), each block in five kernels. rope: the whole
-        table (static cache), or the row's (1, 2, Dr/2) (paged)."""
+        table (static cache), or the row's (1, 2, Dr/2) (paged); local_rope: the same of the windowed layers' own rope
+        base (Gemma 3), or None."""
         model = self.model
         sums = None if self.parallel else self.norm_sums
         if sums is not None:
@@ -178,7 +220,8 @@ class FusedDecode(nn.Module):
         for i, layer in enumerate(model.layers):
             if context is not None:
                 context.layer = i
-            x = fused_block(layer, x, rope, input_pos, sums, i, sum_in, context)
-            sum_in = -1 if sparse(layer) else 2 * i + 1
+            table = local_rope if layer.attention.window and local_rope is not None else rope
+            x = fused_block(layer, x, table, input_pos, sums, i, sum_in, context)
+            sum_in = 2 * i + 1 if sums_written(layer) else -1
         return fused_projection(model.output, x, norm=model.norm, sums=sums,
                                 sum_in=sum_in if sums is not None else -1)  # (1, 1, vocab)

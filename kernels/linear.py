@@ -294,16 +294,20 @@ def _int8_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 
 def _check_fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None,
-                        residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int) -> None:
+                        residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int,
+                        gelu: bool = False) -> None:
     name = "redline.fused_linear"
     if scales is None:
         _check_linear(x, weight)
     else:
         _check_quantized(x, weight, scales)
     n = weight.shape[0]
-    if norm_weight is not None and (norm_weight.shape != (x.shape[-1],) or norm_weight.dtype != x.dtype):
-        raise ValueError(f"{name}: norm_weight must be ({x.shape[-1]},) of {x.dtype}, "
-                         f"got {tuple(norm_weight.shape)} of {norm_weight.dtype}")
+    if norm_weight is not None and (norm_weight.shape != (x.shape[-1],)
+                                    or norm_weight.dtype not in (x.dtype, torch.float32)):
+        raise ValueError(f"{name}: norm_weight must be ({x.shape[-1]},) of {x.dtype} (or float32: the norm scaled "
+                         f"in fp32), got {tuple(norm_weight.shape)} of {norm_weight.dtype}")
+    if gelu and not swiglu:
+        raise ValueError(f"{name}: gelu picks GeGLU's activation for the gated pair; it needs swiglu=True")
     if norm_weight is not None and x.shape[-1] == 0:
         raise ValueError(f"{name}: an RMSNorm needs K > 0 features")
     if swiglu and n % 2:
@@ -331,15 +335,16 @@ def _check_fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_w
 
 def fused_linear_reference(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None,
                            eps: float, residual: Tensor | None, swiglu: bool, sums: Tensor | None = None,
-                           sum_out: int = -1) -> Tensor:
-    """The unfused model's ops, in its order and dtypes: RMSNorm, the linear op, silu(gate) * up, + residual;
-    then sums[sum_out, 0] += sum(y**2) when asked. (The norm recomputes its sum; sum_in only saves the GPU kernel that.)"""
+                           sum_out: int = -1, gelu: bool = False) -> Tensor:
+    """The unfused model's ops, in its order and dtypes: RMSNorm (a float32 norm_weight of a lower-precision x
+    scales in fp32 and rounds once, Gemma's order), the linear op, silu(gate) * up (gelu: GeGLU), + residual; then
+    sums[sum_out, 0] += sum(y**2) when asked. (The norm recomputes its sum; sum_in only saves the GPU kernel that.)"""
     if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps)
+        x = rms_norm(x, norm_weight, eps, scale_fp32=norm_weight.dtype != x.dtype)
     y = torch.ops.redline.linear(x, weight) if scales is None else _quantized_linear(x, weight, scales)
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
+        y = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
     y = y if residual is None else residual + y
     if sums is not None and sum_out >= 0:
         sums[sum_out, 0] += y.float().pow(2).sum()
@@ -382,20 +387,22 @@ def _quantized_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 @torch.library.custom_op("redline::fused_linear", mutates_args=("sums",))
 def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None, eps: float,
-                 residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int) -> Tensor:
+                 residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int,
+                 gelu: bool = False) -> Tensor:
     """A decode projection with its neighbours fused: [RMSNorm(x) ->] x @ W.T [* scales] [-> silu(gate) * up] [+ residual].
 
     weight (N, K) float, int8 with scales (N,), or packed int4 (uint8 (N, K/2) with fp16 scales (N, K/G, 2));
-    norm_weight (K,); residual (..., N) or (..., N/2) with swiglu.
+    norm_weight (K,) in x's dtype, or float32 (a norm scaled in fp32, such as Gemma's 1 + w); residual (..., N) or
+    (..., N/2) with swiglu; gelu: the gated pair is GeGLU's (gelu, tanh approximation) instead of SwiGLU's.
     sums (optional, fp32 (slots, lanes)): sum_out >= 0 adds sum(y**2) to row sum_out (spread over its lanes),
     and sum_in >= 0 says that row sum_in already sums to sum(x**2) for the norm (the kernel that wrote x added
     it); -1 for neither.
     One row of x on a GPU runs one Triton GEMV that does all of it; otherwise the unfused ops run.
     """
-    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu, sums, sum_in, sum_out)
+    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu, sums, sum_in, sum_out, gelu)
     if not (gemv_supported(x) and x.numel() == x.shape[-1]):
         return fused_linear_reference(x, weight, scales, norm_weight, eps, residual, swiglu, sums,
-                                      sum_out).contiguous()
+                                      sum_out, gelu).contiguous()
     k = x.shape[-1]
     x1 = x.reshape(1, k).contiguous()
     weight = weight.contiguous()
@@ -406,14 +413,15 @@ def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: 
         norm_weight=norm_weight.contiguous() if norm_weight is not None else None, eps=eps,
         residual=residual.reshape(-1).contiguous() if residual is not None else None, swiglu=swiglu,
         sq_in=sums[sum_in] if sums is not None and sum_in >= 0 else None,
-        sq_out=sums[sum_out] if sums is not None and sum_out >= 0 else None)
+        sq_out=sums[sum_out] if sums is not None and sum_out >= 0 else None, gelu=gelu)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 @fused_linear.register_fake
 def _fused_linear_fake(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: Tensor | None, eps: float,
-                       residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int) -> Tensor:
-    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu, sums, sum_in, sum_out)
+                       residual: Tensor | None, swiglu: bool, sums: Tensor | None, sum_in: int, sum_out: int,
+                       gelu: bool = False) -> Tensor:
+    _check_fused_linear(x, weight, scales, norm_weight, residual, swiglu, sums, sum_in, sum_out, gelu)
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
     return x.new_empty((*x.shape[:-1], n))
 

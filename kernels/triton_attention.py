@@ -31,7 +31,6 @@ compiles or benchmarks inside CUDA-graph capture. Only kernels/attention.py impo
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import triton
@@ -348,24 +347,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: torch.Tensor,
                          input_pos: torch.Tensor, config: AttentionConfig | None = None,
-                         qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                         qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                         window: int = 0, scale: float = 0.0) -> torch.Tensor:
     """Rope, cache write and attention for one token: qkv (B, 1, (H + 2 Hkv) D) raw projections at input_pos,
     rope (S', 2, R/2) fp32, the cos/sin table of the first R <= D features of each head with S' >= the cache length
     S (row input_pos is read on the device). Writes the rotated key and the value into the caches at input_pos and
     returns (B, 1, H D) contiguous. qk_norms: (q weight (D,), k weight (D,), eps) of per-head RMS norms applied to q
-    and k before rope. The caller (kernels/attention.py) validates."""
+    and k before rope; window > 0: attend over the last `window` keys only; scale: the scores' factor (0: D ** -0.5).
+    The caller (kernels/attention.py) validates."""
     batch = qkv.shape[0]
     n_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
     n_heads = qkv.shape[-1] // head_dim - 2 * n_kv_heads
     qkv = qkv.reshape(batch, -1).contiguous()
     out = torch.empty((batch, 1, n_heads * head_dim), device=qkv.device, dtype=qkv.dtype)  # (B, 1, H D)
-    _launch(qkv, k_cache, v_cache, input_pos, out, n_heads, rope.contiguous(), config, qk_norms=qk_norms)
+    _launch(qkv, k_cache, v_cache, input_pos, out, n_heads, rope.contiguous(), config, window, qk_norms, scale)
     return out
 
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor,
             out: torch.Tensor, n_heads: int, rope: torch.Tensor | None, config: AttentionConfig | None,
-            window: int = 0, qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> None:
+            window: int = 0, qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+            scale: float = 0.0) -> None:
     """Run the split (and combine) kernels into out, viewed as (B, H, D) rows of D. q is (B, H, 1, D)
     rotated queries, or with rope given the raw (B, (H + 2 Hkv) D) projections (the fused kernel)."""
     batch = q.shape[0]
@@ -403,7 +405,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, input
             *(qk_norms[:2] if qk_norms else (q, q)),
             q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), n_heads * head_dim, head_dim,
-            seq_len, splits, LOG2E / math.sqrt(head_dim), qk_norms[2] if qk_norms else 0.0,
+            seq_len, splits, LOG2E * (scale or head_dim ** -0.5), qk_norms[2] if qk_norms else 0.0,
             N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, BLOCK_G=block_g, BLOCK_S=config.block_s,
             HEAD_DIM=head_dim, DOT_PRECISION=precision, ROPE_QKV=rope is not None, USE_PDL=pdl,
             ROT=head_dim if rope is None else 2 * rope.shape[-1], window=window, WINDOW=window > 0,

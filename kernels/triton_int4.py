@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .configs import GemvConfig, gemv_int4_config
 from .device import device_caps
-from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
+from .triton_common import gated, gdc_launch_dependents, gdc_wait, pdl_default
 
 # Inputs per chunk: four 32-bit words of 8 nibbles, the unit that shares one (scale, offset).
 CHUNK = 32
@@ -260,7 +260,7 @@ def _gemv_int4_kernel(
     N, K, KW, KG, eps,
     G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr,
     EVEN_K: tl.constexpr, NO_MASK: tl.constexpr, USE_PDL: tl.constexpr, HALF2: tl.constexpr, X_BF16: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SQ_OUT: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, GELU: tl.constexpr, SQ_OUT: tl.constexpr,
     SQ_LANES: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * (scale[n, k // G] * q[n, k] + offset[n, k // G]), fp32 accumulation, with the fusions
@@ -342,9 +342,7 @@ def _gemv_int4_kernel(
     out_ty = y_ptr.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.trans(tl.reshape(out, (2, HALF))))  # (HALF,) each
-        gate = gate.to(out_ty).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
-        out = act * up.to(out_ty).to(tl.float32)
+        out = gated(gate, up, GELU, out_ty)
     if RESIDUAL:
         out = out.to(out_ty).to(tl.float32) + res
     tl.store(y_ptr + offs_n, out.to(out_ty), mask=offs_n < N)
@@ -358,7 +356,7 @@ def gemv_int4(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, out: torch.Ten
               norm_weight: torch.Tensor | None = None, eps: float = 0.0,
               residual: torch.Tensor | None = None, swiglu: bool = False,
               sq_in: torch.Tensor | None = None, sq_out: torch.Tensor | None = None,
-              half2: bool | None = None) -> torch.Tensor:
+              half2: bool | None = None, gelu: bool = False) -> torch.Tensor:
     """y = x @ dequantize_int4(w, sz).T for one row of x, with triton_linear.gemv's decode fusions (same arguments).
 
     x: (1, K) or (K,) contiguous; w: uint8 (N, K/2) contiguous; sz: fp16 (N, K/G, 2) contiguous, G a power of
@@ -405,7 +403,7 @@ def gemv_int4(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, out: torch.Ten
         HALF2=caps.inline_ptx if half2 is None else half2,
         X_BF16=x.dtype == torch.bfloat16 and (norm_weight is None or norm_weight.dtype == torch.bfloat16),
         NORM=0 if norm_weight is None else (2 if sq_in is not None else 1), RESIDUAL=residual is not None,
-        SWIGLU=swiglu, SQ_OUT=sq_out is not None, SQ_LANES=lanes.numel() if lanes is not None else 1,
+        SWIGLU=swiglu, GELU=gelu, SQ_OUT=sq_out is not None, SQ_LANES=lanes.numel() if lanes is not None else 1,
         num_warps=cfg.num_warps, num_stages=1, **extra,
     )
     return out

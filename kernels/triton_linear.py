@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .configs import DotConfig, GemvConfig, dot_block_m, fitted_dot_config, gemv_config
 from .device import DeviceCaps, device_caps
-from .triton_common import gdc_launch_dependents, gdc_wait, pdl_default
+from .triton_common import gated, gdc_launch_dependents, gdc_wait, pdl_default
 
 # int8 -> fp32 conversion without I2F (a quarter of the FP32 rate on Hopper: it would cap an int8
 # GEMV near the memory rate). For s in [-128, 127], the float whose bits are 0x4B000000 | (s + 128)
@@ -153,7 +153,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, RED: tl.constexpr,
     EVEN_K: tl.constexpr, NO_MASK: tl.constexpr,
     W_INT8: tl.constexpr, WORDS: tl.constexpr, INT8_MODE: tl.constexpr, USE_PDL: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, SQ_OUT: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, GELU: tl.constexpr, SQ_OUT: tl.constexpr,
     SQ_LANES: tl.constexpr,
 ):
     """y[n] = sum_k x[k] * w[n, k] (times s[n] when W_INT8), fp32 accumulation, with optional fusions:
@@ -162,7 +162,8 @@ def _gemv_kernel(
     same K loop; 2: it is the sum of the SQ_LANES floats at sq_in_ptr (the kernel that wrote x made it);
     SQ_OUT: each program adds the sum of its stored y**2 atomically to lane pid % SQ_LANES of sq_out_ptr
     (for the next kernel's NORM 2; spreading the adds over lanes keeps them from queueing on one address);
-    SWIGLU: w is [gate; up] (2 * N rows) and y[n] = silu(gate[n]) * up[n] (N outputs);
+    SWIGLU: w is [gate; up] (2 * N rows) and y[n] = silu(gate[n]) * up[n] (N outputs; GELU: gelu's tanh
+    approximation for silu, GeGLU);
     RESIDUAL: y[n] += r[n] (r: (N,)).
     Every product is rounded to y's dtype where the unfused model rounds it (the linear output, the
     silu, the residual sum); only the normalized input stays unrounded fp32.
@@ -254,9 +255,7 @@ def _gemv_kernel(
     out_ty = y_ptr.dtype.element_ty
     if SWIGLU:
         gate, up = tl.split(tl.trans(tl.reshape(out, (2, HALF))))  # (HALF,) each
-        gate = gate.to(out_ty).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
-        out = act * up.to(out_ty).to(tl.float32)
+        out = gated(gate, up, GELU, out_ty)
     if RESIDUAL:
         out = out.to(out_ty).to(tl.float32) + res
     tl.store(y_ptr + offs_n, out.to(out_ty), mask=offs_n < N)
@@ -322,13 +321,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
          pdl: bool | None = None, int8_mode: int | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, swiglu: bool = False,
-         sq_in: torch.Tensor | None = None, sq_out: torch.Tensor | None = None) -> torch.Tensor:
+         sq_in: torch.Tensor | None = None, sq_out: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
     """y = x @ w.T (times scales[n] for int8 w) for one row of x, with the decode fusions:
 
     norm_weight: x is replaced by RMSNorm(x, norm_weight, eps) first, its sum of squares computed here or, when
     sq_in is given, the sum of sq_in; swiglu: w stacks the gate and up projections (2N rows) and
-    y = silu(gate) * up (N outputs); residual: y += residual (N,); sq_out: the sum of y**2 is added to it,
-    spread over its elements. sq_in and sq_out are contiguous fp32 lanes, a power of two of them, of one size.
+    y = silu(gate) * up (N outputs; with gelu, GeGLU: gelu's tanh approximation for silu); residual: y += residual
+    (N,); sq_out: the sum of y**2 is added to it, spread over its elements. sq_in and sq_out are contiguous fp32
+    lanes, a power of two of them, of one size.
 
     x: (1, K) or (K,) with unit stride along K; w: (N, K) with unit stride along K; scales: (N,)
     contiguous; norm_weight (K,) and residual (N,) contiguous. Returns (or fills `out`, contiguous)
@@ -370,7 +370,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
         EVEN_K=even_k, NO_MASK=even_k and k >= cfg.depth * cfg.block_k,
         W_INT8=w_int8, WORDS=words, INT8_MODE=int8_mode, USE_PDL=pdl,
         NORM=0 if norm_weight is None else (2 if sq_in is not None else 1), RESIDUAL=residual is not None,
-        SWIGLU=swiglu, SQ_OUT=sq_out is not None,
+        SWIGLU=swiglu, GELU=gelu, SQ_OUT=sq_out is not None,
         SQ_LANES=(sq_in if sq_in is not None else sq_out).numel() if sq_in is not None or sq_out is not None else 1,
         num_warps=cfg.num_warps, num_stages=1, **extra,
     )

@@ -55,10 +55,8 @@ import triton.language as tl
 
 from .configs import MoeDotConfig, MoeGemvConfig, fitted_moe_dot_config, moe_gemv_config
 from .device import device_caps
+from .triton_common import GELU_TANH_SCALE
 
-# 2 * sqrt(2 / pi): gelu_tanh(g) = g * sigmoid(GELU_TANH_SCALE * (g + 0.044715 g^3)); a constexpr, as Triton reads
-# globals in kernels
-GELU_TANH_SCALE: tl.constexpr = tl.constexpr(1.5957691216057308)
 # Experts per warp of the routing kernel: 8 fp32 logits a lane on 32-lane warps, few enough to stay in registers.
 ROUTE_EXPERTS_PER_WARP = 256
 # The routing kernel's most warps: a row is small work, and each more warp adds shared-memory steps to the k argmax

@@ -64,7 +64,11 @@ def attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype], dec
             norm = _meta(d, dtype=dtype)
             triton_attention.decode_attention_qkv(_meta(1, 1, (h + 2 * hkv) * d, dtype=dtype), cache, cache, rope,
                                                   _meta(1, dtype=torch.int64), qk_norms=(norm, norm, 1e-6))
-            # A sliding-window layer's decode (Gemma 3, Phi-3-mini) is one more variant of both kernels.
+            # A sliding-window layer's decode (Gemma 3, Phi-3-mini) is one more variant of both kernels (of the fused
+            # decode's with Gemma's attention scale).
+            record.call = f"{model.name} attention window fused {str(dtype)[6:]}"
+            triton_attention.decode_attention_qkv(_meta(1, 1, (h + 2 * hkv) * d, dtype=dtype), cache, cache, rope,
+                                                  _meta(1, dtype=torch.int64), window=1024, scale=0.1)
             record.call = f"{model.name} attention window {str(dtype)[6:]}"
             triton_attention.decode_attention(_meta(1, h, 1, d, dtype=dtype), cache, cache, _meta(1, dtype=torch.int64),
                                               window=1024)

@@ -52,6 +52,7 @@ import torch
 from redline.kernels import configs
 from redline.kernels.device import DEFAULT_TARGETS, DeviceCaps, simulated, target_caps
 from redline.scripts.attention_target_calls import attention_calls, paged_attention_calls
+from redline.scripts.linear_target_calls import fused_gemv_calls
 from redline.scripts.moe_target_calls import MOE_MODELS, grouped_moe_smem, moe_calls
 
 # Register limits the compilers must stay within: NVIDIA has 64K 32-bit registers per block and at most 255 per
@@ -98,11 +99,6 @@ MAX_ROWS = 256  # the most rows of x the linear ops hand to Triton (kernels.line
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CACHE_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 MAX_PROMPT = 2048
-# Fused batch-1 decode GEMVs (kernels.fused_decode): (projection, norm: 0 none / 1 computed / 2 handed on, swiglu,
-# residual with a sum of squares out).
-FUSED_GEMVS = (("wqkv", 1, False, False), ("wqkv", 2, False, False), ("wo", 0, False, True),
-               ("w13", 2, True, False), ("w2", 0, False, True), ("output", 2, False, False))
-NORM_SUM_LANES = 32
 
 # Constexprs that only enter scalar index arithmetic and masks (head counts, the page size of the paged kernels'
 # key addresses), never a tile shape: configurations that differ in nothing else have the same tiles, layouts and
@@ -295,30 +291,23 @@ def _linear_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape,
             if k % max(_int4_group(kind), 1):
                 continue  # quantize.py refuses a group size that does not divide K
             label = f"{model.name} {proj} {_dtype_name(x_dtype)}x{kind}"
-            _gemv_calls(record, label, n, k, x_dtype, kind, [f for f in FUSED_GEMVS if f[0] == proj])
+            _gemv_calls(record, label, n, k, x_dtype, kind, proj)
             fallbacks += _dot_calls(record, caps, label, n, k, x_dtype, kind)
     return fallbacks
 
 
 def _gemv_calls(record: _Recorder, label: str, n: int, k: int, x_dtype: torch.dtype, kind: str,
-                fused: list[tuple[str, int, bool, bool]]) -> None:
+                projection: str) -> None:
     """One row of x through the launcher kernels.linear calls for this weight kind (triton_linear.gemv, or the int4
     GEMV's public launcher triton_int4.gemv_int4, which takes its config from configs.gemv_int4_config): plain,
-    and in each fused decode form of this projection, with the arguments kernels.linear.fused_linear passes."""
+    and in each fused decode form of this projection (scripts/linear_target_calls.py)."""
     from redline.kernels import triton_int4, triton_linear
 
     gemv = triton_int4.gemv_int4 if kind.startswith("int4") else triton_linear.gemv
     w, scales = _weight(kind, n, k, x_dtype)
     record.call = f"{label} rows=1"
     gemv(_meta(1, k, dtype=x_dtype), w, scales, _meta(1, n, dtype=x_dtype))
-    lanes = _meta(NORM_SUM_LANES, dtype=torch.float32)
-    for _, norm, swiglu, residual in fused:
-        record.call = f"{label} fused norm={norm}"
-        out_n = n // 2 if swiglu else n
-        gemv(_meta(1, k, dtype=x_dtype), w, scales, _meta(1, out_n, dtype=x_dtype),
-             norm_weight=_meta(k, dtype=x_dtype) if norm else None, eps=1e-5,
-             residual=_meta(out_n, dtype=x_dtype) if residual else None, swiglu=swiglu,
-             sq_in=lanes if norm == 2 else None, sq_out=lanes if residual else None)
+    fused_gemv_calls(record, label, gemv, w, scales, n, k, x_dtype, projection)
 
 
 def _dot_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, x_dtype: torch.dtype,

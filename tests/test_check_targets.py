@@ -28,6 +28,7 @@ _spec = importlib.util.spec_from_file_location("redline_check_targets", ROOT / "
 ct = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = ct  # dataclasses look the module up while the class is built
 _spec.loader.exec_module(ct)
+FUSED_GEMVS = importlib.import_module("redline.scripts.linear_target_calls").FUSED_GEMVS
 
 DEMO = (ct.MODELS[0],)  # the demo model's shapes keep the captures fast
 
@@ -161,7 +162,9 @@ def test_int4_is_captured_through_its_public_launcher():
                                                           model.projections().items()):
         if k % group == 0:
             label = f"{model.name} {proj} {dtype}xint4-g{group}"
-            expected |= {f"{label} rows=1"} | {f"{label} fused norm={f[1]}" for f in ct.FUSED_GEMVS if f[0] == proj}
+            fused = [f for f in FUSED_GEMVS if f[0] == proj]
+            expected |= {f"{label} rows=1"} | {f"{label} fused norm={f[1]}" for f in fused}
+            expected |= {f"{label} fused norm={f[1]} gemma" for f in fused if f[1]}  # Gemma's forms (normed ones)
     assert int4 == expected
     assert {g for g in ct.INT4_GROUP_SIZES if any(f"int4-g{g} " in c for c in int4)} == set(ct.INT4_GROUP_SIZES)
     assert not any("int4" in call for call, module, _ in log.log

@@ -110,10 +110,11 @@ def test_int8_stays_within_the_int8_bounds(family_checkpoint, tmp_path):
     assert agreement >= MIN_TOP1_AGREEMENT, (variant, agreement)
 
 
-def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_what_it_lacks(family_checkpoint):
+def test_kernel_modules_and_the_fused_decode_keep_every_family_exact(family_checkpoint):
     """kernels.use_kernels on each family (the ops run their references on the CPU): the same logits through prefill
-    and one-token steps; attention layers whose ops the kernels lack keep model.Attention; FusedDecode refuses every
-    family but Llama, Qwen2 without windows and Qwen3 in one line naming what it lacks, and runs those exactly."""
+    and one-token steps; attention layers whose ops the kernels lack keep model.Attention; FusedDecode runs every
+    family exactly but those with soft-caps (Gemma 2), residual or logit scales (Granite) or an output bias, and
+    refuses those in one line naming what it lacks."""
     from redline.kernels import FusedDecode, KernelAttention, fused_decode_refusal, use_kernels
     from redline.model import Attention
 
@@ -128,8 +129,9 @@ def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_wha
     a = model.args
     plain = not a.attn_softcap and a.attention_scale in (0.0, a.head_dim ** -0.5)  # partial rotary, windows too
     assert kinds == ({KernelAttention} if plain else {Attention}), variant
-    if fused_decode_refusal(a) is None:  # Qwen2 without windows (a q/k/v bias), Qwen3 (q/k norms), Phi-3
-        assert variant.startswith(("qwen2", "qwen3", "phi3")), variant
+    lacks = a.o_bias or a.attn_softcap or a.final_softcap or (a.residual_scale, a.logits_divisor) != (1.0, 1.0)
+    assert (fused_decode_refusal(a) is None) != lacks, variant
+    if not lacks:
         fused = FusedDecode(model)
         with torch.no_grad():
             model.setup_caches(1, 32)
@@ -137,7 +139,7 @@ def test_kernel_modules_keep_every_family_exact_and_the_fused_decode_refuses_wha
             steps += [fused(ids[:, p:p + 1], torch.tensor([p])) for p in range(8, 20)]
         assert (torch.cat(steps, dim=1) - want).abs().max().item() <= 1e-5, variant
         return
-    with pytest.raises(ValueError, match="fused batch-1 decode implements Llama blocks only") as info:
+    with pytest.raises(ValueError, match="fused batch-1 decode does not implement") as info:
         FusedDecode(model)
     assert "\n" not in str(info.value)
 

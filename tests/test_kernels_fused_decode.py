@@ -6,17 +6,20 @@ import torch
 
 from redline import kernels
 from redline.kernels import fused_decode
-from redline.model import ModelArgs, Transformer
+from redline.model import ModelArgs, RMSNorm, Transformer
 
 
 @pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm", "partial_longrope", "moe", "moe_int8",
-                                     "moe_int4"])
+                                     "moe_int4", "gemma3", "gemma3_int4", "olmo2"])
 def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
     """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
     the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise.
     Also int8, with a q/k/v bias (Qwen2) or per-head q/k norms (Qwen3) between the projection and the kernel, and
-    with Phi-3's partial rotary and LongRoPE (the kernel ropes the first features from the model's table), and for
-    mixtures of experts (a dense block after a sparse one, float, int8 and int4 experts)."""
+    with Phi-3's partial rotary and LongRoPE (the kernel ropes the first features from the model's table), for
+    mixtures of experts (a dense block after a sparse one, float, int8 and int4 experts), Gemma 3's blocks (1 + w
+    norms in fp32 before and after each sub-layer, GeGLU, an embedding scale, Gemma q/k norms, a sliding-window layer
+    with its own rope base over a sequence longer than its window) and OLMo 2's (norms on the outputs only, q/k norms
+    over the whole width)."""
     import dataclasses
 
     from redline.quantize import quantize_
@@ -25,6 +28,12 @@ def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
     torch.manual_seed(0)
     args = dataclasses.replace(ModelArgs.from_name("debug-tiny-llama3"), qkv_bias=variant == "qkv_bias",
                                qk_norm="head" if variant == "qk_norm" else "none")  # GQA 4:1, llama3 rope
+    if variant.startswith("gemma3"):  # layer 0 windowed (8 keys, rope base 10k), layer 1 global
+        args = dataclasses.replace(args, qk_norm="head", norm_offset=1.0, norm_scale_fp32=True,
+                                   norm_placement="sandwich", activation="gelu_tanh", embedding_scale=8.0,
+                                   layer_windows=(8, 0), local_rope_base=10000.0)
+    if variant == "olmo2":
+        args = dataclasses.replace(args, qk_norm="full", norm_scale_fp32=True, norm_placement="post")
     if variant.startswith("moe"):  # layers 0 and 2 sparse, layer 1 dense: each kind follows the other
         args = dataclasses.replace(ModelArgs.from_name("debug-tiny-moe"), n_layer=3, moe_layers=(True, False, True),
                                    moe_intermediate_size=128)
@@ -35,17 +44,17 @@ def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
         assert args.rotary_dim < args.head_dim and kernels.fused_decode_refusal(args) is None
     model = Transformer(args).eval()
     with torch.no_grad():
-        for layer in model.layers:  # values large enough to move the logits
-            for extra in (layer.attention.wqkv_bias, layer.attention.q_norm, layer.attention.k_norm):
-                if isinstance(extra, torch.Tensor):
-                    extra.normal_(0, 0.5)
-                elif extra is not None:
-                    extra.weight.normal_(1, 0.5)
+        for norm in model.modules():  # values large enough to move the logits (Gemma's scale by 1 + w)
+            if isinstance(norm, RMSNorm):
+                norm.weight.normal_(1 - args.norm_offset, 0.5)
+        for layer in model.layers:
+            if layer.attention.wqkv_bias is not None:
+                layer.attention.wqkv_bias.normal_(0, 0.5)
             for experts in (getattr(layer.feed_forward, name, None) for name in ("w13", "w2")):
                 if isinstance(experts, torch.Tensor) and experts.dim() == 3:  # (E, N, K), made empty
                     experts.normal_(0, experts.shape[-1] ** -0.5)
-    if variant in ("int8", "moe_int8", "moe_int4"):
-        quantize_(model, variant.removeprefix("moe_"))
+    if variant in ("int8", "moe_int8", "moe_int4", "gemma3_int4"):
+        quantize_(model, variant.split("_")[-1])
     kernels.use_kernels(model)
     fused = kernels.FusedDecode(model)
     ids = torch.randint(0, 512, (1, 24))
@@ -92,7 +101,7 @@ def test_fused_decode_zeroes_its_sums_each_step():
         torch.testing.assert_close(fused(token, pos), first, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qk_norm", "moe"])
+@pytest.mark.parametrize("variant", ["llama", "qk_norm", "moe", "gemma3"])
 def test_fused_paged_decode_gives_the_model_logits(variant):
     """A one-row paged decode step (the batching engine's, engine/graphs.decode_logits) through FusedDecode runs the
     fused projections around the paged attention: the logits of model.forward_paged, step after step, with the keys
@@ -107,14 +116,18 @@ def test_fused_paged_decode_gives_the_model_logits(variant):
                                else "none", block_size=64)
     if variant == "moe":
         args = dataclasses.replace(ModelArgs.from_name("debug-tiny-moe"), block_size=64, moe_layers=(True, False))
+    if variant == "gemma3":  # a window of 8 keys (14 steps pass it) with its own rope base on layer 0
+        args = dataclasses.replace(args, qk_norm="head", norm_offset=1.0, norm_scale_fp32=True,
+                                   norm_placement="sandwich", activation="gelu_tanh", embedding_scale=8.0,
+                                   layer_windows=(8, 0), local_rope_base=10000.0)
     model = kernels.use_kernels(Transformer(args).eval())
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 3:  # stacked experts, made empty
                 p.normal_(0, p.shape[-1] ** -0.5)
-        for name, norm in model.named_modules():
-            if name.endswith(("q_norm", "k_norm")):
-                norm.weight.normal_(1, 0.5)
+        for norm in model.modules():
+            if isinstance(norm, RMSNorm):
+                norm.weight.normal_(1 - args.norm_offset, 0.5)
     fused = kernels.FusedDecode(model)
     page_size, pages = 4, [3, 0, 5, 1]  # a sequence's pages out of order in the pool
     ids = torch.randint(0, args.vocab_size, (14,))

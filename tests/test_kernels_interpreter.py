@@ -29,13 +29,14 @@ INT4_DOT_ROWS = (2, 3, 17, 64, 130)
 
 # (name, dtype): every case the child runs.
 CASES = [
-    *[(f"gemv_{v}", d) for v in ("plain", "odd_k", "norm", "swiglu", "residual") for d in ("float32", "bfloat16")],
+    *[(f"gemv_{v}", d) for v in ("plain", "odd_k", "norm", "swiglu", "geglu", "residual")
+      for d in ("float32", "bfloat16")],
     ("gemv_int8", "float16"), ("gemv_int8_odd_k", "float32"),
     *[(f"dot_{m}", d) for m in (2, 17, 70) for d in ("float32", "float16")],
     ("dot_int8", "float16"),
     *[(f"int4dot_{m}", d) for m in INT4_DOT_ROWS for d in ("float32", "float16")],
-    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial", "qkvnorm", "window",
-                                       "windowsingle") for d in ("float32", "float16")],
+    *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial", "qkvnorm", "qkvwindow",
+                                       "window", "windowsingle") for d in ("float32", "float16")],
     ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"), ("rope_partial", "float32"),
 ]
 
@@ -63,14 +64,18 @@ def _gemv_case(variant: str, dtype: torch.dtype) -> float:
         scales = torch.rand(n, dtype=dtype) / 50
         got = tk.gemv(x, w, scales, pdl=False, int8_mode=1, config=configs.GemvConfig(2, 64, 2, 1, True))
         return _rel_err(got, linear.int8_linear_reference(x, w, scales))
-    w = torch.randn(2 * n if variant == "swiglu" else n, k, dtype=dtype) / k ** 0.5
+    gated = variant in ("swiglu", "geglu")
+    w = torch.randn(2 * n if gated else n, k, dtype=dtype) / k ** 0.5
     # small blocks (the interpreter runs each program in Python), both pipeline depths, with and without RED
     chosen = {"plain": configs.GemvConfig(1, 64, 2, 2, False), "residual": configs.GemvConfig(4, 32, 2, 1, True)}
     norm = torch.rand(k, dtype=dtype) + 0.5 if variant in ("norm", "swiglu") else None
+    if variant == "geglu":  # Gemma's norm: 1 + w, kept in fp32
+        norm = torch.rand(k) + 0.5
     residual = torch.randn(n, dtype=dtype) if variant == "residual" else None
     got = tk.gemv(x, w, pdl=False, int8_mode=1, norm_weight=norm, eps=1e-5, residual=residual,
-                  swiglu=variant == "swiglu", config=chosen.get(variant, configs.GemvConfig(2, 64, 2, 2, True)))
-    want = linear.fused_linear_reference(x, w, None, norm, 1e-5, residual, variant == "swiglu")
+                  swiglu=gated, gelu=variant == "geglu",
+                  config=chosen.get(variant, configs.GemvConfig(2, 64, 2, 2, True)))
+    want = linear.fused_linear_reference(x, w, None, norm, 1e-5, residual, gated, gelu=variant == "geglu")
     return _rel_err(got, want)
 
 
@@ -136,8 +141,14 @@ def _attention_case(variant: str, dtype: torch.dtype) -> float:
         if variant == "qkvnorm":
             qkv = qkv * 3
         norms = norms if variant == "qkvnorm" else None
-        want = da.decode_attention_qkv_reference(qkv, k_ref, v_ref, rope, input_pos, *(norms or ()))
-        got = ta.decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, config=config, qk_norms=norms)
+        window = 22 if variant == "qkvwindow" else 0  # a sliding-window layer (Gemma 3) in the fused kernel
+        want = da.decode_attention_qkv_reference(qkv, k_ref, v_ref, rope, input_pos, *(norms or (None, None, 0.0)),
+                                                 window)
+        if window:
+            k_cache[:, :, :pos + 1 - window] = float("nan")  # before the window: never read
+            v_cache[:, :, :pos + 1 - window] = float("nan")
+        got = ta.decode_attention_qkv(qkv, k_cache, v_cache, rope, input_pos, config=config, qk_norms=norms,
+                                      window=window)
         cache_err = max(_rel_err(k_cache[:, :, pos], k_ref[:, :, pos]), _rel_err(v_cache[:, :, pos], v_ref[:, :, pos]))
         return max(_rel_err(got, want), cache_err)
     q = torch.randn(batch, n_heads, 1, head_dim, dtype=dtype)  # (B, H, 1, D)

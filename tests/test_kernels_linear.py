@@ -500,7 +500,8 @@ def test_fused_linear_cpu_is_the_unfused_ops(int8, norm, residual, swiglu):
 
 @pytest.mark.parametrize("change,match", [
     (dict(nw=torch.ones(39, dtype=torch.bfloat16)), "norm_weight must be"),
-    (dict(nw=torch.ones(40, dtype=torch.float32)), "norm_weight must be"),
+    (dict(nw=torch.ones(40, dtype=torch.float64)), "norm_weight must be"),
+    (dict(gelu=True), "needs swiglu=True"),
     (dict(r=torch.zeros(1, 1, 23, dtype=torch.bfloat16)), "residual must have shape"),
     (dict(swiglu=True, w=torch.zeros(23, 40, dtype=torch.bfloat16)), "even N"),
     (dict(w=torch.zeros(24, 41, dtype=torch.bfloat16)), "expects K=41"),
@@ -517,7 +518,25 @@ def test_fused_linear_validation(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         torch.ops.redline.fused_linear(args["x"], args["w"], args["s"], args["nw"], args["eps"], args["r"],
-                                       args["swiglu"], args.get("sums"), args.get("sum_in", -1), args.get("sum_out", -1))
+                                       args["swiglu"], args.get("sums"), args.get("sum_in", -1), args.get("sum_out", -1),
+                                       args.get("gelu", False))
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_linear_cpu_gemma_norm_and_geglu_are_the_unfused_ops(int8):
+    """A float32 norm weight (Gemma's 1 + w) scales in fp32 and rounds once, as model.rms_norm(scale_fp32=True)
+    does; gelu=True is GeGLU (gelu with the tanh approximation) on the gated pair."""
+    from redline.model import rms_norm
+
+    x, w, s, _, _ = fused_inputs(24, 40, int8=int8, swiglu=True)
+    offset_w = (torch.rand(40) * 0.5 - 0.25).to(x.dtype)  # Gemma's stored weight; the norm scales by 1 + w
+    out = torch.ops.redline.fused_linear(x, w, s, offset_w.float() + 1, 1e-6, None, True, None, -1, -1, True)
+    h = rms_norm(x, offset_w, 1e-6, offset=1.0, scale_fp32=True)
+    y = torch.ops.redline.int8_linear(h, w, s) if int8 else F.linear(h, w)
+    y = F.gelu(y[..., :12], approximate="tanh") * y[..., 12:]
+    torch.testing.assert_close(out, y, rtol=0, atol=0)
+    silu = torch.ops.redline.fused_linear(x, w, s, offset_w.float() + 1, 1e-6, None, True, None, -1, -1)
+    assert not torch.allclose(out, silu)
 
 
 def test_fused_linear_opcheck_and_fake_shapes_cpu():
@@ -562,6 +581,17 @@ def test_gpu_fused_linear_matches_reference(name, int8, no_tf32):
     if out.numel() >= 64:  # a few outputs may sit one bf16 step apart (the normalized input is not rounded)
         unfused = kl.fused_linear_reference(x, w, s, nw, 1e-5, r, swiglu)
         assert rel_err(out, unfused) < 8e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("int8", [False, True])
+def test_gpu_fused_linear_gemma_norm_and_geglu(int8, no_tf32):
+    """Gemma-3-12B's gate/up GEMV: its fp32 1 + w norm weight and GeGLU in the kernel, against the unfused ops."""
+    x, w, s, _, _ = fused_inputs(2 * 15360, 3840, device="cuda", int8=int8, swiglu=True)
+    nw = (torch.rand(3840, device="cuda") * 0.5 - 0.25).bfloat16().float() + 1
+    out = torch.ops.redline.fused_linear(x, w, s, nw, 1e-6, None, True, None, -1, -1, True)
+    assert rel_err(out, kl.fused_linear_reference(x, w, s, nw, 1e-6, None, True, gelu=True)) < 8e-3
+    assert rel_err(out, kl.fused_linear_reference(x, w, s, nw, 1e-6, None, True)) > 5e-2  # not SwiGLU
 
 
 @pytest.mark.gpu
