@@ -40,6 +40,16 @@ def prefill_then_decode_logits(model, ids: torch.Tensor, prompt_len: int, cache_
     return torch.cat(steps, dim=1)
 
 
+def captured_graph(call):
+    """call() run once (Triton compiles outside the capture), then captured as a CUDA graph: (graph, its output)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 def interpreted_errors_of(script: str, timeout: int, extra_env: dict[str, str] | None = None) -> dict[str, float]:
     """Run a kernel test module as a script under TRITON_INTERPRET=1 (set before Triton is imported, which other test
     modules may already have done in this process) and read the {case/dtype: relative error} JSON it prints last."""

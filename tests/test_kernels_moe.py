@@ -20,7 +20,7 @@ from redline.kernels.device import target_caps
 from redline.quantize import (Int4MoEFeedForward, Int8MoEFeedForward, dequantize_experts_int4, quantize_experts_int4,
                               quantize_experts_int8)
 
-from conftest import interpreted_errors_of
+from conftest import captured_graph, interpreted_errors_of
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETER_TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -541,14 +541,7 @@ def test_gpu_cuda_graph_replay_with_changing_routing(shape, n_tokens):
     x, w13, w2, ids, weights = _gpu_inputs(shape, n_tokens)
     x, ids, weights = x.clone(), ids.clone(), weights.clone()
 
-    def call():
-        return torch.ops.redline.moe_experts(x, w13, w2, ids, weights)
-
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = captured_graph(lambda: torch.ops.redline.moe_experts(x, w13, w2, ids, weights))
     for seed in (1, 2, 3):
         new_x, _, _, new_ids, new_weights = _gpu_inputs(shape, n_tokens, seed)
         if seed == 3:

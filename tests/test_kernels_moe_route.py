@@ -17,7 +17,7 @@ from redline import model
 from redline.kernels import moe
 from redline.quantize import Int4MoEFeedForward, Int8MoEFeedForward
 
-from conftest import interpreted_errors_of
+from conftest import captured_graph, interpreted_errors_of
 
 ROOT = Path(__file__).resolve().parents[1]
 # Weights may differ from the reference's by fp32 rounding (exp, the sum, the division): a few ulps of 1.
@@ -245,14 +245,7 @@ def test_gpu_kernel_with_ties_chooses_probabilities_as_topk_does():
 def test_gpu_cuda_graph_replay_with_changing_logits(n_tokens):
     logits = route_logits(n_tokens, 128, torch.bfloat16, device="cuda")
 
-    def call():
-        return torch.ops.redline.moe_route(logits, 8, True)
-
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = captured_graph(lambda: torch.ops.redline.moe_route(logits, 8, True))
     for seed in (1, 2, 3):
         logits.copy_(route_logits(n_tokens, 128, torch.bfloat16, seed=seed, device="cuda"))
         graph.replay()
