@@ -61,7 +61,7 @@ class DecodeGraphs:
 
     def __init__(self, model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, device: torch.device,
                  scratch_page: int, step_model: Any = None) -> None:
-        """step_model: what a step calls, model by default; the LLM's kernels.FusedDecode runs a one-row step's
+        """step_model: what a step calls, model by default; a kernels.FusedDecode of model runs a one-row step's
         blocks in its fused kernels (the other buckets go on to model)."""
         from redline.runner import CompiledStep
 
