@@ -26,6 +26,7 @@ from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk, Scheduler
 from redline.engine.scheduler import Sequence as Seq
 from redline.engine.steps import (RowSettings, chosen_logprobs, prefill_logits, sample_tokens, step_batch,
                                   step_logits, vocab_bias)
+from redline.kernels import FusedDecode
 from redline.model import PagedKVCache
 from redline.options import GenerationOptions, GenerationResult, GenerationStats, resolve_options
 from redline.sampling import SEED_LIMIT, TOP_P_DISABLED

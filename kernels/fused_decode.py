@@ -26,13 +26,14 @@ from redline.quantize import Int4Linear, Int8Linear
 NORM_SUM_LANES = 32
 
 
-def fused_projection(linear: nn.Module, x: Tensor, norm: RMSNorm | None = None, residual: Tensor | None = None,
-                     swiglu: bool = False, sums: Tensor | None = None, sum_in: int = -1, sum_out: int = -1,
+def fused_projection(linear: nn.Module, x: Tensor, sums: Tensor, norm: RMSNorm | None = None,
+                     residual: Tensor | None = None, swiglu: bool = False, sum_in: int = -1, sum_out: int = -1,
                      gelu: bool = False) -> Tensor:
     """redline::fused_linear on a kernel linear layer (KernelLinear, KernelInt8Linear or KernelInt4Linear):
     [norm(x) ->] linear [-> act(gate) * up: silu, or gelu for GeGLU] [+ residual], one GPU kernel for a single row
     of x. sums[sum_in] holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to
-    sums[sum_out]."""
+    sums[sum_out]; -1 for neither. sums is passed even then: inductor cannot lower the op with its mutable
+    argument left None."""
     return torch.ops.redline.fused_linear(
         x, linear.weight, linear.scales, None if norm is None else scaling_weight(norm),
         0.0 if norm is None else norm.eps, residual, swiglu, sums, sum_in, sum_out, gelu)
@@ -45,29 +46,29 @@ def scaling_weight(norm: RMSNorm) -> Tensor:
     return getattr(norm, "fused_weight", norm.weight)
 
 
-def residual_projection(linear: nn.Module, x: Tensor, residual: Tensor, sums: Tensor | None, sum_out: int) -> Tensor:
+def residual_projection(linear: nn.Module, x: Tensor, residual: Tensor, sums: Tensor, sum_out: int) -> Tensor:
     """linear(x) + residual in one kernel. On a tensor-parallel rank (a linear with `reduce`, such as
     tensor_parallel.RowParallelLinear) rank 0 alone adds the residual into its partial product, so the all-reduce
     adds it once."""
     reduce = getattr(linear, "reduce", None)
     if reduce is None:
-        return fused_projection(linear, x, residual=residual, sums=sums, sum_out=sum_out)
-    return reduce(fused_projection(linear.inner, x, residual=residual if linear.rank == 0 else None))
+        return fused_projection(linear, x, sums, residual=residual, sum_out=sum_out)
+    return reduce(fused_projection(linear.inner, x, sums, residual=residual if linear.rank == 0 else None))
 
 
 def sublayer_residual(block: TransformerBlock, linear: nn.Module, x: Tensor, residual: Tensor,
-                      post_norm: RMSNorm | None, sums: Tensor | None, sum_out: int) -> Tensor:
+                      post_norm: RMSNorm | None, sums: Tensor, sum_out: int) -> Tensor:
     """residual + the sub-layer's output projection of x: added in the GEMV (residual_projection), or where the
     output is normalized first (Gemma's and OLMo 2's post-norms) the GEMV, then the norm and the add as the block
     runs them (all-reduced first on a tensor-parallel rank)."""
     if post_norm is None:
         return residual_projection(linear, x, residual, sums, sum_out)
     reduce = getattr(linear, "reduce", None)
-    y = fused_projection(linear, x) if reduce is None else reduce(fused_projection(linear.inner, x))
+    y = fused_projection(linear, x, sums) if reduce is None else reduce(fused_projection(linear.inner, x, sums))
     return block.residual(residual, y, post_norm)
 
 
-def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor | None,
+def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Tensor, sums: Tensor, lanes: bool,
                 index: int, sum_in: int, context: PagedContext | None = None) -> Tensor:
     """block.forward for one token (batch 1) in five ops (a mixture-of-experts block: its attention in three, then
     its norm, router and experts as the kernel modules run them, and the residual add; a post-norm, Gemma's or
@@ -75,18 +76,17 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
     engine's decode step of one row) the attention between the two projections is the paged one: rope, the page
     write and the paged decode kernel, as model.Attention runs them.
 
-    With `sums`, the residual kernels sum their outputs' squares into slots 2 * index and 2 * index + 1 and each
-    norm reads them: the first norm reads slot sum_in, or sums x itself for sum_in -1 (block 0, and a block after
+    With `lanes`, the residual kernels sum their outputs' squares into slots 2 * index and 2 * index + 1 of sums and
+    each norm reads them: the first norm reads slot sum_in, or sums x itself for sum_in -1 (block 0, and a block after
     one whose output comes from an add: a mixture of experts, a post-norm). Without (a tensor-parallel rank) each
     norm sums the squares of its all-reduced input in its own GEMV's K loop, so every rank computes identical
     norms."""
     attn, ffn = block.attention, block.feed_forward
-    lanes = sums is not None
     # Qwen2/2.5's q/k/v bias rides in the projection's kernel as its residual (added to the fp32 product, where
     # Attention.qkv adds it to the rounded projection).
     bias = None if attn.wqkv_bias is None else attn.wqkv_bias.view(1, 1, -1)
     norm = block.attention_norm  # None: OLMo 2 normalizes outputs only
-    qkv = fused_projection(attn.wqkv, x, norm=norm, residual=bias, sums=sums,
+    qkv = fused_projection(attn.wqkv, x, sums, norm=norm, residual=bias,
                            sum_in=sum_in if lanes and norm is not None else -1)  # (1, 1, (H + 2 Hkv) D)
     if context is None:
         cache = attn.cache()
@@ -98,15 +98,17 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
                                                      attn.args.attention_scale)  # (1, 1, H D)
     else:
         out = paged_attention(attn, qkv, rope, context)  # (1, 1, H D)
-    h = sublayer_residual(block, attn.wo, out, x, block.post_attention_norm, sums, 2 * index)  # (1, 1, dim)
+    h = sublayer_residual(block, attn.wo, out, x, block.post_attention_norm, sums,
+                          2 * index if lanes else -1)  # (1, 1, dim)
     norm = block.ffn_norm
     if sparse(block):  # the router's choice stays on the device: no host sync in the step
         # (1, 1, dim); all-reduced on a tensor-parallel rank
         return block.residual(h, ffn(h if norm is None else norm(h)), block.post_ffn_norm)
     summed = lanes and norm is not None and block.post_attention_norm is None  # the wo kernel summed h's squares
-    act = fused_projection(ffn.w13, h, norm=norm, swiglu=True, sums=sums, sum_in=2 * index if summed else -1,
+    act = fused_projection(ffn.w13, h, sums, norm=norm, swiglu=True, sum_in=2 * index if summed else -1,
                            gelu=ffn.gelu)  # (1, 1, I)
-    return sublayer_residual(block, ffn.w2, act, h, block.post_ffn_norm, sums, 2 * index + 1)  # (1, 1, dim)
+    return sublayer_residual(block, ffn.w2, act, h, block.post_ffn_norm, sums,
+                             2 * index + 1 if lanes else -1)  # (1, 1, dim)
 
 
 def sums_written(block: TransformerBlock) -> bool:
@@ -213,15 +215,14 @@ class FusedDecode(nn.Module):
         table (static cache), or the row's (1, 2, Dr/2) (paged); local_rope: the same of the windowed layers' own rope
         base (Gemma 3), or None."""
         model = self.model
-        sums = None if self.parallel else self.norm_sums
-        if sums is not None:
+        sums, lanes = self.norm_sums, not self.parallel
+        if lanes:
             sums.zero_()
         sum_in = -1
         for i, layer in enumerate(model.layers):
             if context is not None:
                 context.layer = i
             table = local_rope if layer.attention.window and local_rope is not None else rope
-            x = fused_block(layer, x, table, input_pos, sums, i, sum_in, context)
-            sum_in = 2 * i + 1 if sums_written(layer) else -1
-        return fused_projection(model.output, x, norm=model.norm, sums=sums,
-                                sum_in=sum_in if sums is not None else -1)  # (1, 1, vocab)
+            x = fused_block(layer, x, table, input_pos, sums, lanes, i, sum_in, context)
+            sum_in = 2 * i + 1 if lanes and sums_written(layer) else -1
+        return fused_projection(model.output, x, sums, norm=model.norm, sum_in=sum_in)  # (1, 1, vocab)

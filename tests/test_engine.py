@@ -345,6 +345,32 @@ def test_an_abort_while_a_step_is_launched_ahead_ends_only_that_request(compiled
     assert engine.pool.num_free == engine.pool.num_pages - 1
 
 
+def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_checkpoint, llm, monkeypatch):
+    """An LLM that fuses its batch-1 decode hands the engine's compiled one-row steps to a FusedDecode of its model
+    around the paged attention (on the CPU its ops run their references), and they give generate's tokens; two rows
+    at once take the model's own step."""
+    from redline import kernels
+    from redline.kernels import fused_decode
+
+    fusing = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
+    kernels.use_kernels(fusing.model)
+    monkeypatch.setattr(fusing.runner, "fuse", True)  # kernels and fuse need a GPU; their CPU paths are references
+    traced = []
+    original = fused_decode.fused_block
+    monkeypatch.setattr(fused_decode, "fused_block", lambda *a: traced.append(1) or original(*a))
+    prompts = token_prompts(llm, 2, 6)
+    want = alone(llm, prompts, max_new_tokens=6, ignore_eos=True)
+    engine = Engine(fusing, page_size=4)
+    assert isinstance(engine.graphs.step_model, kernels.FusedDecode)
+    first = engine.add_request(prompts[0], GenerationOptions(max_new_tokens=6, ignore_eos=True))
+    assert first.result(timeout=600).token_ids == want[0]
+    assert traced  # the one-row step was traced through the fused blocks
+    with engine._lock:
+        handles = [engine.add_request(p, GenerationOptions(max_new_tokens=6, ignore_eos=True)) for p in prompts]
+    assert [h.result(timeout=600).token_ids for h in handles] == want
+    engine.shutdown()
+
+
 def test_capture_graphs_is_a_no_op_without_graphs(llm):
     engine = Engine(llm, page_size=8)
     assert engine.capture_graphs() == 0  # an eager LLM has no decode graphs

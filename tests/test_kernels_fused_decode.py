@@ -9,17 +9,9 @@ from redline.kernels import fused_decode
 from redline.model import ModelArgs, RMSNorm, Transformer
 
 
-@pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm", "partial_longrope", "moe", "moe_int8",
-                                     "moe_int4", "gemma3", "gemma3_int4", "olmo2"])
-def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
-    """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
-    the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise.
-    Also int8, with a q/k/v bias (Qwen2) or per-head q/k norms (Qwen3) between the projection and the kernel, and
-    with Phi-3's partial rotary and LongRoPE (the kernel ropes the first features from the model's table), for
-    mixtures of experts (a dense block after a sparse one, float, int8 and int4 experts), Gemma 3's blocks (1 + w
-    norms in fp32 before and after each sub-layer, GeGLU, an embedding scale, Gemma q/k norms, a sliding-window layer
-    with its own rope base over a sequence longer than its window) and OLMo 2's (norms on the outputs only, q/k norms
-    over the whole width)."""
+def variant_model(variant: str) -> Transformer:
+    """A tiny random model of one fused-decode variant (see test_fused_decode_gives_the_unfused_logits), its
+    layers swapped for the kernel ones."""
     import dataclasses
 
     from redline.quantize import quantize_
@@ -55,7 +47,21 @@ def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
                     experts.normal_(0, experts.shape[-1] ** -0.5)
     if variant in ("int8", "moe_int8", "moe_int4", "gemma3_int4"):
         quantize_(model, variant.split("_")[-1])
-    kernels.use_kernels(model)
+    return kernels.use_kernels(model)
+
+
+@pytest.mark.parametrize("variant", ["llama", "int8", "qkv_bias", "qk_norm", "partial_longrope", "moe", "moe_int8",
+                                     "moe_int4", "gemma3", "gemma3_int4", "olmo2"])
+def test_fused_decode_gives_the_unfused_logits(variant, monkeypatch):
+    """FusedDecode (norm+qkv, rope+cache+attention, wo+residual, norm+w13+SwiGLU, w2+residual, norm+head) runs
+    the same math as forward: on the CPU the ops fall back to the unfused steps, so logits match to fp32 noise.
+    Also int8, with a q/k/v bias (Qwen2) or per-head q/k norms (Qwen3) between the projection and the kernel, and
+    with Phi-3's partial rotary and LongRoPE (the kernel ropes the first features from the model's table), for
+    mixtures of experts (a dense block after a sparse one, float, int8 and int4 experts), Gemma 3's blocks (1 + w
+    norms in fp32 before and after each sub-layer, GeGLU, an embedding scale, Gemma q/k norms, a sliding-window layer
+    with its own rope base over a sequence longer than its window) and OLMo 2's (norms on the outputs only, q/k norms
+    over the whole width)."""
+    model = variant_model(variant)
     fused = kernels.FusedDecode(model)
     ids = torch.randint(0, 512, (1, 24))
 
@@ -99,6 +105,22 @@ def test_fused_decode_zeroes_its_sums_each_step():
         first = fused(token, pos)
         assert fused.norm_sums.abs().sum() > 0  # the residual kernels wrote their sums
         torch.testing.assert_close(fused(token, pos), first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "olmo2"])
+def test_the_compiled_fused_step_gives_the_eager_logits(variant):
+    """Inductor lowers the whole fused step (fullgraph), also for blocks whose output projections run without a
+    residual (post-norms), where redline::fused_linear once got sums=None: inductor could not lower that."""
+    model = variant_model(variant)
+    fused = kernels.FusedDecode(model)
+    step = torch.compile(fused, fullgraph=True)
+    token = torch.tensor([[7]])
+    with torch.no_grad():
+        model.setup_caches(1, 16)
+        want = [fused(token, torch.tensor([p])) for p in range(3)]
+        model.setup_caches(1, 16)
+        got = [step(token, torch.tensor([p])) for p in range(3)]
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["llama", "qk_norm", "moe", "gemma3"])
