@@ -17,6 +17,9 @@ from torch import Tensor
 TOP_P_DISABLED = 2.0
 # Seeds are int64 values on the device; this is one past the largest.
 SEED_LIMIT = 1 << 63
+# Ids per chunk of the greedy pick's first stage: a 128k-262k vocabulary splits into 125-257 chunks, enough programs
+# to spread one row over the GPU, each chunk still a single block of its reduction.
+ARGMAX_CHUNK = 1024
 
 
 def as_int64(value: int) -> int:
@@ -79,8 +82,23 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, se
     return order.gather(-1, choice)
 
 
+def argmax_rows(logits: Tensor) -> Tensor:
+    """torch.argmax(logits (B, V), dim=-1) -> (B,), the first index of each row's maximum, in two stages: the
+    maximum of each chunk of ARGMAX_CHUNK ids, then the first chunk holding the row's maximum. Compiled, one row's
+    argmax over a whole vocabulary is one program looping over it (26 us for 152k bf16 logits on an H200); the
+    chunks run in parallel."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // ARGMAX_CHUNK)
+    if chunks == 1:
+        return logits.argmax(dim=-1)
+    padded = torch.nn.functional.pad(logits, (0, chunks * ARGMAX_CHUNK - vocab), value=float("-inf"))
+    best, index = padded.view(rows, chunks, ARGMAX_CHUNK).max(dim=-1)  # (B, chunks) each
+    chunk = best.argmax(dim=-1, keepdim=True)  # (B, 1)
+    return (chunk * ARGMAX_CHUNK + index.gather(-1, chunk)).squeeze(-1)
+
+
 def greedy(logits: Tensor) -> Tensor:
-    return torch.argmax(logits, dim=-1, keepdim=True)  # (B, 1)
+    return argmax_rows(logits).unsqueeze(-1)  # (B, 1)
 
 
 def next_token(logits: Tensor, position: Tensor, vocab_bias: Tensor | None, sampling: tuple[Tensor, ...]) -> Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from redline.model import PagedContext, PagedKVCache, Transformer
-from redline.sampling import sample_rows
+from redline.sampling import argmax_rows, sample_rows
 
 BATCH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 8))
 MAX_GRAPH_ROWS = BATCH_BUCKETS[-1]
@@ -47,7 +47,7 @@ def pick_tokens(logits: Tensor, greedy: bool, positions: Tensor, temperature: Te
                 seed: Tensor) -> Tensor:
     """tokens (B,) from logits (B, V) with per-row settings (B,); the new token's position is positions + 1."""
     if greedy:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     return sample_rows(logits, temperature, top_k, top_p, seed, positions + 1)
 
 

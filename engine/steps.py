@@ -12,7 +12,7 @@ from torch import Tensor
 from redline.engine.graphs import mark_dynamic, pages_bucket
 from redline.engine.scheduler import Chunk
 from redline.model import PagedContext, PagedKVCache, Transformer
-from redline.sampling import sample_rows
+from redline.sampling import argmax_rows, sample_rows
 
 
 @dataclass
@@ -161,7 +161,7 @@ class RowSettings:
 def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = False) -> Tensor:
     """logits (B, V) -> tokens (B,), each row with its own settings; all_greedy skips the sampler's sort."""
     if all_greedy:
-        return logits.argmax(dim=-1)
+        return argmax_rows(logits)
     return sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.seed, settings.position)
 
 
