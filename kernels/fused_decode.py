@@ -3,13 +3,14 @@
     fused = FusedDecode(use_kernels(model))
     logits = fused(token, input_pos)  # one token: the fused path; anything else: model(...)
 
-Per block: norm+qkv, rope+cache write+attention (redline::decode_attention_qkv), wo+residual,
-norm+gate/up+SwiGLU, w2+residual (Qwen2's q/k/v bias rides in the first, Qwen3's q/k norms in the second; a mixture
-of experts runs norm, router, redline::moe_route and redline::moe_experts after the attention's three); the final
-norm rides in the output head's GEMV. Each residual kernel also adds its output's sum of squares into a slot of an
-fp32 buffer, so the next norm needs no pass of its own. Same math and roundings as model.Transformer.forward,
-except that the normalized input of a projection stays fp32 (the GPU kernel does not round it to the activation
-dtype) and a q/k/v bias is added to the projection before it is rounded.
+Per block: norm+qkv, rope+cache write+attention (redline::decode_attention_qkv; on the batching engine's pages
+redline::paged_decode_attention_qkv), wo+residual, norm+gate/up+SwiGLU, w2+residual (Qwen2's q/k/v bias rides in the
+first, Qwen3's q/k norms in the second; a mixture of experts runs norm, router, redline::moe_route and
+redline::moe_experts after the attention's three); the final norm rides in the output head's GEMV. Each residual
+kernel also adds its output's sum of squares into a slot of an fp32 buffer, so the next norm needs no pass of its
+own. Same math and roundings as model.Transformer.forward, except that the normalized input of a projection stays
+fp32 (the GPU kernel does not round it to the activation dtype) and a q/k/v bias is added to the projection before
+it is rounded.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
     its norm, router and experts as the kernel modules run them, and the residual add; a post-norm, Gemma's or
     OLMo 2's, adds the norm and the add after its projection). x (1, 1, dim). With a paged context (the batching
     engine's decode step of one row) the attention between the two projections is the paged one: rope, the page
-    write and the paged decode kernel, as model.Attention runs them.
+    write and the paged decode attention (paged_attention).
 
     With `lanes`, the residual kernels sum their outputs' squares into slots 2 * index and 2 * index + 1 of sums and
     each norm reads them: the first norm reads slot sum_in, or sums x itself for sum_in -1 (block 0, and a block after
@@ -127,8 +128,17 @@ def head_norms(attn: Attention) -> tuple[Tensor, Tensor, float] | None:
 
 def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedContext) -> Tensor:
     """The projection qkv (1, 1, (H + 2 Hkv) D) of one decoding row -> its attention output (1, 1, H D): q/k norms,
-    rope (rope: the row's (1, 2, Dr/2)), k and v written to the row's page slot, the paged decode attention."""
+    rope (rope: the row's (1, 2, Dr/2)), k and v written to the row's page slot, the paged decode attention. With the
+    pool's kernel ops on, and q/k norms absent or plain per-head ones, all of it is one op
+    (redline::paged_decode_attention_qkv); else the model's steps."""
     a = attn.args
+    norms = head_norms(attn)
+    if context.kv.ops is not None and not a.attn_softcap and (attn.q_norm is None or norms is not None):
+        layer = context.layer
+        out = torch.ops.redline.paged_decode_attention_qkv(
+            qkv.reshape(1, -1), context.kv.k[layer], context.kv.v[layer], rope, context.block_tables,
+            context.seq_lens, a.attention_scale, attn.window, *(norms or (None, None, 0.0)))  # (1, H, D)
+        return out.reshape(1, 1, a.q_size)
     q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim,
                                 None if attn.q_norm is None else attn.normed_qk)  # (1, 1, heads, D) each
     out = context.attend(q[0], k[0], v[0], a.attention_scale, attn.window, a.attn_softcap)  # (1, H, D)

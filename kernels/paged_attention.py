@@ -1,6 +1,8 @@
 """Attention over a paged KV cache: the ops a continuous-batching engine calls, with plain-PyTorch references.
 
     torch.ops.redline.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)  -> (B, H, D)
+    torch.ops.redline.paged_decode_attention_qkv(qkv, k_cache, v_cache, rope, block_tables, seq_lens, scale)
+                                                                                                  -> (B, H, D)
     torch.ops.redline.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
                                                                                                   -> (T, H, D)
 
@@ -11,6 +13,9 @@ pages are never read (padding may hold anything); the entries before must be val
 would read the device).
 
 - decode: one query per row, q (B, H, D), attending to keys 0..seq_lens[b]-1.
+- decode from the projection: the raw qkv (B, (H + 2 Hkv) D) of each row's new token at position seq_lens[b] - 1 and
+  rope (B, 2, R/2) fp32, its cos/sin; q and the new key are rotated (optionally RMS-normalized per head first), the
+  key and value written at that position's page slot (mutating the caches), then the decode above.
 - prefill: S sequences' query chunks flattened into q (T, H, D); sequence s owns rows cu_seqlens_q[s] ..
   cu_seqlens_q[s+1]-1 (int32, (S + 1,)), and its query j sits at position seq_lens[s] - q_len_s + j, attending
   causally to keys 0..that position (the chunk's own keys are already in the pages). Rows past cu_seqlens_q[S] (a
@@ -29,9 +34,12 @@ register_fake).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
+
+from redline.model import rms_norm, split_rotated_qkv
 
 from .configs import (PAGED_DECODE_STAGES, AttentionConfig, PagedPrefillConfig, fitted_attention_config,
                       fitted_paged_prefill_config)
@@ -56,11 +64,11 @@ def triton_paged_attention():
 # --- dispatch ---
 
 
-def _kernel_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+def _kernel_supported(dtype: torch.dtype, k_cache: Tensor, v_cache: Tensor) -> bool:
     """The Triton kernels take these shapes: a float dtype, head_dim 64/128, a power-of-two page size in 8..128,
     unit stride along D, and Triton is importable (the ops also need the tensors on a CUDA/HIP device)."""
     page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-    if q.dtype not in FLOAT_DTYPES or head_dim not in PAGED_HEAD_DIMS:
+    if dtype not in FLOAT_DTYPES or head_dim not in PAGED_HEAD_DIMS:
         return False
     if not MIN_PAGE_SIZE <= page_size <= MAX_PAGE_SIZE or page_size & (page_size - 1):
         return False
@@ -70,18 +78,30 @@ def _kernel_supported(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
 def paged_decode_config(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor) -> AttentionConfig | None:
     """The decode kernel's config on this GPU (the split count from the table's key capacity, never from the
     lengths), or None where the kernel does not take these shapes: the op then runs the reference."""
-    if not _kernel_supported(q, k_cache, v_cache):
+    return _decode_config(q.shape[0], q.shape[1], q.dtype, q.device, k_cache, v_cache, block_tables)
+
+
+def paged_decode_qkv_config(qkv: Tensor, k_cache: Tensor, v_cache: Tensor,
+                            block_tables: Tensor) -> AttentionConfig | None:
+    """paged_decode_config for the queries of the projection qkv (B, (H + 2 Hkv) D): the same kernel's."""
+    n_heads = qkv.shape[1] // k_cache.shape[3] - 2 * k_cache.shape[2]
+    return _decode_config(qkv.shape[0], n_heads, qkv.dtype, qkv.device, k_cache, v_cache, block_tables)
+
+
+def _decode_config(batch: int, n_heads: int, dtype: torch.dtype, device: torch.device, k_cache: Tensor,
+                   v_cache: Tensor, block_tables: Tensor) -> AttentionConfig | None:
+    """The decode kernel's config for B rows of H query heads, or None where the kernel does not take the shapes."""
+    if not _kernel_supported(dtype, k_cache, v_cache):
         return None
-    batch, n_heads, head_dim = q.shape
     max_keys = block_tables.shape[1] * k_cache.shape[1]
-    return fitted_attention_config(batch, n_heads, k_cache.shape[2], max(max_keys, 1), head_dim,
-                                   k_cache.element_size(), device_caps(q.device), PAGED_DECODE_STAGES)
+    return fitted_attention_config(batch, n_heads, k_cache.shape[2], max(max_keys, 1), k_cache.shape[3],
+                                   k_cache.element_size(), device_caps(device), PAGED_DECODE_STAGES)
 
 
 def paged_prefill_config(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> PagedPrefillConfig | None:
     """The prefill kernel's config on this GPU, or None where the kernel does not take these shapes (the op then
     runs the reference)."""
-    if not _kernel_supported(q, k_cache, v_cache):
+    if not _kernel_supported(q.dtype, k_cache, v_cache):
         return None
     return fitted_paged_prefill_config(q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.element_size(),
                                        device_caps(q.device))
@@ -128,6 +148,42 @@ def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor
     """The decode op computed in fp32 with PyTorch ops, returned in q's dtype; (B, H, D)."""
     lengths = seq_lens.long()
     return _attend_pages(q, k_cache, v_cache, block_tables, lengths, lengths - 1, scale, window).to(q.dtype)
+
+
+def paged_decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
+                                         block_tables: Tensor, seq_lens: Tensor, scale: float, window: int = 0,
+                                         q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                                         norm_eps: float = 0.0) -> Tensor:
+    """The unfused steps: split qkv, per-head RMS norms of q and k when given (model.rms_norm), rope each row with
+    its own rope row (model.split_rotated_qkv), write k and v into each row's page slot at seq_lens[b] - 1, then the
+    decode reference (scale 0: D ** -0.5); returns (B, H, D) in qkv's dtype."""
+    n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    n_heads = qkv.shape[1] // head_dim - 2 * n_kv_heads
+    normed = None if q_norm is None else (lambda q, k: (rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)))
+    # The rows as the tokens of one sequence: token b is rotated with rope row b.
+    q, k, v = split_rotated_qkv(qkv[None], rope, n_heads, n_kv_heads, head_dim, normed)  # (1, B, heads, D) each
+    if block_tables.shape[1]:  # (a table without pages holds no keys: nothing to write)
+        _write_new_keys(k_cache, v_cache, k[0], v[0], block_tables, seq_lens)
+    return paged_decode_attention_reference(q[0], k_cache, v_cache, block_tables, seq_lens,
+                                            scale or head_dim ** -0.5, window)
+
+
+def _write_new_keys(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, block_tables: Tensor,
+                    seq_lens: Tensor) -> None:
+    """Write row b's k and v (B, Hkv, D) at its position seq_lens[b] - 1 (clamped into its table, as the kernel
+    clamps lengths), page block_tables[b, pos // page_size]; a row without keys (padding) writes nothing."""
+    page_size = k_cache.shape[1]
+    lengths = seq_lens.long().clamp(0, block_tables.shape[1] * page_size)
+    written = lengths > 0  # (B,)
+    pos = (lengths - 1).clamp(min=0)
+    page = torch.where(written, block_tables.long().gather(1, (pos // page_size)[:, None])[:, 0], 0)  # (B,)
+    slot = torch.where(written, pos % page_size, 0)
+    # A row that writes nothing repeats the first writing row's write (its slot, its values), or where no row writes
+    # puts page 0's slot 0 back: no slot gets two different values, and nothing here reads the device on the host.
+    src = torch.where(written, torch.arange(k.shape[0], device=k.device), written.int().argmax())  # (B,)
+    page, slot, keep = page[src], slot[src], written[src][:, None, None]
+    k_cache.index_put_((page, slot), torch.where(keep, k[src], k_cache[page, slot]))
+    v_cache.index_put_((page, slot), torch.where(keep, v[src], v_cache[page, slot]))
 
 
 def paged_prefill_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -190,6 +246,48 @@ def _check_paged_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
                          "pass one row per query")
 
 
+def _check_paged_decode_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, block_tables: Tensor,
+                            seq_lens: Tensor, scale: float, window: int = 0, q_norm: Tensor | None = None,
+                            k_norm: Tensor | None = None, norm_eps: float = 0.0) -> None:
+    name = "redline.paged_decode_attention_qkv"
+    if not (scale >= 0 and math.isfinite(scale)):
+        raise ValueError(f"{name}: scale must be a finite factor > 0, or 0 for head_dim ** -0.5, got {scale}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{name}: per-head norms need both q_norm and k_norm; pass both or neither")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{name}: k_cache and v_cache must be (num_pages, page_size, Hkv, D) of one shape, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    width = qkv.shape[-1] if qkv.dim() == 2 else 0
+    heads = width // max(head_dim, 1) - 2 * n_kv_heads  # H, where qkv's shape is right
+    if width == 0 or n_kv_heads == 0 or head_dim == 0 or width % head_dim or heads <= 0 or heads % n_kv_heads:
+        raise ValueError(f"{name}: qkv must be (B, (H + 2 Hkv) D) with H a multiple of Hkv={n_kv_heads} and "
+                         f"D={head_dim}, got {tuple(qkv.shape)}")
+    if qkv.dtype not in FLOAT_DTYPES or k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError(f"{name}: qkv and the caches must share one dtype of bf16, fp16 or fp32, "
+                         f"got {qkv.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    q = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))  # (B, H, D): a view, for the common checks
+    _check_paged_common(name, q, k_cache, v_cache, block_tables, seq_lens, window)
+    batch = qkv.shape[0]
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"{name}: block_tables has {block_tables.shape[0]} rows for qkv's {batch} rows; pass one "
+                         "row per sequence")
+    if (head_dim % 2 or rope.dim() != 3 or rope.shape[:2] != (batch, 2) or not 1 <= rope.shape[2] <= head_dim // 2
+            or rope.dtype != torch.float32 or rope.device != qkv.device):
+        raise ValueError(f"{name}: rope must be the fp32 cos/sin rows ({batch}, 2, R/2) of each row's position "
+                         f"(R <= {head_dim} rotated features) on {qkv.device}, got {tuple(rope.shape)} of {rope.dtype} "
+                         f"on {rope.device}")
+    if q_norm is not None:
+        for label, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+            if weight.shape != (head_dim,) or weight.dtype != qkv.dtype or weight.device != qkv.device:
+                raise ValueError(f"{name}: {label} must be ({head_dim},) of {qkv.dtype} on {qkv.device} (one weight a "
+                                 f"head feature), got {tuple(weight.shape)} of {weight.dtype} on {weight.device}")
+        if not norm_eps > 0:
+            raise ValueError(f"{name}: norm_eps must be positive with per-head norms, got {norm_eps}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: the caches must have unit stride along head_dim (they are written in place)")
+
+
 def _check_paged_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                          seq_lens: Tensor, window: int = 0) -> None:
     name = "redline.paged_prefill_attention"
@@ -223,6 +321,37 @@ def _paged_decode_attention_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, bl
                                  scale: float, window: int = 0) -> Tensor:
     _check_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, window)
     return q.new_empty(q.shape)  # (B, H, D), contiguous like the real output
+
+
+@torch.library.custom_op("redline::paged_decode_attention_qkv", mutates_args=("k_cache", "v_cache"))
+def paged_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, block_tables: Tensor,
+                               seq_lens: Tensor, scale: float, window: int = 0, q_norm: Tensor | None = None,
+                               k_norm: Tensor | None = None, norm_eps: float = 0.0) -> Tensor:
+    """One new token a row from its raw projection qkv (B, (H + 2 Hkv) D) at position seq_lens[b] - 1: rotates q
+    and k with the row's rope (B, 2, R/2) (q_norm, k_norm (D,): per-head RMS norms of eps norm_eps first), writes k
+    and v into the row's page slot, attends over keys 0..seq_lens[b]-1 (window > 0: the last `window`); scale 0:
+    D ** -0.5. Returns (B, H, D). On the GPU it is the decode kernel's launch (two with the split partials'
+    combine)."""
+    _check_paged_decode_qkv(qkv, k_cache, v_cache, rope, block_tables, seq_lens, scale, window, q_norm, k_norm,
+                            norm_eps)
+    config = paged_decode_qkv_config(qkv, k_cache, v_cache, block_tables) if qkv.is_cuda else None
+    if config is not None:
+        return triton_paged_attention().paged_decode_attention_qkv(
+            qkv, k_cache, v_cache, rope, block_tables, seq_lens, scale or k_cache.shape[3] ** -0.5, config, window,
+            q_norm, k_norm, norm_eps)
+    return paged_decode_attention_qkv_reference(qkv, k_cache, v_cache, rope, block_tables, seq_lens, scale, window,
+                                                q_norm, k_norm, norm_eps).contiguous()
+
+
+@paged_decode_attention_qkv.register_fake
+def _paged_decode_attention_qkv_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor,
+                                     block_tables: Tensor, seq_lens: Tensor, scale: float, window: int = 0,
+                                     q_norm: Tensor | None = None, k_norm: Tensor | None = None,
+                                     norm_eps: float = 0.0) -> Tensor:
+    _check_paged_decode_qkv(qkv, k_cache, v_cache, rope, block_tables, seq_lens, scale, window, q_norm, k_norm,
+                            norm_eps)
+    n_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1] // head_dim - 2 * n_kv_heads, head_dim))  # (B, H, D)
 
 
 @torch.library.custom_op("redline::paged_prefill_attention", mutates_args=())

@@ -19,6 +19,12 @@ size serves any tile size.
   there is one split. (Launching the combine kernel with programmatic dependent launch measured no faster on an
   H200, and slower at B=1: 12.2 against 10.6 us over 2048 keys.)
 
+`paged_decode_attention_qkv` (the fused decode of the engine's one-row step) takes the raw qkv projection instead,
+as triton_attention.decode_attention_qkv does over the static cache: every program rotates its queries with the
+row's rope (and per-head norms), and the split that owns the row's new position seq_lens[b] - 1 rotates the new
+key and stores it and the value in their page slot before it reads the cache: one split launch instead of the rope
+kernels, two page writes and the attention's own.
+
 `paged_prefill_attention`: the queries of S sequences flattened into T rows, sequence s owning rows
 cu_seqlens_q[s]..cu_seqlens_q[s+1]-1; query j of sequence s sits at position seq_lens[s] - q_len + j and attends
 causally to keys 0..that position. A program takes a tile of BLOCK_T tokens x the GROUP query heads of one KV head
@@ -28,9 +34,9 @@ cu_seqlens_q[s] // BLOCK_T + s, which leaves room for each chunk's tiles whateve
 T // BLOCK_T + S + 1 tiles cover them all; each program finds its sequence by a binary search of cu_seqlens_q on
 the device, and the few numbers that fall between chunks exit.
 
-Both read lengths and tables on the device only (no host sync), so both are CUDA-graph capturable. A query row with
-no keys (seq_lens 0: a padding row of a batch bucket) gets zeros, as in the references. Configs come from
-configs.py, fitted to the GPU's shared memory; only kernels/paged_attention.py imports this module, lazily.
+All read lengths and tables on the device only (no host sync), so all are CUDA-graph capturable. A query row with
+no keys (seq_lens 0: a padding row of a batch bucket) gets zeros (and writes no key), as in the references. Configs
+come from configs.py, fitted to the GPU's shared memory; only kernels/paged_attention.py imports this module, lazily.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ import triton.language as tl
 
 from .configs import AttentionConfig, PagedPrefillConfig, fitted_attention_config, fitted_paged_prefill_config
 from .device import device_caps
-from .triton_attention import COMBINE_SPLIT_TILE, DOT_MIN_ROWS, LOG2E, _seen
+from .triton_attention import COMBINE_SPLIT_TILE, DOT_MIN_ROWS, LOG2E, _normed_rotated, _rope_row, _rotated, _seen
 
 
 @triton.jit
@@ -94,13 +100,18 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION: 
 # multiple of 16 otherwise, each a pause of a second or two the first time a step meets it).
 @triton.jit(do_not_specialize=("stride_tb", "max_keys", "num_splits"))
 def _paged_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, rope_ptr, qn_ptr, kn_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
-    stride_ob, stride_oh, max_keys, num_splits, qk_scale, window,
+    stride_ob, stride_oh, max_keys, num_splits, qk_scale, window, norm_eps,
     N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, ROPE_QKV: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr,
 ):
+    """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of each row's new token, at position
+    seq_lens[b] - 1; rope_ptr holds each row's cos/sin (B, 2, ROT/2) fp32. The kernel rotates the first ROT features
+    of the queries and the new key (QK_NORM: RMS-normalized per head first, weights qn_ptr / kn_ptr (D,), eps
+    norm_eps), and the split that owns the position stores the key and value in their page slot before it reads the
+    cache (no other program reads that slot). A row without keys writes nothing."""
     pid_group = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     b = (pid_group // N_KV_HEADS).to(tl.int64)
@@ -116,12 +127,37 @@ def _paged_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # (BLOCK_G,) the query heads of this KV head
-    # Padded rows load zeros (finite scores, never stored); a split without keys loads nothing.
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=(row_ok & (first < last))[:, None], other=0.0)  # (BLOCK_G, D)
     table_row = table_ptr + b * stride_tb
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
+    if ROPE_QKV:
+        HALF: tl.constexpr = ROT // 2
+        cos, sin = _rope_row(rope_ptr + b * ROT, offs_d, HALF, ROT == HEAD_DIM)  # (D,) each
+        # Padded rows re-read the last head (in bounds, finite) and are zeroed.
+        q_rows = q_ptr + b * stride_qb + tl.minimum(heads, N_KV_HEADS * GROUP - 1)[:, None] * HEAD_DIM
+        if QK_NORM:
+            q = _normed_rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF, qn_ptr, norm_eps, HEAD_DIM,
+                                1, k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
+        else:
+            q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(k_ptr.dtype.element_ty)
+        q = tl.where(row_ok[:, None], q, 0.0)  # (BLOCK_G, D)
+        if split == active - 1:  # this split holds the row's position: store its key and value first
+            pos = length - 1
+            new_k = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + kvh) * HEAD_DIM
+            new_v = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + N_KV_HEADS + kvh) * HEAD_DIM
+            if QK_NORM:
+                k_new = _normed_rotated(new_k, offs_d, cos, sin, HALF, kn_ptr, norm_eps, HEAD_DIM, 0,
+                                        k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # (D,)
+            else:
+                k_new = _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty)  # (D,)
+            pos_page = tl.load(table_row + pos // PAGE_SIZE).to(tl.int64)
+            tl.store(k_base + pos_page * stride_kp + (pos % PAGE_SIZE) * stride_ks + offs_d, k_new)
+            tl.store(v_base + pos_page * stride_vp + (pos % PAGE_SIZE) * stride_vs + offs_d, tl.load(new_v + offs_d))
+        tl.debug_barrier()  # the stores above are seen by every thread of this program that reads the cache
+    else:
+        # Padded rows load zeros (finite scores, never stored); a split without keys loads nothing.
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=(row_ok & (first < last))[:, None], other=0.0)  # (BLOCK_G, D)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -290,7 +326,35 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """softmax(scale q k^T) v over each row's keys 0..seq_lens[b]-1; q (B, H, D), caches (num_pages, page_size, Hkv,
     D) with unit stride along D, block_tables (B, max_pages), seq_lens (B,). Returns (B, H, D) contiguous. The
     caller (kernels/paged_attention.py) validates."""
-    batch, n_heads, head_dim = q.shape
+    q = _unit_stride(q)
+    return _launch_decode(q, q.shape[1], q.stride(1), k_cache, v_cache, block_tables, seq_lens, scale, config, window)
+
+
+def paged_decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               rope_rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float, config: AttentionConfig | None = None, window: int = 0,
+                               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                               norm_eps: float = 0.0) -> torch.Tensor:
+    """Rope, page write and attention of each row's new token: qkv (B, (H + 2 Hkv) D) raw projections at positions
+    seq_lens - 1, rope_rows (B, 2, R/2) fp32 their cos/sin (the first R <= D features of each head rotate). Writes
+    the rotated key and the value of row b at slot (seq_lens[b] - 1) % page_size of page
+    block_tables[b, (seq_lens[b] - 1) // page_size] and returns the attention over its keys 0..seq_lens[b]-1,
+    (B, H, D) contiguous. q_norm, k_norm (D,): per-head RMS norms (eps norm_eps) of q and k before rope. The caller
+    (kernels/paged_attention.py) validates."""
+    head_dim, n_kv_heads = k_cache.shape[3], k_cache.shape[2]
+    qkv = _unit_stride(qkv)  # each row's H + 2 Hkv heads of D elements, back to back
+    norms = (q_norm.contiguous(), k_norm.contiguous(), norm_eps) if q_norm is not None else None
+    return _launch_decode(qkv, qkv.shape[1] // head_dim - 2 * n_kv_heads, head_dim, k_cache, v_cache, block_tables,
+                          seq_lens, scale, config, window, rope_rows.contiguous(), norms)
+
+
+def _launch_decode(q: torch.Tensor, n_heads: int, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, config: AttentionConfig | None,
+                   window: int, rope: torch.Tensor | None = None,
+                   qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+    """Run the split (and combine) kernels; returns (B, H, D). q is (B, H, D) queries (stride_qh apart), or with
+    rope given the raw (B, (H + 2 Hkv) D) projections (rope_rows (B, 2, R/2) contiguous)."""
+    batch, head_dim = q.shape[0], k_cache.shape[3]
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_keys = block_tables.shape[1] * page_size
     group = n_heads // n_kv_heads
@@ -299,7 +363,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         config = fitted_attention_config(batch, n_heads, n_kv_heads, max_keys, head_dim, k_cache.element_size(), caps)
     if config is None:  # kernels.paged_attention checks first and takes the reference
         raise ValueError(f"no paged decode-attention config fits this GPU's shared memory for head_dim {head_dim}")
-    q, block_tables, seq_lens = _unit_stride(q), _unit_stride(block_tables), seq_lens.contiguous()
+    block_tables, seq_lens = _unit_stride(block_tables), seq_lens.contiguous()
     out = torch.empty((batch, n_heads, head_dim), device=q.device, dtype=q.dtype)  # (B, H, D)
     if out.numel() == 0:
         return out
@@ -313,13 +377,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         m = l = acc = out  # unused by the kernel when there is one split
     with _device_context(q):
         _paged_split_kernel[(batch * n_kv_heads, splits)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc, q if rope is None else rope,
+            *(qk_norms[:2] if qk_norms else (q, q)),
+            q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            out.stride(0), out.stride(1), max_keys, splits, scale * LOG2E, window,
+            out.stride(0), out.stride(1), max_keys, splits, scale * LOG2E, window, qk_norms[2] if qk_norms else 0.0,
             N_KV_HEADS=n_kv_heads, GROUP=group, SINGLE_SPLIT=splits == 1, WINDOW=window > 0,
             BLOCK_G=max(DOT_MIN_ROWS, triton.next_power_of_2(group)), BLOCK_S=config.block_s, PAGE_SIZE=page_size,
-            HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype, caps),
+            HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype, caps), ROPE_QKV=rope is not None,
+            QK_NORM=qk_norms is not None, ROT=head_dim if rope is None else 2 * rope.shape[-1],
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:

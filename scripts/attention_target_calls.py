@@ -1,6 +1,7 @@
 """The attention calls scripts/check_targets.py records on each target, on meta tensors through the launchers the
 ops call: decode attention over the static cache and the prefill rope kernel (attention_calls); the paged kernels
-for every page size, decode batch, block-table capacity and prefill layout (paged_attention_calls).
+(the decode kernel also in its fused qkv form) for every page size, decode batch, block-table capacity and prefill
+layout (paged_attention_calls).
 
 Kept apart from check_targets.py (which imports it and hands in its shapes) so that module stays within one readable
 file; nothing here compiles. `record` is check_targets' launch recorder: its `call` names the call being made.
@@ -88,10 +89,10 @@ def _pools(page_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -
 
 def paged_attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype], decode_batches: Iterable[int],
                           cache_lengths: Iterable[int]) -> list[str]:
-    """Run both paged launchers on meta tensors for every model shape (objects with name, n_heads, n_kv_heads and
-    head_dim), dtype, page size, decode batch and key capacity (block table width x page size), and prefill layout,
-    on a large pool (a small one for batch 1 and the prefills), setting record.call before each; returns the calls
-    that take the reference (no kernel or no config fits)."""
+    """Run the paged launchers (decode from q and from the raw qkv, prefill) on meta tensors for every model shape
+    (objects with name, n_heads, n_kv_heads and head_dim), dtype, page size, decode batch and key capacity (block
+    table width x page size), and prefill layout, on a large pool (a small one for batch 1 and the prefills), setting
+    record.call before each; returns the calls that take the reference (no kernel or no config fits)."""
     from redline.kernels import triton_paged_attention as tpa
 
     fallbacks = []
@@ -110,11 +111,20 @@ def paged_attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype
             if config is None:
                 fallbacks.append(record.call)
                 continue
-            tpa.paged_decode_attention(q, pool, pool, tables, _meta(batch, dtype=torch.int32), 0.1, config)
-            if keys == max(cache_lengths):  # a sliding-window layer's decode: one more variant of each config
-                record.call += " window"
-                tpa.paged_decode_attention(q, pool, pool, tables, _meta(batch, dtype=torch.int32), 0.1, config,
-                                           window=1024)
+            lens = _meta(batch, dtype=torch.int32)
+            qkv = _meta(batch, (h + 2 * hkv) * d, dtype=dtype)  # the fused decode's form: the same configs
+            rope, partial = (_meta(batch, 2, half, dtype=torch.float32) for half in (d // 2, 3 * d // 8))
+            tpa.paged_decode_attention(q, pool, pool, tables, lens, 0.1, config)
+            tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config)
+            if keys == max(cache_lengths):  # one more variant of each config: a sliding-window layer's decode, and the
+                # fused form's per-head q/k norms (Qwen3) and partial rotary (Phi-3's 3/4 of each head)
+                record.call += " window, q/k norms, partial rotary"
+                tpa.paged_decode_attention(q, pool, pool, tables, lens, 0.1, config, window=1024)
+                tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config, window=1024)
+                norm = _meta(d, dtype=dtype)
+                tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config, q_norm=norm,
+                                               k_norm=norm, norm_eps=1e-6)
+                tpa.paged_decode_attention_qkv(qkv, pool, pool, partial, tables, lens, 0.1, config)
         for (seqs, tokens), pool in itertools.product(PREFILL_LAYOUTS, (large, small)):
             record.call = f"{label} prefill sequences={seqs} tokens={tokens} pool={pool.shape[0]}"
             q = _meta(tokens, h, d, dtype=dtype)

@@ -345,11 +345,14 @@ def test_an_abort_while_a_step_is_launched_ahead_ends_only_that_request(compiled
     assert engine.pool.num_free == engine.pool.num_pages - 1
 
 
-def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_checkpoint, llm, monkeypatch):
+@pytest.mark.parametrize("ops", [False, True])
+def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_checkpoint, llm, monkeypatch, ops):
     """An LLM that fuses its batch-1 decode hands the engine's compiled one-row steps to a FusedDecode of its model
     around the paged attention (on the CPU its ops run their references), and they give generate's tokens; two rows
-    at once take the model's own step."""
+    at once take the model's own step. With the pool's attention ops (the GPU's), each layer's one-row attention is
+    redline::paged_decode_attention_qkv, inside the compiled step."""
     from redline import kernels
+    from redline.engine.engine import registered_paged_ops
     from redline.kernels import fused_decode
 
     fusing = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
@@ -360,11 +363,17 @@ def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_check
     monkeypatch.setattr(fused_decode, "fused_block", lambda *a: traced.append(1) or original(*a))
     prompts = token_prompts(llm, 2, 6)
     want = alone(llm, prompts, max_new_tokens=6, ignore_eos=True)
+    splits = []
+    split = fused_decode.split_rotated_qkv  # the fused blocks' own rope, where the op does not take over
+    monkeypatch.setattr(fused_decode, "split_rotated_qkv", lambda *a: splits.append(1) or split(*a))
     engine = Engine(fusing, page_size=4)
     assert isinstance(engine.graphs.step_model, kernels.FusedDecode)
+    if ops:
+        engine.kv.ops = registered_paged_ops()
     first = engine.add_request(prompts[0], GenerationOptions(max_new_tokens=6, ignore_eos=True))
     assert first.result(timeout=600).token_ids == want[0]
     assert traced  # the one-row step was traced through the fused blocks
+    assert bool(splits) != ops  # with the ops, redline::paged_decode_attention_qkv ropes and writes the pages
     with engine._lock:
         handles = [engine.add_request(p, GenerationOptions(max_new_tokens=6, ignore_eos=True)) for p in prompts]
     assert [h.result(timeout=600).token_ids for h in handles] == want

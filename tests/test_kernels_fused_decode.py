@@ -127,9 +127,13 @@ def test_the_compiled_fused_step_gives_the_eager_logits(variant):
 def test_fused_paged_decode_gives_the_model_logits(variant):
     """A one-row paged decode step (the batching engine's, engine/graphs.decode_logits) through FusedDecode runs the
     fused projections around the paged attention: the logits of model.forward_paged, step after step, with the keys
-    and values each path wrote to its own pool; a step of two rows goes on to the model."""
+    and values each path wrote to its own pool; a step of two rows goes on to the model. With the pool's attention
+    ops on (the engine's GPU kernels; their references here) a layer's one-row attention is one op,
+    redline::paged_decode_attention_qkv, except where Gemma's q/k norms (1 + w) keep the model's steps (norms and
+    rope, then the pool's decode op)."""
     import dataclasses
 
+    from redline.engine.engine import registered_paged_ops
     from redline.engine.graphs import decode_logits
     from redline.model import PagedKVCache
 
@@ -154,8 +158,8 @@ def test_fused_paged_decode_gives_the_model_logits(variant):
     page_size, pages = 4, [3, 0, 5, 1]  # a sequence's pages out of order in the pool
     ids = torch.randint(0, args.vocab_size, (14,))
 
-    def logits_of(step_model, rows: int) -> torch.Tensor:  # (steps, rows, V): one token a step from position 0
-        kv = PagedKVCache(args, 8, page_size, torch.float32, torch.device("cpu"))
+    def logits_of(step_model, rows: int, ops=None) -> torch.Tensor:  # (steps, rows, V): one token a step from 0
+        kv = PagedKVCache(args, 8, page_size, torch.float32, torch.device("cpu"), ops)
         tables = torch.tensor([pages] * rows, dtype=torch.int32)  # (rows, W): rows share pages (same tokens)
         out = []
         for p in range(ids.numel()):
@@ -165,15 +169,20 @@ def test_fused_paged_decode_gives_the_model_logits(variant):
             out.append(decode_logits(step_model, kv, None, ids[p].repeat(1, rows), positions, slots, tables, seq_lens))
         return torch.stack(out)
 
-    calls = []
-    original = fused_decode.fused_block
+    calls, splits = [], []
+    original, split = fused_decode.fused_block, fused_decode.split_rotated_qkv
+    steps = ids.numel() * args.n_layer
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_decode, "fused_block", lambda *a: calls.append(1) or original(*a))
+        patch.setattr(fused_decode, "split_rotated_qkv", lambda *a: splits.append(1) or split(*a))
         want = logits_of(model, 1)
         assert not calls
         got = logits_of(fused, 1)
-        assert len(calls) == ids.numel() * args.n_layer  # every step took the fused path
-        two = logits_of(fused, 2)
-        assert len(calls) == ids.numel() * args.n_layer  # two rows: the model's path
+        assert len(calls) == len(splits) == steps  # every step took the fused path, around the model's attention
+        with_ops = logits_of(fused, 1, registered_paged_ops())
+        assert len(splits) == steps * (2 if variant == "gemma3" else 1)  # the op ropes (Gemma's norms: the model)
+        two = logits_of(fused, 2, registered_paged_ops())
+        assert len(calls) == 2 * steps  # two rows: the model's path
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(with_ops, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(two, want.expand_as(two), atol=1e-4, rtol=1e-4)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from redline.kernels import configs
 from redline.kernels import paged_attention as pa
 from redline.kernels.device import target_caps
+from redline.model import rms_norm, split_rotated_qkv
 
 from conftest import interpreted_errors_of
 
@@ -102,6 +103,45 @@ def prefill_inputs(lengths, q_lens, n_heads, batch: PagedBatch, dtype=torch.floa
     head_dim = batch.k_cache.shape[-1]
     q = torch.randn(int(cu[-1]) + extra_rows, n_heads, head_dim, generator=gen).to(dtype)
     return q.to(batch.k_cache.device), cu.to(batch.k_cache.device)
+
+
+def qkv_batch(lengths, n_heads, n_kv_heads, head_dim, page_size, rotary=None, dtype=torch.float32, device="cpu",
+              seed=0):
+    """A paged batch whose rows each bring one new token at position seq_lens - 1, its slot NaN until written, with
+    the raw projections qkv (B, (H + 2 Hkv) D), each row's rope rows (B, 2, R/2) at its position (R: rotary, or D)
+    and two per-head norm weights (2, D)."""
+    batch = paged_batch(lengths, n_kv_heads, head_dim, page_size, dtype=dtype, device=device, seed=seed)
+    for b, n in enumerate(lengths):
+        if n:
+            page = int(batch.block_tables[b, (n - 1) // page_size])
+            batch.k_cache[page, (n - 1) % page_size] = float("nan")
+            batch.v_cache[page, (n - 1) % page_size] = float("nan")
+    gen = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(len(lengths), (n_heads + 2 * n_kv_heads) * head_dim, generator=gen)
+    half = (rotary or head_dim) // 2
+    angles = (torch.tensor(lengths) - 1).clamp(min=0)[:, None] * 10000.0 ** -(torch.arange(half) / half)  # (B, R/2)
+    rope = torch.stack([angles.cos(), angles.sin()], dim=1)  # (B, 2, R/2)
+    norms = torch.randn(2, head_dim, generator=gen) * 0.5 + 1
+    return batch, qkv.to(dtype).to(device), rope.to(device), norms.to(dtype).to(device)
+
+
+def unfused_decode_qkv(qkv, rope, batch: PagedBatch, n_heads, scale, window=0, norms=None, eps=1e-6):
+    """The steps the op fuses, row by row: model.split_rotated_qkv (per-head model.rms_norm first, with norms), k and v
+    written to the row's slot, then the decode reference; (out (B, H, D), k_cache, v_cache) on copies of the pool."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    page_size, n_kv_heads, head_dim = k_cache.shape[1:]
+    normed = None if norms is None else (lambda q, k: (rms_norm(q, norms[0], eps), rms_norm(k, norms[1], eps)))
+    queries = []
+    for b, n in enumerate(batch.seq_lens.tolist()):
+        q, k, v = split_rotated_qkv(qkv[b].view(1, 1, -1), rope[b:b + 1], n_heads, n_kv_heads, head_dim, normed)
+        queries.append(q[0, 0])  # (H, D)
+        if n:
+            page = int(batch.block_tables[b, (n - 1) // page_size])
+            k_cache[page, (n - 1) % page_size] = k[0, 0]
+            v_cache[page, (n - 1) % page_size] = v[0, 0]
+    out = pa.paged_decode_attention_reference(torch.stack(queries), k_cache, v_cache, batch.block_tables,
+                                              batch.seq_lens, scale, window)
+    return out, k_cache, v_cache
 
 
 def rel_err(got, want) -> float:
@@ -253,6 +293,85 @@ def test_torch_compile_fullgraph_cpu():
     assert torch.equal(got, want)
 
 
+# --- the fused decode op (rope, page write, attention from the raw qkv) on the CPU ---
+
+QKV_VARIANTS = {"gqa": (8, 2, None), "mha": (4, 4, None), "partial": (8, 2, 24), "norms": (8, 2, None),
+                "window": (8, 2, None)}  # (H, Hkv, rotated features)
+
+
+@pytest.mark.parametrize("variant", sorted(QKV_VARIANTS))
+def test_qkv_op_on_cpu_is_the_unfused_steps(variant):
+    n_heads, n_kv_heads, rotary = QKV_VARIANTS[variant]
+    lengths = [1, 8, 9, 17, 33, 16]  # pages of 8: a first slot, a page's last slot, the next page's first, ...
+    batch, qkv, rope, norms = qkv_batch(lengths, n_heads, n_kv_heads, 32, 8, rotary)
+    window = 10 if variant == "window" else 0
+    norm_args = (norms[0], norms[1], 1e-6) if variant == "norms" else (None, None, 0.0)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    got = torch.ops.redline.paged_decode_attention_qkv(qkv, k_cache, v_cache, rope, batch.block_tables,
+                                                       batch.seq_lens, 0.2, window, *norm_args)
+    want, want_k, want_v = unfused_decode_qkv(qkv, rope, batch, n_heads, 0.2, window,
+                                              norms if variant == "norms" else None)
+    assert got.shape == (len(lengths), n_heads, 32) and torch.isfinite(got).all()  # each NaN slot written first
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0, equal_nan=True)
+
+
+def test_qkv_op_rows_without_keys_write_nothing_and_scale_0_is_the_default():
+    batch, qkv, rope, _ = qkv_batch([0, 5, 0, 9], 4, 2, 16, 8)
+    pool = batch.k_cache.clone(), batch.v_cache.clone()
+    args = (rope, batch.block_tables, batch.seq_lens)
+    got = torch.ops.redline.paged_decode_attention_qkv(qkv, *pool, *args, 0.0)
+    want, want_k, want_v = unfused_decode_qkv(qkv, rope, batch, 4, 16 ** -0.5)
+    assert (got[0] == 0).all() and (got[2] == 0).all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(pool, (want_k, want_v), atol=0, rtol=0, equal_nan=True)
+    idle = torch.zeros(4, dtype=torch.int32)  # no row writes: the pool stays as it was
+    torch.ops.redline.paged_decode_attention_qkv(qkv, *pool, rope, batch.block_tables, idle, 0.0)
+    torch.testing.assert_close(pool, (want_k, want_v), atol=0, rtol=0, equal_nan=True)
+
+
+def _qkv_args(**change):
+    batch, qkv, rope, _ = qkv_batch([10, 20], 4, 2, 16, 8)
+    args = dict(qkv=qkv, k_cache=batch.k_cache, v_cache=batch.v_cache, rope=rope, block_tables=batch.block_tables,
+                seq_lens=batch.seq_lens, scale=0.25, window=0, q_norm=None, k_norm=None, norm_eps=0.0)
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(qkv=torch.randn(2, 1, 128)), "qkv must be \\(B, \\(H \\+ 2 Hkv\\) D\\) with H a multiple of Hkv=2"),
+    (dict(qkv=torch.randn(2, 80)), "qkv must be"),
+    (dict(qkv=torch.randn(2, 128).half()), "qkv and the caches must share one dtype"),
+    (dict(v_cache=torch.randn(5, 8, 2, 16)), "k_cache and v_cache must be"),
+    (dict(k_cache=torch.randn(5, 8, 2, 32)[..., ::2], v_cache=torch.randn(5, 8, 2, 32)[..., ::2]), "unit stride"),
+    (dict(rope=torch.randn(2, 2, 8).double()), "rope must be the fp32 cos/sin rows \\(2, 2, R/2\\)"),
+    (dict(rope=torch.randn(3, 2, 8)), "rope must be"),
+    (dict(rope=torch.randn(2, 2, 9)), "R <= 16"),
+    (dict(q_norm=torch.ones(16)), "both q_norm and k_norm"),
+    (dict(q_norm=torch.ones(8), k_norm=torch.ones(8), norm_eps=1e-6), "q_norm must be \\(16,\\)"),
+    (dict(q_norm=torch.ones(16), k_norm=torch.ones(16)), "norm_eps must be positive"),
+    (dict(scale=-1.0), "scale must be a finite factor"),
+    (dict(scale=float("nan")), "scale must be a finite factor"),
+    (dict(window=-1), "window must be 0"),
+    (dict(block_tables=torch.zeros(3, 3, dtype=torch.int32), seq_lens=torch.ones(3, dtype=torch.int32)),
+     "3 rows for qkv's 2 rows"),
+    (dict(seq_lens=torch.tensor([1, 2])), "seq_lens must be int32"),
+])
+def test_qkv_validation_errors(change, match):
+    with pytest.raises(ValueError, match=match) as info:
+        torch.ops.redline.paged_decode_attention_qkv(*_qkv_args(**change).values())
+    assert "\n" not in str(info.value)
+
+
+def test_qkv_opcheck_cpu():
+    batch, qkv, rope, norms = qkv_batch([10, 33], 4, 2, 16, 8)
+    args = (qkv, batch.k_cache.nan_to_num(), batch.v_cache.nan_to_num(), rope, batch.block_tables, batch.seq_lens)
+    torch.library.opcheck(torch.ops.redline.paged_decode_attention_qkv.default, (*args, 0.25))
+    torch.library.opcheck(torch.ops.redline.paged_decode_attention_qkv.default,
+                          (*args, 0.25, 12, norms[0], norms[1], 1e-6))
+
+
 # --- the configs ---
 
 
@@ -284,7 +403,9 @@ def test_prefill_config_validation():
 # (name, dtype): every case the child runs. The interpreter's tl.dot is wrong for bf16: fp16 and fp32 only.
 INTERPRETER_CASES = [(f"{op}_{v}", d) for op, variants in (("decode", ("split", "single", "gqa8", "page128", "window",
                                                                         "windowsingle")),
-                                                            ("prefill", ("mha", "gqa4", "group3", "many", "window")))
+                                                            ("prefill", ("mha", "gqa4", "group3", "many", "window")),
+                                                            ("qkv", ("split", "single", "gqa8", "partial", "norms",
+                                                                     "window")))
                      for v in variants for d in ("float32", "float16")]
 
 
@@ -297,6 +418,21 @@ def run_interpreted_case(name: str, dtype_name: str) -> float:
     op, _, variant = name.partition("_")
     n_heads, n_kv_heads = {"mha": (2, 2), "gqa4": (8, 2), "gqa8": (8, 1), "group3": (3, 1)}.get(variant, (4, 2))
     page_size = 128 if variant == "page128" else 8
+    if op == "qkv":  # the fused form: its output, and both pools after its page writes
+        lengths = [0, 1, 37, 150, 8, 9]  # no keys, one, ..., a page's last slot, the next page's first
+        batch, qkv, rope, norms = qkv_batch(lengths, n_heads, n_kv_heads, 64, page_size,
+                                            48 if variant == "partial" else None, dtype)
+        cfg = configs.AttentionConfig(num_splits=1 if variant == "single" else 5, block_s=16, num_warps=4,
+                                      num_stages=1)
+        window = 21 if variant == "window" else 0
+        extra = (norms[0], norms[1], 1e-6) if variant == "norms" else (None, None, 0.0)
+        pools, want_pools = [batch.k_cache.clone(), batch.v_cache.clone()], [batch.k_cache, batch.v_cache]
+        got = tpa.paged_decode_attention_qkv(qkv, *pools, rope, batch.block_tables, batch.seq_lens, 0.125, cfg,
+                                             window, *extra)
+        want = pa.paged_decode_attention_qkv_reference(qkv, *want_pools, rope, batch.block_tables, batch.seq_lens,
+                                                       0.125, window, *extra)
+        errs = [rel_err(got, want)] + [rel_err(p.nan_to_num(), w.nan_to_num()) for p, w in zip(pools, want_pools)]
+        return float("inf") if any(math.isnan(e) for e in errs) else max(errs)  # NaN: a slot read before written
     if op == "decode":
         lengths = [0, 1, 37, 150, 8] if variant != "page128" else [200, 3]
         batch = paged_batch(lengths, n_kv_heads, 64, page_size, dtype=dtype)
@@ -351,6 +487,31 @@ def test_gpu_decode_matches_reference(page_size, layout, head_dim, dtype):
     assert pa.paged_decode_config(q, batch.k_cache, batch.v_cache, batch.block_tables) is not None
     got = torch.ops.redline.paged_decode_attention(*args)
     assert rel_err(got, pa.paged_decode_attention_reference(*args)) <= GPU_TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", pa.PAGED_HEAD_DIMS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("variant", ["plain", "partial", "norms", "window"])
+def test_gpu_decode_qkv_matches_reference(variant, layout, head_dim, dtype):
+    """The fused form's output and both pools after its page writes (the written slots NaN before) against the
+    reference's."""
+    n_heads, n_kv_heads = LAYOUTS[layout]
+    lengths = [0, 1, 17, 255, 1000, 4097, 16, 33]
+    batch, qkv, rope, norms = qkv_batch(lengths, n_heads, n_kv_heads, head_dim, 16,
+                                        3 * head_dim // 4 if variant == "partial" else None, dtype, "cuda")
+    extra = (norms[0], norms[1], 1e-6) if variant == "norms" else (None, None, 0.0)
+    window = 100 if variant == "window" else 0
+    args = (rope, batch.block_tables, batch.seq_lens, head_dim ** -0.5, window, *extra)
+    pools, want_pools = (batch.k_cache.clone(), batch.v_cache.clone()), (batch.k_cache, batch.v_cache)
+    assert pa.paged_decode_qkv_config(qkv, *pools, batch.block_tables) is not None
+    got = torch.ops.redline.paged_decode_attention_qkv(qkv, *pools, *args)
+    want = pa.paged_decode_attention_qkv_reference(qkv, *want_pools, *args)
+    assert torch.isfinite(got).all()  # each new slot (NaN) was written before it was read
+    assert rel_err(got, want) <= GPU_TOLERANCE[dtype]
+    for pool, want_pool in zip(pools, want_pools):
+        assert rel_err(pool.nan_to_num(), want_pool.nan_to_num()) <= GPU_TOLERANCE[dtype]
 
 
 @pytest.mark.gpu
@@ -456,6 +617,50 @@ def test_gpu_torch_compile_reduce_overhead():
     want = pa.paged_decode_attention_reference(q * 2, batch.k_cache, batch.v_cache, batch.block_tables,
                                                batch.seq_lens, 0.088) + 1
     assert rel_err(got, want) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_decode_qkv_cuda_graph_replay_with_changing_lengths_and_tables():
+    batch, qkv, rope, norms = qkv_batch([300, 900, 64, 5], 32, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    pools = batch.k_cache.nan_to_num(), batch.v_cache.nan_to_num()
+    lens, tables = batch.seq_lens.clone(), batch.block_tables.clone()
+
+    def call():
+        return torch.ops.redline.paged_decode_attention_qkv(qkv, *pools, rope, tables, lens, 0.088, 0, norms[0],
+                                                            norms[1], 1e-6)
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for new_lens in ([1, 2, 3, 4], [5, 64, 900, 300], [0, 17, 64, 2]):  # within the flipped rows' pages
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        tables.copy_(batch.block_tables.flip(0))
+        want_pools = tuple(p.clone() for p in pools)
+        graph.replay()
+        want = pa.paged_decode_attention_qkv_reference(qkv, *want_pools, rope, tables, lens, 0.088, 0, norms[0],
+                                                       norms[1], 1e-6)
+        assert rel_err(out, want) <= 2e-2
+        assert all(rel_err(p, w) <= 2e-2 for p, w in zip(pools, want_pools))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_qkv_torch_compile_reduce_overhead():
+    batch, qkv, rope, _ = qkv_batch([100, 2000], 32, 8, 128, 16, dtype=torch.bfloat16, device="cuda")
+    pools = batch.k_cache.nan_to_num(), batch.v_cache.nan_to_num()
+    want_pools = tuple(p.clone() for p in pools)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(qkv, k, v, rope, tables, lens):
+        return torch.ops.redline.paged_decode_attention_qkv(qkv * 2, k, v, rope, tables, lens, 0.088) + 1
+
+    for _ in range(3):  # warm-up, recording, replay: each writes the same keys and values
+        got = step(qkv, *pools, rope, batch.block_tables, batch.seq_lens)
+    want = pa.paged_decode_attention_qkv_reference(qkv * 2, *want_pools, rope, batch.block_tables, batch.seq_lens,
+                                                   0.088) + 1
+    assert rel_err(got, want) <= 2e-2
+    assert all(rel_err(p, w) <= 2e-2 for p, w in zip(pools, want_pools))
 
 
 if __name__ == "__main__":
