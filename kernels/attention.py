@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from redline.model import Attention, rms_norm, split_rotated_qkv
+from redline.model import Attention, PagedContext, rms_norm, split_rotated_qkv
 
 from .configs import AttentionConfig, fitted_attention_config
 from .device import device_caps, triton_importable
@@ -317,16 +317,48 @@ def _prefill_rope_cache_fake(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope
 # --- the module use_kernels swaps in ---
 
 
+def head_norms(attn: Attention) -> tuple[Tensor, Tensor, float] | None:
+    """The q and k norms' weights and eps where they are plain RMS norms over each head's features (Qwen3), which
+    the attention kernels apply themselves; else None."""
+    a = attn.args
+    if attn.q_norm is None or a.qk_norm != "head" or a.norm_offset != 0.0 or a.norm_scale_fp32:
+        return None
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
+
+
+def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedContext) -> Tensor:
+    """The projections qkv (1, N, (H + 2 Hkv) D) of N decoding rows (a decode context: one token a sequence) -> their
+    attention output (1, N, H D): q/k norms, rope (rope: the rows' (N, 2, Dr/2)), k and v written to each row's page
+    slot, the paged decode attention. With the pool's kernel ops on, and q/k norms absent or plain per-head ones, all
+    of it is one op (redline::paged_decode_attention_qkv); else the model's steps."""
+    a = attn.args
+    rows = qkv.shape[1]
+    norms = head_norms(attn)
+    if context.kv.ops is not None and not a.attn_softcap and (attn.q_norm is None or norms is not None):
+        layer = context.layer
+        out = torch.ops.redline.paged_decode_attention_qkv(
+            qkv.reshape(rows, -1), context.kv.k[layer], context.kv.v[layer], rope, context.block_tables,
+            context.seq_lens, a.attention_scale, attn.window, *(norms or (None, None, 0.0)))  # (N, H, D)
+        return out.reshape(1, rows, a.q_size)
+    q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim,
+                                None if attn.q_norm is None else attn.normed_qk)  # (1, N, heads, D) each
+    out = context.attend(q[0], k[0], v[0], a.attention_scale, attn.window, a.attn_softcap)  # (N, H, D)
+    return out.reshape(1, rows, a.q_size)
+
+
 class KernelAttention(Attention):
     """model.Attention whose one-token steps run redline::decode_attention (it reads only the valid cache
-    positions: up to the token, and in a sliding-window layer only the last `window` of them) and whose prefills
-    from position 0 run redline::prefill_rope_cache (rope and cache write in one pass); every other call is the
-    plain math."""
+    positions: up to the token, and in a sliding-window layer only the last `window` of them), whose prefills
+    from position 0 run redline::prefill_rope_cache (rope and cache write in one pass), and whose paged decode steps
+    (the batching engine's) run paged_attention; every other call is the plain math."""
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
                 context: Any = None) -> Tensor:
         bsz, seqlen, _ = x.shape
-        if context is not None or (not from_start and seqlen != 1):  # the paged path is model.py's
+        if context is not None and context.decode:  # the engine's decode rows: one op a layer with its kernels
+            y = self.wo(paged_attention(self, self.qkv(x), rope, context))  # (1, N, dim)
+            return y if self.wo_bias is None else y + self.wo_bias
+        if context is not None or (not from_start and seqlen != 1):  # paged prefill is model.py's
             return super().forward(x, rope, mask, input_pos, from_start, context)
         a = self.args
         qkv = self.normed_qkv(self.qkv(x))  # (B, T, (H + 2 Hkv) D), with its bias and q/k norms

@@ -18,9 +18,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from redline.model import (Attention, ModelArgs, MoEFeedForward, PagedContext, RMSNorm, Transformer, TransformerBlock,
-                           split_rotated_qkv)
+from redline.model import ModelArgs, MoEFeedForward, PagedContext, RMSNorm, Transformer, TransformerBlock
 from redline.quantize import Int4Linear, Int8Linear
+
+from .attention import head_norms, paged_attention
 
 # The fused kernels add each output's sum of squares into this many lanes (program i into lane i % lanes):
 # thousands of atomic adds on one address would queue; the next kernel reads all lanes.
@@ -115,34 +116,6 @@ def fused_block(block: TransformerBlock, x: Tensor, rope: Tensor, input_pos: Ten
 def sums_written(block: TransformerBlock) -> bool:
     """Whether the block's last kernel summed its output's squares for the next norm (not after an add)."""
     return not sparse(block) and block.post_ffn_norm is None
-
-
-def head_norms(attn: Attention) -> tuple[Tensor, Tensor, float] | None:
-    """The q and k norms' weights and eps where they are plain RMS norms over each head's features (Qwen3), which
-    the attention kernel applies itself; else None."""
-    a = attn.args
-    if attn.q_norm is None or a.qk_norm != "head" or a.norm_offset != 0.0 or a.norm_scale_fp32:
-        return None
-    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
-
-
-def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedContext) -> Tensor:
-    """The projection qkv (1, 1, (H + 2 Hkv) D) of one decoding row -> its attention output (1, 1, H D): q/k norms,
-    rope (rope: the row's (1, 2, Dr/2)), k and v written to the row's page slot, the paged decode attention. With the
-    pool's kernel ops on, and q/k norms absent or plain per-head ones, all of it is one op
-    (redline::paged_decode_attention_qkv); else the model's steps."""
-    a = attn.args
-    norms = head_norms(attn)
-    if context.kv.ops is not None and not a.attn_softcap and (attn.q_norm is None or norms is not None):
-        layer = context.layer
-        out = torch.ops.redline.paged_decode_attention_qkv(
-            qkv.reshape(1, -1), context.kv.k[layer], context.kv.v[layer], rope, context.block_tables,
-            context.seq_lens, a.attention_scale, attn.window, *(norms or (None, None, 0.0)))  # (1, H, D)
-        return out.reshape(1, 1, a.q_size)
-    q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim,
-                                None if attn.q_norm is None else attn.normed_qk)  # (1, 1, heads, D) each
-    out = context.attend(q[0], k[0], v[0], a.attention_scale, attn.window, a.attn_softcap)  # (1, H, D)
-    return out.reshape(1, 1, a.q_size)
 
 
 def sparse(block: TransformerBlock) -> bool:

@@ -353,6 +353,7 @@ def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_check
     redline::paged_decode_attention_qkv, inside the compiled step."""
     from redline import kernels
     from redline.engine.engine import registered_paged_ops
+    from redline.kernels import attention as kernel_attention
     from redline.kernels import fused_decode
 
     fusing = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
@@ -364,8 +365,8 @@ def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_check
     prompts = token_prompts(llm, 2, 6)
     want = alone(llm, prompts, max_new_tokens=6, ignore_eos=True)
     splits = []
-    split = fused_decode.split_rotated_qkv  # the fused blocks' own rope, where the op does not take over
-    monkeypatch.setattr(fused_decode, "split_rotated_qkv", lambda *a: splits.append(1) or split(*a))
+    split = kernel_attention.split_rotated_qkv  # the paged decode's own rope, where the op does not take over
+    monkeypatch.setattr(kernel_attention, "split_rotated_qkv", lambda *a: splits.append(1) or split(*a))
     engine = Engine(fusing, page_size=4)
     assert isinstance(engine.graphs.step_model, kernels.FusedDecode)
     if ops:

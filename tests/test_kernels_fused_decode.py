@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from redline import kernels
+from redline.kernels import attention as kernel_attention
 from redline.kernels import fused_decode
 from redline.model import ModelArgs, RMSNorm, Transformer
 
@@ -170,13 +171,14 @@ def test_fused_paged_decode_gives_the_model_logits(variant):
         return torch.stack(out)
 
     calls, splits = [], []
-    original, split = fused_decode.fused_block, fused_decode.split_rotated_qkv
+    original, split = fused_decode.fused_block, kernel_attention.split_rotated_qkv
     steps = ids.numel() * args.n_layer
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_decode, "fused_block", lambda *a: calls.append(1) or original(*a))
-        patch.setattr(fused_decode, "split_rotated_qkv", lambda *a: splits.append(1) or split(*a))
+        patch.setattr(kernel_attention, "split_rotated_qkv", lambda *a: splits.append(1) or split(*a))
         want = logits_of(model, 1)
         assert not calls
+        splits.clear()  # (the model's kernel attention layers rope there too)
         got = logits_of(fused, 1)
         assert len(calls) == len(splits) == steps  # every step took the fused path, around the model's attention
         with_ops = logits_of(fused, 1, registered_paged_ops())
