@@ -18,8 +18,10 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
                        KernelInt4Linear; exact_head_linear, ExactInt8Head; use_cpu_kernels
     cpu_linear.py      the quantized ops on the CPU: cpu_gemv.cpp (int8 / int4 GEMV, built once per machine) for few
                        rows, dequantize-then-F.linear for more
-    attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention
-    paged_attention.py redline::paged_decode_attention, paged_prefill_attention (a paged KV cache)
+    attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention;
+                       paged_attention (a paged decode step's attention, one op with the GPU kernels)
+    paged_attention.py redline::paged_decode_attention, paged_decode_attention_qkv, paged_prefill_attention (a paged
+                       KV cache)
     moe.py             redline::moe_experts (a mixture-of-experts layer's chosen experts), redline::moe_route (its
                        router's softmax and top-k); KernelMoE, KernelInt8MoE, KernelInt4MoE
     fused_decode.py    FusedDecode
@@ -55,7 +57,7 @@ def use_kernels(model: Transformer) -> Transformer:
     (redline::linear), quantize.Int8Linear -> KernelInt8Linear (redline::int8_linear), quantize.Int4Linear ->
     KernelInt4Linear (redline::int4_linear), model.Attention ->
     KernelAttention (redline::decode_attention for one-token steps, redline::prefill_rope_cache for prefills from
-    position 0), model.MoEFeedForward -> KernelMoE, quantize.Int8MoEFeedForward -> KernelInt8MoE and
+    position 0, redline::paged_decode_attention_qkv for the engine's decode steps), model.MoEFeedForward -> KernelMoE, quantize.Int8MoEFeedForward -> KernelInt8MoE and
     quantize.Int4MoEFeedForward -> KernelInt4MoE (redline::moe_experts). Only classes
     change, so weights (and a tied output head) stay shared; applying it twice is a no-op. Where no kernel fits
     (the CPU, unsupported shapes) the ops run their PyTorch references."""
