@@ -55,11 +55,10 @@ def available() -> bool:
 def use_kernels(model: Transformer) -> Transformer:
     """Swap the model's modules for the kernel ones, in place, and return it: float nn.Linear -> KernelLinear
     (redline::linear), quantize.Int8Linear -> KernelInt8Linear (redline::int8_linear), quantize.Int4Linear ->
-    KernelInt4Linear (redline::int4_linear), model.Attention ->
-    KernelAttention (redline::decode_attention for one-token steps, redline::prefill_rope_cache for prefills from
-    position 0, redline::paged_decode_attention_qkv for the engine's decode steps), model.MoEFeedForward -> KernelMoE, quantize.Int8MoEFeedForward -> KernelInt8MoE and
-    quantize.Int4MoEFeedForward -> KernelInt4MoE (redline::moe_experts). Only classes
-    change, so weights (and a tied output head) stay shared; applying it twice is a no-op. Where no kernel fits
+    KernelInt4Linear (redline::int4_linear), model.Attention -> KernelAttention (redline::decode_attention for
+    one-token steps, redline::prefill_rope_cache for prefills from position 0, redline::paged_decode_attention_qkv
+    for the engine's decode steps), model.MoEFeedForward -> KernelMoE, quantize.Int8MoEFeedForward -> KernelInt8MoE
+    and quantize.Int4MoEFeedForward -> KernelInt4MoE (redline::moe_experts). Only classes change, so weights (and a tied output head) stay shared; applying it twice is a no-op. Where no kernel fits
     (the CPU, unsupported shapes) the ops run their PyTorch references."""
     swap_linears(model)
     for module in model.modules():

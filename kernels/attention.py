@@ -183,6 +183,22 @@ def decode_attention_qkv_reference(qkv: Tensor, k_cache: Tensor, v_cache: Tensor
     return out.transpose(1, 2).reshape(batch, 1, n_heads * head_dim)
 
 
+def check_head_norms(name: str, qkv: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, norm_eps: float,
+                     head_dim: int) -> None:
+    """One-line errors for per-head q/k norm weights that an op taking qkv cannot use: both or neither, (D,) in
+    qkv's dtype and device, a positive eps."""
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{name}: per-head norms need both q_norm and k_norm; pass both or neither")
+    if q_norm is None:
+        return
+    for label, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight.shape != (head_dim,) or weight.dtype != qkv.dtype or weight.device != qkv.device:
+            raise ValueError(f"{name}: {label} must be ({head_dim},) of {qkv.dtype} on {qkv.device} (one weight a "
+                             f"head feature), got {tuple(weight.shape)} of {weight.dtype} on {weight.device}")
+    if not norm_eps > 0:
+        raise ValueError(f"{name}: norm_eps must be positive with per-head norms, got {norm_eps}")
+
+
 def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope: Tensor, input_pos: Tensor,
                                 q_norm: Tensor | None = None, k_norm: Tensor | None = None,
                                 norm_eps: float = 0.0, window: int = 0, scale: float = 0.0) -> None:
@@ -191,16 +207,7 @@ def _check_decode_attention_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, r
         raise ValueError(f"{name}: window must be 0 (none) or a positive number of keys, got {window}")
     if not (scale >= 0 and math.isfinite(scale)):
         raise ValueError(f"{name}: scale must be a finite factor > 0, or 0 for head_dim ** -0.5, got {scale}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError(f"{name}: per-head norms need both q_norm and k_norm; pass both or neither")
-    if q_norm is not None:
-        head_dim = k_cache.shape[-1]
-        for label, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
-            if weight.shape != (head_dim,) or weight.dtype != qkv.dtype or weight.device != qkv.device:
-                raise ValueError(f"{name}: {label} must be ({head_dim},) of {qkv.dtype} on {qkv.device} (one weight a "
-                                 f"head feature), got {tuple(weight.shape)} of {weight.dtype} on {weight.device}")
-        if not norm_eps > 0:
-            raise ValueError(f"{name}: norm_eps must be positive with per-head norms, got {norm_eps}")
+    check_head_norms(name, qkv, q_norm, k_norm, norm_eps, k_cache.shape[-1])
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"{name}: k_cache and v_cache must be (B, Hkv, S, D) of one shape, "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from redline.model import rms_norm, split_rotated_qkv
 
+from .attention import check_head_norms
 from .configs import (PAGED_DECODE_STAGES, AttentionConfig, PagedPrefillConfig, fitted_attention_config,
                       fitted_paged_prefill_config)
 from .device import device_caps, triton_importable
@@ -252,8 +253,6 @@ def _check_paged_decode_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope:
     name = "redline.paged_decode_attention_qkv"
     if not (scale >= 0 and math.isfinite(scale)):
         raise ValueError(f"{name}: scale must be a finite factor > 0, or 0 for head_dim ** -0.5, got {scale}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError(f"{name}: per-head norms need both q_norm and k_norm; pass both or neither")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"{name}: k_cache and v_cache must be (num_pages, page_size, Hkv, D) of one shape, "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -277,13 +276,7 @@ def _check_paged_decode_qkv(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, rope:
         raise ValueError(f"{name}: rope must be the fp32 cos/sin rows ({batch}, 2, R/2) of each row's position "
                          f"(R <= {head_dim} rotated features) on {qkv.device}, got {tuple(rope.shape)} of {rope.dtype} "
                          f"on {rope.device}")
-    if q_norm is not None:
-        for label, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
-            if weight.shape != (head_dim,) or weight.dtype != qkv.dtype or weight.device != qkv.device:
-                raise ValueError(f"{name}: {label} must be ({head_dim},) of {qkv.dtype} on {qkv.device} (one weight a "
-                                 f"head feature), got {tuple(weight.shape)} of {weight.dtype} on {weight.device}")
-        if not norm_eps > 0:
-            raise ValueError(f"{name}: norm_eps must be positive with per-head norms, got {norm_eps}")
+    check_head_norms(name, qkv, q_norm, k_norm, norm_eps, head_dim)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"{name}: the caches must have unit stride along head_dim (they are written in place)")
 

@@ -97,6 +97,33 @@ def _normed_rotated(ptr, offs_d, cos, sin, HALF: tl.constexpr, w_ptr, eps, HEAD_
 
 
 @triton.jit
+def _token_queries(qkv_row, heads, row_ok, offs_d, cos, sin, HALF: tl.constexpr, QK_NORM: tl.constexpr, qn_ptr,
+                   norm_eps, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """Query heads `heads` (BLOCK_G,) of one token's raw qkv row (QK_NORM: normalized per head first), rotated, in
+    dtype: (BLOCK_G, D). Padded rows (not row_ok) re-read the last head (in bounds, finite) and are zeroed."""
+    q_rows = qkv_row + tl.minimum(heads, N_HEADS - 1)[:, None] * HEAD_DIM
+    if QK_NORM:
+        q = _normed_rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF, qn_ptr, norm_eps, HEAD_DIM,
+                            1, dtype).to(dtype)
+    else:
+        q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(dtype)
+    return tl.where(row_ok[:, None], q, 0.0)
+
+
+@triton.jit
+def _token_key_value(qkv_row, kvh, offs_d, cos, sin, HALF: tl.constexpr, QK_NORM: tl.constexpr, kn_ptr, norm_eps,
+                     N_HEADS: tl.constexpr, N_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr):
+    """KV head kvh's new key (QK_NORM: normalized first), rotated, in dtype, and its value, from one token's raw qkv
+    row: (D,) each."""
+    new_k = qkv_row + (N_HEADS + kvh) * HEAD_DIM
+    if QK_NORM:
+        k = _normed_rotated(new_k, offs_d, cos, sin, HALF, kn_ptr, norm_eps, HEAD_DIM, 0, dtype).to(dtype)
+    else:
+        k = _rotated(new_k, offs_d, cos, sin, HALF).to(dtype)
+    return k, tl.load(qkv_row + (N_HEADS + N_KV_HEADS + kvh) * HEAD_DIM + offs_d)
+
+
+@triton.jit
 def _seen(s_idx, length, lo, WINDOW: tl.constexpr):
     """Which keys at positions s_idx a query sees: before length, and with WINDOW from lo on."""
     if WINDOW:
@@ -174,23 +201,12 @@ def _split_kernel(
         gdc_wait()
 
     if ROPE_QKV:
-        q_rows = q_ptr + b * stride_qb + tl.minimum(heads, N_KV_HEADS * GROUP - 1)[:, None] * HEAD_DIM
-        # Padded rows re-read the last head (in bounds, finite) and are never stored.
-        if QK_NORM:
-            q = _normed_rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF, qn_ptr, norm_eps, HEAD_DIM,
-                                1, k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
-        else:
-            q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(k_ptr.dtype.element_ty)
-        q = tl.where(row_ok[:, None], q, 0.0)  # (BLOCK_G, D)
+        qkv_row = q_ptr + b * stride_qb
+        q = _token_queries(qkv_row, heads, row_ok, offs_d, cos, sin, HALF, QK_NORM, qn_ptr, norm_eps,
+                           N_KV_HEADS * GROUP, HEAD_DIM, k_ptr.dtype.element_ty)  # (BLOCK_G, D)
         if split == active - 1:  # this split holds input_pos: store the token's key and value first
-            new_k = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + kvh) * HEAD_DIM
-            new_v = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + N_KV_HEADS + kvh) * HEAD_DIM
-            if QK_NORM:
-                k_new = _normed_rotated(new_k, offs_d, cos, sin, HALF, kn_ptr, norm_eps, HEAD_DIM, 0,
-                                        k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # (D,)
-            else:
-                k_new = _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty)  # (D,)
-            v_new = tl.load(new_v + offs_d)
+            k_new, v_new = _token_key_value(qkv_row, kvh, offs_d, cos, sin, HALF, QK_NORM, kn_ptr, norm_eps,
+                                            N_KV_HEADS * GROUP, N_KV_HEADS, HEAD_DIM, k_ptr.dtype.element_ty)  # (D,)
             tl.store(k_base + pos * stride_ks + offs_d, k_new)
             tl.store(v_base + pos * stride_vs + offs_d, v_new)
             at_pos = (s_first == pos)[:, None]  # all False unless the first block is the last

@@ -48,7 +48,8 @@ import triton.language as tl
 
 from .configs import AttentionConfig, PagedPrefillConfig, fitted_attention_config, fitted_paged_prefill_config
 from .device import device_caps
-from .triton_attention import COMBINE_SPLIT_TILE, DOT_MIN_ROWS, LOG2E, _normed_rotated, _rope_row, _rotated, _seen
+from .triton_attention import (COMBINE_SPLIT_TILE, DOT_MIN_ROWS, LOG2E, _rope_row, _seen, _token_key_value,
+                               _token_queries)
 
 
 @triton.jit
@@ -133,26 +134,16 @@ def _paged_split_kernel(
     if ROPE_QKV:
         HALF: tl.constexpr = ROT // 2
         cos, sin = _rope_row(rope_ptr + b * ROT, offs_d, HALF, ROT == HEAD_DIM)  # (D,) each
-        # Padded rows re-read the last head (in bounds, finite) and are zeroed.
-        q_rows = q_ptr + b * stride_qb + tl.minimum(heads, N_KV_HEADS * GROUP - 1)[:, None] * HEAD_DIM
-        if QK_NORM:
-            q = _normed_rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF, qn_ptr, norm_eps, HEAD_DIM,
-                                1, k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)
-        else:
-            q = _rotated(q_rows, offs_d[None, :], cos[None, :], sin[None, :], HALF).to(k_ptr.dtype.element_ty)
-        q = tl.where(row_ok[:, None], q, 0.0)  # (BLOCK_G, D)
+        qkv_row = q_ptr + b * stride_qb
+        q = _token_queries(qkv_row, heads, row_ok, offs_d, cos, sin, HALF, QK_NORM, qn_ptr, norm_eps,
+                           N_KV_HEADS * GROUP, HEAD_DIM, k_ptr.dtype.element_ty)  # (BLOCK_G, D)
         if split == active - 1:  # this split holds the row's position: store its key and value first
             pos = length - 1
-            new_k = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + kvh) * HEAD_DIM
-            new_v = q_ptr + b * stride_qb + (N_KV_HEADS * GROUP + N_KV_HEADS + kvh) * HEAD_DIM
-            if QK_NORM:
-                k_new = _normed_rotated(new_k, offs_d, cos, sin, HALF, kn_ptr, norm_eps, HEAD_DIM, 0,
-                                        k_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty)  # (D,)
-            else:
-                k_new = _rotated(new_k, offs_d, cos, sin, HALF).to(k_ptr.dtype.element_ty)  # (D,)
+            k_new, v_new = _token_key_value(qkv_row, kvh, offs_d, cos, sin, HALF, QK_NORM, kn_ptr, norm_eps,
+                                            N_KV_HEADS * GROUP, N_KV_HEADS, HEAD_DIM, k_ptr.dtype.element_ty)  # (D,)
             pos_page = tl.load(table_row + pos // PAGE_SIZE).to(tl.int64)
             tl.store(k_base + pos_page * stride_kp + (pos % PAGE_SIZE) * stride_ks + offs_d, k_new)
-            tl.store(v_base + pos_page * stride_vp + (pos % PAGE_SIZE) * stride_vs + offs_d, tl.load(new_v + offs_d))
+            tl.store(v_base + pos_page * stride_vp + (pos % PAGE_SIZE) * stride_vs + offs_d, v_new)
         tl.debug_barrier()  # the stores above are seen by every thread of this program that reads the cache
     else:
         # Padded rows load zeros (finite scores, never stored); a split without keys loads nothing.

@@ -19,7 +19,7 @@ from redline.kernels import paged_attention as pa
 from redline.kernels.device import target_caps
 from redline.model import rms_norm, split_rotated_qkv
 
-from conftest import interpreted_errors_of
+from conftest import captured_graph, interpreted_errors_of
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETER_TOLERANCE = {"float32": 1e-4, "float16": 2e-3}
@@ -562,11 +562,7 @@ def test_gpu_cuda_graph_replay_with_changing_lengths_and_tables():
     def call():
         return torch.ops.redline.paged_decode_attention(q, batch.k_cache, batch.v_cache, tables, lens, 0.088)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = captured_graph(call)
     for new_lens in ([1, 2, 3, 4], [5, 64, 900, 300], [0, 17, 64, 2]):  # within the flipped rows' pages
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         tables.copy_(batch.block_tables.flip(0))
@@ -587,11 +583,7 @@ def test_gpu_prefill_cuda_graph_replay_with_changing_chunks():
         return torch.ops.redline.paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, cu,
                                                          lens, 0.088)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = captured_graph(call)
     chunks = (([100, 50, 64, 5], lengths), ([1, 1, 1, 1], [1, 2, 3, 4]), ([0, 200, 0, 3], [7, 900, 0, 3]))
     for q_lens, new_lens in chunks:
         cu.copy_(torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32))
@@ -629,11 +621,7 @@ def test_gpu_decode_qkv_cuda_graph_replay_with_changing_lengths_and_tables():
         return torch.ops.redline.paged_decode_attention_qkv(qkv, *pools, rope, tables, lens, 0.088, 0, norms[0],
                                                             norms[1], 1e-6)
 
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = captured_graph(call)
     for new_lens in ([1, 2, 3, 4], [5, 64, 900, 300], [0, 17, 64, 2]):  # within the flipped rows' pages
         lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
         tables.copy_(batch.block_tables.flip(0))
