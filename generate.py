@@ -32,10 +32,12 @@ from redline.model import Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
 from redline.outputs import check_output
+from redline.prompts import CHAT_REPLY_SHARE, Prompts  # noqa: F401
 from redline.profiling import ProfileConfig, TraceRecorder, is_trace_file
 from redline import speculative
 from redline.quantize import load_model, model_quantization
 from redline.runner import Runner, sync
+from redline.runner.load import load_checkpoint_model
 from redline.sampling import SamplingParams, nucleus_keep_mask, sample  # noqa: F401
 from redline.streaming import GenerationLock, Stream, TextStream, first_stop, print_stream, step_seconds  # noqa: F401
 from redline import tensor_parallel
@@ -45,7 +47,6 @@ if TYPE_CHECKING:
     from redline.engine import Engine
 
 # A chat keeps this share of the context (or max_new_tokens, if fewer) free for the reply.
-CHAT_REPLY_SHARE = 0.25
 # Guards making each LLM's batching engine once.
 _ENGINE_LOCK = threading.Lock()
 
@@ -69,6 +70,7 @@ class LLM:
         self.runner = Runner(model, device, compile, compile_prefill, kernels, fuse,
                              tokenizer.vocab_size if tokenizer is not None else None)
         self.tokenizer = tokenizer
+        self.prompts = Prompts(tokenizer, model.args.block_size, model.args.vocab_size)
         self.info = info
         self.name = name  # for stats and traces; by default the checkpoint's folder name
         self.lock = GenerationLock()  # held for a whole generation, a stream's included
@@ -81,6 +83,7 @@ class LLM:
     kernels = property(lambda self: self.runner.kernels)
     fuse = property(lambda self: self.runner.fuse)
     bytes_per_token = property(lambda self: self.runner.bytes_per_token)
+    block_size = property(lambda self: self.runner.context_length)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
@@ -100,19 +103,7 @@ class LLM:
         config.set_threads(device)
         info = read_checkpoint_info(path)
         tokenizer = load_tokenizer(info.path)
-        dtype = dtype_from_name(config.dtype) if config.dtype is not None else None
-        if world is None:
-            model = load_model(info, device, dtype)
-        else:  # this rank's slices only; quantize= then quantizes each rank's slices (per-channel scales per slice)
-            model = tensor_parallel.load_sharded_model(info, world, dtype)
-        if config.quantize is not None:
-            from redline.quantize import parse_quant_spec, quantize_
-
-            if info.scheme != "none":
-                raise ValueError(f"{info.path} is already quantized ({info.scheme}); drop quantize=")
-            quantize_(model, *parse_quant_spec(config.quantize))
-        if world is not None:
-            tensor_parallel.apply_tensor_parallel(model, world)
+        model = load_checkpoint_model(info, device, config, world)
         compile = config.compile if config.compile is not None else device.type == "cuda" or config.compile_prefill
         llm = cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
                   config.fuse)
@@ -123,24 +114,7 @@ class LLM:
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Text through the tokenizer (BOS/EOS as its own rules say), or token ids used exactly as given."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty; pass some text or token ids")
-            check_text(prompt, "the prompt")
-            if self.tokenizer is None:
-                raise ValueError("this LLM has no tokenizer; pass the prompt as a list of token ids")
-            return self._in_vocabulary(self.tokenizer.encode(prompt))
-        ids = prompt_token_ids(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty; pass some text or token ids")
-        return self._in_vocabulary(ids)
-
-    def _in_vocabulary(self, ids: list[int]) -> list[int]:
-        """`ids`, refused when one lies past the model's embedding table (a tokenizer of another model gives such)."""
-        bad = next((t for t in ids if not 0 <= t < self.model.args.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{self.model.args.vocab_size - 1})")
-        return ids
+        return self.prompts.encode_prompt(prompt)
 
     def generate_token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
                                recorder: Any = None) -> Iterator[tuple[list[int], float]]:
@@ -185,39 +159,18 @@ class LLM:
         return Stream(self.lock, lambda: self._pieces(ids, options))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this LLM has no tokenizer, so it cannot chat")
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        for i, m in enumerate(messages):
-            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
-            check_text(m["content"], f"message {i}")
-        return self._in_vocabulary(list(self.tokenizer.apply_chat_template([dict(m) for m in messages],
-                                                                           add_generation_prompt=True)))
+        return self.prompts.chat_prompt(messages)
 
     def context_left(self, prompt_len: int) -> int:
-        return self.model.args.block_size - prompt_len
+        return self.prompts.context_left(prompt_len)
 
     def chat_reply_room(self, max_new_tokens: int) -> int:
-        return max(1, min(max_new_tokens, int(self.model.args.block_size * CHAT_REPLY_SHARE)))
+        return self.prompts.chat_reply_room(max_new_tokens)
 
     def fit_chat(self, messages: Sequence[Mapping[str, str]],
                  max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS) -> list[dict[str, str]]:
-        """The most recent turns that fit the context with room for a reply: a leading system message stays, the
-        oldest other turns go first. ValueError when even the last message does not fit."""
-        messages = [dict(m) for m in messages]
-        system = messages[:1] if messages and messages[0].get("role") == "system" else []
-        turns = messages[len(system):]
-        room = self.chat_reply_room(max_new_tokens)
-        while turns:
-            if self.context_left(len(self.chat_prompt(system + turns))) >= room:
-                return system + turns
-            turns = turns[1:]
-            while turns and turns[0].get("role") != "user":  # a conversation restarts at a user turn
-                turns = turns[1:]
-        raise ValueError(f"the last message is too long for the model's context of {self.model.args.block_size} "
-                         f"tokens with {room} left for the reply; shorten it")
+        """The most recent turns that fit the context with room for a reply (Prompts.fit_chat)."""
+        return self.prompts.fit_chat(messages, max_new_tokens)
 
     def _pieces(self, prompt_ids: list[int], options: GenerationOptions) -> Generator[str, None, GenerationResult]:
         """Text pieces of one generation (the caller holds the LLM); returns its GenerationResult."""
@@ -339,7 +292,7 @@ class LLM:
                        **settings: Any) -> list[GenerationResult]:
         """Generate for many prompts at once through the engine; results in input order. `options` is one
         GenerationOptions for all or a list with one per prompt; keywords override fields as in generate."""
-        from redline.engine.engine import generate_all
+        from redline.engine.client import generate_all
 
         return generate_all(self.engine, prompts, options, settings)
 

@@ -27,11 +27,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from redline.engine import Engine
-from redline.engine.engine import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
-from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK
+from redline.engine import EngineClient, EngineSettings
+from redline.engine.core import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
+from redline.engine.messages import Ready
+from redline.engine.process import CoreProcess, ModelSource
+from redline.engine.requests import Limits, merged
 from redline.model import ModelArgs
 from redline.options import EngineConfig, check_text
+from redline.prompts import Prompts
 from redline.serve_metrics import Metrics
 from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, context_room, invalid, parse_request)
@@ -43,6 +46,15 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
                                            "style-src 'unsafe-inline'; connect-src 'self'"}
+
+
+# The server's engine: EngineSettings' defaults, with a bounded queue, and one decode graph per batch bucket made
+# before serving (tables wide enough for 2,048 tokens; a longer sequence's first step captures a wider one).
+SERVE_ENGINE = EngineSettings(max_queue=1024, capture_tokens=2048)
+DEFAULT_COMPILE_CACHE = Path.home() / ".cache" / "redline" / "compile"
+# After the core dies, /health answers 503 for this long (a load balancer sees it) while running streams end with an
+# error event; then the server exits with status 1, at once (a graceful stop would wait for open connections).
+CORE_DEAD_LINGER_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -57,14 +69,10 @@ class ServeSettings:
     dtype: str | None = None
     quantize: str | None = None
     compile: bool | None = None
-    max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: the engine sizes it
-    max_running: int = 256  # requests decoded together at most
-    compile_prefill: bool | None = None  # steps with prompt chunks compiled; None: where it pays (the engine's rule)
-    prefill_graphs: bool = False  # steps that prefill one short chunk replayed as CUDA graphs
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens one engine step computes at most
-    max_queue: int | None = 1024  # requests waiting at most; more get 429
+    engine: EngineSettings = SERVE_ENGINE  # how the engine core batches (its flags are its fields)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests get this long to finish
+    compile_cache: Path | None = DEFAULT_COMPILE_CACHE  # torch.compile's on-disk caches; None: torch's defaults
 
     def __post_init__(self) -> None:
         if (self.checkpoint_path is None) == (self.random_weights is None):
@@ -73,10 +81,8 @@ class ServeSettings:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key is empty; give a key or leave it out")
-        optional = tuple(name for name in ("max_queue", "max_kv_tokens") if getattr(self, name) is not None)
-        for name in ("max_running", "prefill_chunk", "max_body_bytes") + optional:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
@@ -95,31 +101,32 @@ class ServeSettings:
         path = Path(self.checkpoint_path)
         return (path if path.is_dir() else path.parent).name
 
+    def model_source(self, tokenizer_vocab: int | None) -> ModelSource:
+        return ModelSource(str(self.checkpoint_path) if self.checkpoint_path is not None else None,
+                           self.random_weights, self.device, self.dtype, self.quantize, self.compile, tokenizer_vocab)
+
 
 @dataclass
 class ServerState:
+    """What the handlers read: the engine (a client of the engine core) and the model's prompts (tokenizer, chat
+    template, context), both None until the model is ready; `error` once loading failed or the core died."""
+
     settings: ServeSettings
     engine: Any = None
-    llm: Any = None
+    prompts: Any = None
     error: str | None = None
+    core: Any = None  # the engine core's process (serve()), None in this process
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def load(self, loader: Callable[[], tuple[Any, Any]], on_error: Callable[[str], None] | None) -> None:
-        try:
-            llm, engine = loader()
-        except Exception as exc:  # noqa: BLE001 - reported on /health and by the caller, not raised in a thread
-            self.error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, (ValueError, OSError)) else str(exc)
-            if on_error is not None:
-                on_error(self.error)
-            return
-        self.llm, self.engine = llm, engine
-
     def ready(self) -> tuple[Any, Any]:
-        if self.engine is None:
-            message = f"the model failed to load: {self.error}" if self.error else "the model is still loading; retry"
+        if self.engine is None or self.error is not None:
+            if self.error:
+                message = f"the model is not available: {self.error}"
+            else:
+                message = "the model is still loading; retry"
             raise APIError(503, message, "service_unavailable", code="model_not_ready", headers={"Retry-After": "5"})
-        return self.llm, self.engine
+        return self.prompts, self.engine
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.model_name:
@@ -230,16 +237,17 @@ class Choice:
 
 
 async def outputs(handles: list[Any]) -> AsyncIterator[tuple[int, Any]]:
-    """(choice index, RequestOutput) of every handle as they come; one handle is iterated directly."""
+    """(choice index, RequestOutput) of every handle as they come; what arrived while the last one was being sent
+    comes merged into one (a stream slower than the engine sends fewer, larger chunks instead of falling behind)."""
     if len(handles) == 1:
-        async for out in handles[0]:
-            yield 0, out
+        async for batch in handles[0].batches():
+            yield 0, merged(batch)
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, handle: Any) -> None:
-        async for out in handle:
-            queue.put_nowait((i, out))
+        async for batch in handle.batches():
+            queue.put_nowait((i, merged(batch)))
 
     tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
     left = len(handles)
@@ -500,7 +508,7 @@ async def tokenize(state: ServerState, request: Request) -> Response:
             ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     except ValueError as exc:
         raise invalid(str(exc), "messages" if req.messages is not None else "prompt") from None
-    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": llm.model.args.block_size})
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": llm.block_size})
 
 
 async def detokenize(state: ServerState, request: Request) -> Response:
@@ -520,23 +528,24 @@ async def models(state: ServerState, request: Request) -> Response:
     llm, _ = state.ready()
     return JSONResponse({"object": "list", "data": [
         {"id": state.settings.model_name, "object": "model", "created": state.created, "owned_by": "redline",
-         "max_model_len": llm.model.args.block_size}]})
+         "max_model_len": llm.block_size}]})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The app.
 
 
-def create_app(engine: Any, llm: Any, settings: ServeSettings, loader: Callable[[], tuple[Any, Any]] | None = None,
-               on_load_error: Callable[[str], None] | None = None) -> FastAPI:
-    """The server around `engine` (redline.engine's interface) and its `llm`; with both None, `loader()` returns
-    them from a background thread once the server listens (/health answers 503 until then)."""
-    state = ServerState(settings, engine, llm)
+def create_app(engine: Any, prompts: Any, settings: ServeSettings,
+               start: Callable[[ServerState], None] | None = None) -> FastAPI:
+    """The server around `engine` (an EngineClient, or anything with its add_request, abort, stats, shutdown) and
+    `prompts` (a Prompts, or an LLM); with both None, `start(state)` is called once the server listens and fills them
+    in when the model is ready (/health answers 503 until then)."""
+    state = ServerState(settings, engine, prompts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if state.engine is None and loader is not None:
-            threading.Thread(target=state.load, args=(loader, on_load_error), name="redline-load", daemon=True).start()
+        if state.engine is None and start is not None:
+            start(state)
         yield
         if state.engine is not None:  # running requests had the grace period already: abort what is left
             await asyncio.to_thread(state.engine.shutdown, 1.0)
@@ -573,15 +582,16 @@ def create_app(engine: Any, llm: Any, settings: ServeSettings, loader: Callable[
 
     @app.get("/health")
     async def health() -> Response:
-        if state.engine is not None:
+        if state.engine is not None and state.error is None:
             return JSONResponse({"status": "ok"})
         body = {"status": "error", "error": state.error} if state.error else {"status": "loading"}
         return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        stats = state.engine.stats() if state.engine is not None else None
-        return PlainTextResponse(state.metrics.render(stats, state.engine is not None),
+        live = state.engine is not None and state.error is None
+        stats = await asyncio.to_thread(state.engine.stats) if live else None
+        return PlainTextResponse(state.metrics.render(stats, live),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")
@@ -595,52 +605,86 @@ def create_app(engine: Any, llm: Any, settings: ServeSettings, loader: Callable[
 # Loading and serving.
 
 
-def load_llm(settings: ServeSettings) -> Any:
-    from redline.generate import LLM
+def front_tokenizer(settings: ServeSettings) -> Any:
+    """The checkpoint's tokenizer, loaded in the server's own process (the engine core needs none); None for random
+    weights."""
+    if settings.checkpoint_path is None:
+        return None
+    from redline.checkpoint import read_checkpoint_info
+    from redline.tokenizer import load_tokenizer
 
-    if settings.random_weights is None:
-        return LLM.from_config(settings.checkpoint_path, settings.engine_config)
-    from redline.benchmarks.bench_model import build_random_model
-    from redline.checkpoint import dtype_from_name
-    from redline.quantize import parse_quant_spec
-
-    config = settings.engine_config
-    device = config.torch_device()
-    quant, group = parse_quant_spec(settings.quantize) if settings.quantize else ("none", None)
-    model = build_random_model(ModelArgs.from_name(settings.random_weights), device,
-                               dtype_from_name(settings.dtype or "bfloat16"), quant, group_size=group or 128)
-    compile = config.compile if config.compile is not None else device.type == "cuda"
-    return LLM(model, None, device, compile, name=settings.model_name)
+    return load_tokenizer(read_checkpoint_info(settings.checkpoint_path).path)
 
 
-def batching_engine(llm: Any, settings: ServeSettings) -> Engine:
-    engine = Engine(llm, max_kv_tokens=settings.max_kv_tokens, max_running=settings.max_running,
-                    max_queue=settings.max_queue, prefill_chunk=settings.prefill_chunk,
-                    compile_prefill=settings.compile_prefill, prefill_graphs=settings.prefill_graphs)
-    engine.capture_graphs()  # every decode shape before /health says ready, so no request's step pays a capture
-    engine.warm_up()  # and every kernel the first prefill and decode steps compile
-    return engine
+def core_starter(settings: ServeSettings, tokenizer: Any, stop_server: Callable[[int], None]) -> Callable[[ServerState],
+                                                                                                            None]:
+    """start(state) for create_app: spawns the engine core's process; when it is ready the state gets the engine
+    client and the prompts. If the core fails to start, the server stops with status 2; if it dies later, /health
+    answers 503 at once, running requests end with an error, and the server stops with status 1."""
+
+    def start(state: ServerState) -> None:
+        started = time.perf_counter()
+
+        def ready(message: Ready) -> None:
+            limits = Limits(message.block_size, message.vocab_size, message.capacity_tokens)
+            prompts = Prompts(tokenizer, message.block_size, message.vocab_size)
+            state.prompts = prompts
+            state.engine = EngineClient(core, limits, tokenizer, prompts.encode_prompt, settings.engine.max_queue)
+            phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in message.startup.items())
+            print(f"[redline] ready in {time.perf_counter() - started:.1f} s ({phases}) on {message.device}",
+                  file=sys.stderr, flush=True)
+
+        def outputs(outs: list[Any]) -> None:
+            if state.engine is not None:
+                state.engine.receive(outs)
+
+        def exited(error: str | None) -> None:
+            if core.stopping:
+                return
+            if state.engine is None:
+                state.error = error or "the engine core stopped before it was ready"
+                print(f"error: {state.error}", file=sys.stderr, flush=True)
+                stop_server(2)
+                return
+            state.error = f"the engine core died ({error})"
+            print(f"error: {state.error}; stopping", file=sys.stderr, flush=True)
+            state.engine.fail_all(state.error)
+            stop_server(1)
+
+        core = CoreProcess(settings.model_source(tokenizer.vocab_size if tokenizer is not None else None),
+                           settings.engine, ready, outputs, exited, compile_cache=settings.compile_cache)
+        core.start()
+        state.core = core
+    return start
 
 
-def serve(settings: ServeSettings, make_engine: Callable[[Any, ServeSettings], Any] = batching_engine) -> int:
-    """Listen at once, load the model in the background, serve until SIGINT/SIGTERM; 0 on a clean stop, 2 when the
-    model failed to load."""
+def serve(settings: ServeSettings) -> int:
+    """Listen at once, start the engine core's process, serve until SIGINT/SIGTERM; 0 on a clean stop, 2 when the
+    model failed to load, 1 when the engine core died."""
     import uvicorn
 
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         print(f"warning: serving on {settings.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
+    tokenizer = front_tokenizer(settings)
+    status = [0]
     servers: list[uvicorn.Server] = []
 
-    def loader() -> tuple[Any, Any]:
-        llm = load_llm(settings)
-        return llm, make_engine(llm, settings)
+    def stop_server(code: int) -> None:
+        status[0] = code
+        if code == 2:  # the model never loaded: stop as usual
+            servers[0].should_exit = True
+            return
 
-    def failed(message: str) -> None:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        servers[0].should_exit = True
+        def end() -> None:  # the streams had their error events; the core's folder goes, the process ends
+            core = app.state.redline.core
+            if core is not None:
+                core.close()
+            print(f"[redline] exiting with status {code}", file=sys.stderr, flush=True)
+            os._exit(code)
+        threading.Timer(CORE_DEAD_LINGER_S, end).start()
 
-    app = create_app(None, None, settings, loader, failed)
+    app = create_app(None, None, settings, core_starter(settings, tokenizer, stop_server))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)))
     servers.append(uvicorn.Server(config))
@@ -648,8 +692,19 @@ def serve(settings: ServeSettings, make_engine: Callable[[Any, ServeSettings], A
     # makes a graceful stop exit 0 instead of dying by the signal.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    servers[0].run()
-    return 2 if app.state.redline.error else 0
+    try:
+        servers[0].run()
+    finally:
+        core = getattr(app.state.redline, "core", None)
+        if core is not None:
+            core.stopping = True
+            core.kill()  # a clean stop shut it down already; this ends one that hangs
+            core.close()
+    return status[0]
+
+
+def cache_folder(value: str) -> Path | None:
+    return None if value.lower() == "none" else Path(value).expanduser()
 
 
 def parse_args(argv: Sequence[str] | None) -> ServeSettings:
@@ -667,13 +722,28 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA-graph decode steps (default: on for a GPU)")
-    p.add_argument("--max-kv-tokens", type=int, default=None, help="KV cache size in tokens (default: from memory)")
-    p.add_argument("--max-running", type=int, default=256, help="requests decoded together at most")
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                   help="prompt tokens one step computes at most")
-    p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction, help=COMPILE_PREFILL_HELP)
-    p.add_argument("--prefill-graphs", action="store_true", help=PREFILL_GRAPHS_HELP)
-    p.add_argument("--max-queue", type=int, default=1024, help="requests waiting at most; more are refused (429)")
+    engine = p.add_argument_group("engine", "how the engine core batches (defaults: EngineSettings')")
+    engine.add_argument("--max-kv-tokens", type=int, default=SERVE_ENGINE.max_kv_tokens,
+                        help="KV cache size in tokens (default: from free memory)")
+    engine.add_argument("--max-running", type=int, default=SERVE_ENGINE.max_running,
+                        help="requests decoded together at most; decode graphs are made up to this many rows "
+                             "(512: about 40 more graphs than 256)")
+    engine.add_argument("--prefill-chunk", type=int, default=SERVE_ENGINE.prefill_chunk,
+                        help="prompt tokens one step computes at most")
+    engine.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction,
+                        default=SERVE_ENGINE.compile_prefill, help=COMPILE_PREFILL_HELP)
+    engine.add_argument("--prefill-graphs", action="store_true", default=SERVE_ENGINE.prefill_graphs,
+                        help=PREFILL_GRAPHS_HELP)
+    engine.add_argument("--max-queue", type=int, default=SERVE_ENGINE.max_queue,
+                        help="requests waiting at most; more are refused (429)")
+    engine.add_argument("--capture-tokens", type=int, default=SERVE_ENGINE.capture_tokens,
+                        help="before serving, capture one decode graph per batch bucket for sequences up to this many "
+                             "tokens; a longer sequence's first step captures a wider one")
+    engine.add_argument("--min-step-s", type=float, default=SERVE_ENGINE.min_step_s,
+                        help="each engine step takes at least this long (paces a demo on a fast machine)")
+    p.add_argument("--compile-cache", type=cache_folder, default=DEFAULT_COMPILE_CACHE, metavar="DIR",
+                   help="torch.compile's and Triton's on-disk caches, reused by the next start ('none': torch's "
+                        "own defaults)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
                    help="seconds running requests get to finish after SIGTERM")
@@ -681,7 +751,11 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     if ns.checkpoint_path is not None and not ns.checkpoint_path.exists():
         raise FileNotFoundError(f"{ns.checkpoint_path} does not exist; pass a Redline checkpoint (make demo-model "
                                 "writes checkpoints/smollm2/float32/model.safetensors)")
-    return ServeSettings(**vars(ns))
+    fields = vars(ns)
+    engine_fields = {name: fields.pop(name) for name in ("max_kv_tokens", "max_running", "prefill_chunk",
+                                                         "compile_prefill", "prefill_graphs", "max_queue",
+                                                         "min_step_s", "capture_tokens")}
+    return ServeSettings(**fields, engine=EngineSettings(**engine_fields))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

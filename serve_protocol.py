@@ -205,7 +205,7 @@ def validation_error(exc: ValidationError) -> APIError:
 
 def context_room(llm: Any, ids: list[int], asked: int | None, param: str) -> int:
     """Tokens the reply may have: what was asked, capped by the context left after the prompt."""
-    context = llm.model.args.block_size
+    context = llm.block_size
     if len(ids) >= context:
         raise invalid(f"the prompt has {len(ids)} tokens, but the model's context is {context}; shorten it", param,
                       "context_length_exceeded")

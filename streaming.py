@@ -141,3 +141,48 @@ def step_seconds(times: list[float], counts: list[int] | None = None) -> list[fl
     """Seconds per token of each step after the first (a step of several tokens: its time over their number)."""
     counts = counts or [1] * len(times)
     return [(b - a) / max(c, 1) for a, b, c in zip(times, times[1:], counts[1:])]
+
+
+class RequestText:
+    """The output processor's state for one request: its tokens' text as they arrive (incremental detokenization),
+    cut at the first stop string, with the tail that could still grow into a stop string held back. The same for
+    LLM.generate_batch, the engine's front end and the server. tokenizer None: no text (token ids only)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str]) -> None:
+        self.stream = TextStream(tokenizer) if tokenizer is not None else None
+        self.stops = [s for s in stops if s]
+        self.holdback = max((len(s) - 1 for s in self.stops), default=0)
+        self.text, self.emitted, self.searched = "", 0, 0
+
+    def push(self, token_ids: list[int], last: bool) -> tuple[int, bool]:
+        """Take new tokens (last: the request ends with them); returns how many of them the output keeps and
+        whether a stop string ended the text (then the tokens after the one that completed it are dropped)."""
+        if self.stream is None:
+            return len(token_ids), False
+        for i, token in enumerate(token_ids):
+            self.text += self.stream.push(token)
+            if self._cut():
+                return i + 1, True
+        if last:
+            self.text += self.stream.flush()
+            if self._cut():
+                return len(token_ids), True
+        return len(token_ids), False
+
+    def _cut(self) -> bool:
+        """Cut the text at a stop string that ends in its new part; True if one did."""
+        start = max(0, self.searched - self.holdback)  # a stop string may straddle the old and the new text
+        self.searched = len(self.text)
+        cut = first_stop(self.text[start:], self.stops)
+        if cut is None:
+            return False
+        self.text = self.text[:start + cut]
+        return True
+
+    def piece(self, finished: bool) -> str:
+        """New text to send: all of it at the end, else what cannot grow into a stop string any more."""
+        end = len(self.text) if finished else len(self.text) - self.holdback
+        if end <= self.emitted:
+            return ""
+        out, self.emitted = self.text[self.emitted:end], end
+        return out

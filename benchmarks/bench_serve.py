@@ -48,6 +48,7 @@ class BenchServeConfig:
     max_kv_tokens: int | None = None
     max_running: int = 256
     compile_prefill: bool | None = None  # --offline: the engine's steps with prompt chunks compiled; None: its rule
+    capture_tokens: int | None = None  # --offline: decode graphs captured up front for sequences up to this long
     max_concurrency: int | None = None  # requests in flight at once at most (1: one client); None: no limit
 
     def __post_init__(self) -> None:
@@ -214,13 +215,21 @@ async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: floa
 
 
 def offline_engine(cfg: BenchServeConfig) -> Any:
-    """The engine serve.py would run, built by serve.py's own code (its graphs captured before the first request)."""
-    from redline.serve import ServeSettings, batching_engine, load_llm
+    """The engine core serve.py would run, loaded and prepared as its process does (graphs captured, warmed up),
+    in this process."""
+    from redline.engine import Engine, EngineSettings
+    from redline.engine.process import log
+    from redline.runner.load import load_runner
+    from redline.serve import ServeSettings
 
+    engine_settings = EngineSettings(max_kv_tokens=cfg.max_kv_tokens, max_running=cfg.max_running, max_queue=None,
+                                     compile_prefill=cfg.compile_prefill, capture_tokens=cfg.capture_tokens)
     settings = ServeSettings(checkpoint_path=cfg.checkpoint_path, random_weights=cfg.random_weights,
-                             device=cfg.device, dtype=cfg.dtype, max_kv_tokens=cfg.max_kv_tokens,
-                             max_running=cfg.max_running, max_queue=None, compile_prefill=cfg.compile_prefill)
-    return batching_engine(load_llm(settings), settings)
+                             device=cfg.device, dtype=cfg.dtype, engine=engine_settings)
+    engine = Engine.of_runner(load_runner(settings.model_source(None), log), engine_settings)
+    engine.capture_graphs()
+    engine.warm_up()
+    return engine
 
 
 def run_offline(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]], rate: float) -> dict[str, Any]:
@@ -371,6 +380,8 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-kv-tokens", type=int, default=None)
     p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--capture-tokens", type=int, default=None,
+                   help="--offline: capture decode graphs up front for sequences up to this many tokens (as serve.py)")
     p.add_argument("--compile-prefill", action=argparse.BooleanOptionalAction,
                    help="--offline: compile the steps with prompt chunks (default: where serve.py does)")
     ns = p.parse_args(argv)

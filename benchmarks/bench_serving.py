@@ -40,8 +40,9 @@ from redline.benchmarks.bench_env import environment
 from redline.benchmarks.bench_model import build_random_model, param_counts
 from redline.checkpoint import dtype_from_name, write_atomically
 from redline.engine import Engine
-from redline.engine.engine import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
-from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Chunk
+from redline.engine.core import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
+from redline.engine.batch import Chunk
+from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK
 from redline.generate import LLM
 from redline.model import ModelArgs
 from redline.options import GenerationOptions
@@ -139,7 +140,7 @@ class TimedEngine(Engine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.step_listener = self._log_step
+        self.core.step_listener = self._log_step
 
     def _log_step(self, chunks: list[Chunk], seconds: float) -> None:
         self.log.seconds.append(seconds)
@@ -352,7 +353,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         if ns.hf_requests:
             report["redline_subset"] = run_redline(engine, subset)
         engine.shutdown()
-        engine.kv = engine.graphs = None  # the page pool (most of the free memory) and the graphs, for transformers'
+        engine.paged.kv = engine.paged.graphs = None  # the page pool (most of the free memory) and the graphs, for transformers'
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

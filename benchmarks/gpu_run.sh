@@ -10,6 +10,10 @@
 #                                         # and the engine's mixed workload on Qwen3-30B-A3B
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
+#   bash benchmarks/gpu_run.sh frontdoor  # serve.py started twice (cold, then with its compile cache warm), each
+#                                         # to /health 200, and 512 prompts of 128/128 at once against the second
+#   bash benchmarks/gpu_run.sh frontdoor-offline  # the same 512 requests through the engine in-process, and the
+#                                         # fixed workload at --max-running 256 and 512
 #
 # SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
 # SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
@@ -96,6 +100,45 @@ serve)
         --plot "$RESULTS/serve-sweep.png"
     kill -TERM $server && wait $server
     ;;
+frontdoor)
+    port=8321
+    cache=${COMPILE_CACHE:-/tmp/redline-compile-cache}
+    capture=${CAPTURE_TOKENS:-2048}
+    rm -rf "$cache"
+    url="--base-url http://127.0.0.1:$port"
+    for start in cold warm; do
+        t0=$(date +%s.%N)
+        python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port --max-running 512 \
+            --capture-tokens "$capture" --compile-cache "$cache" $extra >"$RESULTS/server-$start.log" 2>&1 &
+        server=$!
+        for _ in $(seq 600); do
+            curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+            kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server-$start.log"; exit 1; }
+            sleep 0.5
+        done
+        echo "== start-$start: /health 200 after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s"
+        grep "redline" "$RESULTS/server-$start.log" | tail -4
+        if [ $start = warm ]; then
+            run serve-512 python3 benchmarks/bench_serve.py $url --num-prompts 512 --input-len 128 \
+                --output-len 128 --vocab-size "$vocab" --json "$RESULTS/serve-512.json"
+            run serve-64 python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 \
+                --output-len 256 --vocab-size "$vocab" --json "$RESULTS/serve-64.json"
+        fi
+        kill -TERM $server && wait $server
+        echo "== start-$start: exit status $?"
+    done
+    ;;
+frontdoor-offline)
+    offline="--offline --random-weights $model --dtype bfloat16 --vocab-size $vocab --max-running 512"
+    offline="$offline --capture-tokens ${CAPTURE_TOKENS:-2048} $extra"
+    run serve-512-offline python3 benchmarks/bench_serve.py $offline --num-prompts 512 --input-len 128 \
+        --output-len 128 --json "$RESULTS/serve-512-offline.json"
+    bench=benchmarks/bench_serving.py
+    for rows in 256 512; do
+        run engine-fixed-$rows python3 $bench --model "$model" --workload fixed --num-requests 1024 \
+            --max-running $rows --json "$RESULTS/engine-fixed-$rows.json"
+    done
+    ;;
 serve-offline)
     offline="--offline --random-weights $model --dtype bfloat16 --vocab-size $vocab $extra"
     run serve-one-offline python3 benchmarks/bench_serve.py $offline --num-prompts 8 --max-concurrency 1 \
@@ -104,7 +147,8 @@ serve-offline)
         --output-len 256 --json "$RESULTS/serve-64-offline.json"
     ;;
 *)
-    echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve or serve-offline" >&2
+    echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor or" \
+        "frontdoor-offline" >&2
     exit 2
     ;;
 esac

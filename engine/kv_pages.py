@@ -19,6 +19,10 @@ from redline.sampling import is_int
 
 # Share of the GPU memory free at start-up that the pool takes; the rest is left for activations and graphs.
 GPU_MEMORY_SHARE = 0.85
+# Besides, the decode graphs' memory grows with their rows: this many float32 logit rows of the vocabulary per row
+# of the largest step are left free too (512 rows of Llama-3-8B's 128k vocabulary: 4.2 GB; its 51 graphs took
+# 8.2 GB with the 15% above too small on an 80 GB H100).
+GRAPH_LOGIT_ROWS_PER_ROW = 16
 # Without max_kv_tokens on the CPU the pool holds this many full contexts.
 CPU_DEFAULT_CONTEXTS = 4
 
@@ -36,16 +40,17 @@ def page_bytes(args: ModelArgs, page_size: int, dtype: torch.dtype) -> int:
 
 
 def pool_pages(args: ModelArgs, page_size: int, dtype: torch.dtype, device: torch.device,
-               max_kv_tokens: int | None) -> int:
-    """How many pages the pool holds: max_kv_tokens rounded up to whole pages; else from free GPU memory, or a few
-    full contexts on the CPU."""
+               max_kv_tokens: int | None, max_rows: int = 256) -> int:
+    """How many pages the pool holds: max_kv_tokens rounded up to whole pages; else from free GPU memory (less what
+    steps of up to max_rows rows need), or a few full contexts on the CPU."""
     if max_kv_tokens is not None:
         if not is_int(max_kv_tokens) or max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be a positive integer, got {max_kv_tokens!r}")
         return -(-max_kv_tokens // page_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        pages = int(free * GPU_MEMORY_SHARE) // page_bytes(args, page_size, dtype)
+        graphs = GRAPH_LOGIT_ROWS_PER_ROW * max_rows * args.vocab_size * 4
+        pages = int(free * GPU_MEMORY_SHARE - graphs) // page_bytes(args, page_size, dtype)
         if pages < 1:
             raise ValueError(f"only {free / 1e9:.2f} GB of GPU memory is free, too little for one KV page; free "
                              "memory or pass a smaller max_kv_tokens")

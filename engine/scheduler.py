@@ -10,50 +10,9 @@ them). Its sampled tokens do not change: the noise of a seeded draw depends only
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
+from redline.engine.batch import Chunk, Sequence
 from redline.engine.kv_pages import PagePool, page_key
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's tokens and pages; the engine keeps its own state in `state`."""
-
-    request_id: str
-    tokens: list[int]  # the prompt, then each sampled token
-    prompt_len: int
-    max_new_tokens: int  # already capped by the context
-    use_prefix_cache: bool = True
-    state: Any = None
-    pages: list[int] = field(default_factory=list)  # the block table
-    keys: list[bytes] = field(default_factory=list)  # keys of its full, computed pages, in order
-    num_computed: int = 0  # tokens whose keys and values are in its pages
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache at its (last) admission
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_new(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Tokens [start, start + length) of one sequence, computed in this step; `samples`: the chunk ends at the
-    sequence's last token, so its logits give the next token."""
-
-    seq: Sequence
-    start: int
-    length: int
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.length == self.seq.num_tokens
 
 
 # Prompt tokens one step computes at most: on an H200 (Llama-3-8B) 512 gave 7.2k output tok/s on 1,024 requests of
@@ -164,6 +123,20 @@ class Scheduler:
                 key = page_key(seq.keys[-1] if seq.keys else b"", seq.tokens[i * size:(i + 1) * size])
                 self.pool.register(seq.pages[i], key)
                 seq.keys.append(key)
+
+    def reserve_next(self, chunks: list[Chunk]) -> bool:
+        """Ready the decode step after `chunks` (the same rows, one position on) before its tokens are known: count
+        chunks as computed and give each row whose next key starts a page that page. False, with nothing changed,
+        when the pool lacks the pages."""
+        size = self.pool.page_size
+        new_page = [(c.start + 1) % size == 0 for c in chunks]  # its next key starts a page
+        if sum(new_page) > self.pool.num_free:
+            return False
+        self.commit(chunks)
+        for chunk, needs in zip(chunks, new_page):
+            if needs:
+                chunk.seq.pages += self.pool.allocate(1)
+        return True
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End seq (running or waiting) and release its pages."""

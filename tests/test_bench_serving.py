@@ -45,7 +45,7 @@ def test_prefix_workload_serves_the_second_turn_from_the_cache(tmp_path, capsys)
 
 def test_step_costs_of_a_mixture_read_the_experts_their_tokens_choose():
     from redline.benchmarks.bench_model import param_counts
-    from redline.engine.scheduler import Chunk, Sequence
+    from redline.engine.batch import Chunk, Sequence
     from redline.model import ModelArgs
 
     args = ModelArgs.from_name("Qwen3-30B-A3B")

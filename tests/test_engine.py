@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from redline.engine import Engine, EngineFull, RequestOutput
-from redline.engine.graphs import BATCH_BUCKETS
+from redline.runner.decode_graphs import BATCH_BUCKETS
 from redline.generate import LLM, GenerationOptions
 from redline.model import Transformer
 
@@ -240,7 +240,7 @@ def test_add_request_from_an_asyncio_loop(llm):
 
 def test_max_queue_and_shutdown(llm):
     engine = Engine(llm, max_queue=1, max_running=1)
-    with engine._lock:  # hold the engine thread off, so both requests are still queued
+    with engine.paused():  # hold the engine thread off, so both requests are still queued
         first = engine.add_request("A", GenerationOptions(max_new_tokens=2))
         with pytest.raises(EngineFull, match="max_queue"):
             engine.add_request("B", GenerationOptions(max_new_tokens=2))
@@ -258,7 +258,7 @@ def test_max_queue_and_shutdown(llm):
 def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_serves_on(llm, monkeypatch):
     engine = Engine(llm)
     calls = {"n": 0}
-    real = engine._run
+    real = engine.core._run
 
     def flaky(chunks):
         calls["n"] += 1
@@ -266,7 +266,7 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_serves_on(
             raise RuntimeError("device lost\nsecond line")
         return real(chunks)
 
-    monkeypatch.setattr(engine, "_run", flaky)
+    monkeypatch.setattr(engine.core, "_run", flaky)
     handle = engine.add_request(PROMPTS[0], GenerationOptions(max_new_tokens=8, ignore_eos=True))
     outputs = list(handle)
     assert outputs[-1].finish_reason == "error" and outputs[-1].error == "RuntimeError: device lost"
@@ -290,7 +290,7 @@ def test_compiled_decode_steps_give_the_eager_tokens(compiled_llm, llm):
     steps = []
     real = engine.graphs.run
     engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
-    with engine._lock:  # all three arrive before the first step
+    with engine.paused():  # all three arrive before the first step
         handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=300).token_ids for h in handles] == want
     assert steps and set(steps) == {3}  # three rows padded to the bucket of 4, a scratch page for the fourth
@@ -315,7 +315,7 @@ def test_decode_steps_launched_ahead_give_each_request_its_tokens_alone(compiled
     assert want[2].finish_reason == "stop" and len(want[2].token_ids) < 31
     for kv_tokens in (2048, 88):  # 88: too few pages for all four to the end
         engine = Engine(compiled_llm, max_kv_tokens=kv_tokens, page_size=4)
-        with engine._lock:  # all four arrive before the first step
+        with engine.paused():  # all four arrive before the first step
             handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
         got = [h.result(timeout=300) for h in handles]
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -331,7 +331,7 @@ def test_an_abort_while_a_step_is_launched_ahead_ends_only_that_request(compiled
     prompts = token_prompts(llm, 2, 5)
     want = llm.generate(prompts[0], max_new_tokens=40, ignore_eos=True).token_ids
     engine = Engine(compiled_llm, page_size=4)
-    with engine._lock:
+    with engine.paused():
         keep = engine.add_request(prompts[0], GenerationOptions(max_new_tokens=40, ignore_eos=True))
         drop = engine.add_request(prompts[1], GenerationOptions(max_new_tokens=40, ignore_eos=True))
     for piece in drop:
@@ -352,7 +352,7 @@ def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_check
     at once take the model's own step. With the pool's attention ops (the GPU's), each layer's one-row attention is
     redline::paged_decode_attention_qkv, inside the compiled step."""
     from redline import kernels
-    from redline.engine.engine import registered_paged_ops
+    from redline.runner.paged import registered_paged_ops
     from redline.kernels import attention as kernel_attention
     from redline.kernels import fused_decode
 
@@ -370,12 +370,12 @@ def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_check
     engine = Engine(fusing, page_size=4)
     assert isinstance(engine.graphs.step_model, kernels.FusedDecode)
     if ops:
-        engine.kv.ops = registered_paged_ops()
+        engine.paged.kv.ops = registered_paged_ops()
     first = engine.add_request(prompts[0], GenerationOptions(max_new_tokens=6, ignore_eos=True))
     assert first.result(timeout=600).token_ids == want[0]
     assert traced  # the one-row step was traced through the fused blocks
     assert bool(splits) != ops  # with the ops, redline::paged_decode_attention_qkv ropes and writes the pages
-    with engine._lock:
+    with engine.paused():
         handles = [engine.add_request(p, GenerationOptions(max_new_tokens=6, ignore_eos=True)) for p in prompts]
     assert [h.result(timeout=600).token_ids for h in handles] == want
     engine.shutdown()
@@ -394,8 +394,7 @@ def test_warm_up_leaves_the_engine_as_new(llm):
     want = alone(llm, prompts, max_new_tokens=8, ignore_eos=True)
     engine = Engine(llm, page_size=8, prefill_chunk=64)
     steps = []
-    real = engine._run
-    engine._run = lambda chunks: steps.append([c.length for c in chunks]) or real(chunks)
+    engine.core.step_listener = lambda chunks, seconds: steps.append([c.length for c in chunks])
     engine.warm_up()
     assert max(sum(s) for s in steps) >= 64 and any(len(s) > 1 and 1 in s for s in steps)  # a full chunk; mixed
     stats = engine.stats()
@@ -416,10 +415,10 @@ def test_compiled_prefill_steps_give_the_same_tokens(llm):
         [GenerationOptions(max_new_tokens=10, ignore_eos=True)]
     want = [llm.generate(p, o).token_ids for p, o in zip(prompts, options)]
     engine = Engine(llm, page_size=8, prefill_chunk=40, compile_prefill=True)
-    assert engine.kv.ops is not None  # the attention ops (their CPU path is the references)
+    assert engine.paged.kv.ops is not None  # the attention ops (their CPU path is the references)
     sizes = []
-    real = engine.prefill_step
-    engine.prefill_step = lambda model, kv, bias, ids, *rest: sizes.append(
+    real = engine.paged.prefill_step
+    engine.paged.prefill_step = lambda model, kv, bias, ids, *rest: sizes.append(
         (ids.shape[1], rest[2].shape[0], rest[-1].shape[0])) or real(model, kv, bias, ids, *rest)
     torch._dynamo.reset()  # no graph of prefill_logits from an earlier test
     graphs = counters["stats"]["unique_graphs"]
@@ -447,15 +446,15 @@ def test_prefill_graph_steps_give_the_same_tokens(llm):
     want = [llm.generate(p, o).token_ids for p, o in zip(prompts + [turn], options + [options[0]])]
     engine = Engine(llm, page_size=8, prefill_chunk=40, compile_prefill=True, prefill_graphs=True)
     buckets = []
-    real = engine.prefill_graphs.logits
-    engine.prefill_graphs.logits = lambda chunk, bucket: buckets.append((chunk.length, bucket)) or real(chunk, bucket)
+    real = engine.paged.prefill_graphs.logits
+    engine.paged.prefill_graphs.logits = lambda chunk, bucket: buckets.append((chunk.length, bucket)) or real(chunk, bucket)
     torch._dynamo.reset()  # no graph of prefill_logits from an earlier test
     graphs = counters["stats"]["unique_graphs"]
     got = [engine.add_request(p, o).result(timeout=600).token_ids for p, o in zip(prompts, options)]
     hits = engine.stats().prefix_cache_hits
     second = engine.add_request(turn, options[0]).result(timeout=600)
     assert got + [second.token_ids] == want and engine.stats().prefix_cache_hits > hits
-    with engine._lock:  # all at once: steps of several chunks take the compiled step itself
+    with engine.paused():  # all at once: steps of several chunks take the compiled step itself
         handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=600).token_ids for h in handles] == want[:5]
     engine.shutdown()
@@ -494,7 +493,7 @@ def test_windowed_steps_through_the_attention_ops_give_generate_tokens():
     a windowed model's engine gives generate's tokens, prompts longer than the window and chunked included."""
     import dataclasses
 
-    from redline.engine.engine import registered_paged_ops
+    from redline.runner.paged import registered_paged_ops
     from redline.model import ModelArgs
 
     torch.manual_seed(0)
@@ -510,9 +509,9 @@ def test_windowed_steps_through_the_attention_ops_give_generate_tokens():
     engine = Engine(llm, max_kv_tokens=512, page_size=4, prefill_chunk=8)
     prefill, decode = registered_paged_ops()
     calls = []
-    engine.kv.ops = (lambda *a: calls.append(("prefill", a[-1])) or prefill(*a),
+    engine.paged.kv.ops = (lambda *a: calls.append(("prefill", a[-1])) or prefill(*a),
                      lambda *a: calls.append(("decode", a[-1])) or decode(*a))
-    with engine._lock:
+    with engine.paused():
         handles = [engine.add_request(p, options) for p in prompts]
     assert [h.result(timeout=120).token_ids for h in handles] == want
     assert {("prefill", 6), ("decode", 6), ("prefill", 0), ("decode", 0)} <= set(calls)  # each layer its own
@@ -540,7 +539,7 @@ def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
     real = engine.graphs.run
     engine.graphs.run = lambda *args: steps.append(len(args[0])) or real(*args)
     assert [engine.add_request(p, o).result(timeout=120).token_ids for p, o in zip(prompts, options)] == want
-    with engine._lock:  # all five arrive before the first step
+    with engine.paused():  # all five arrive before the first step
         handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=120).token_ids for h in handles] == want
     assert 1 in steps and 5 in steps and len(engine.graphs.graphs) >= 2  # buckets 1 and 8 were captured
@@ -574,7 +573,7 @@ def test_paged_attention_ops_swap_in_and_give_the_same_tokens(llm):
     prompts = token_prompts(llm, 3, 9)
     want = alone(llm, prompts, max_new_tokens=8, ignore_eos=True)
     engine = Engine(llm, prefill_chunk=8)
-    engine.kv.ops = (prefill, decode)  # what the GPU's kernels take over, with the same contract
+    engine.paged.kv.ops = (prefill, decode)  # what the GPU's kernels take over, with the same contract
     handles = [engine.add_request(p, GenerationOptions(max_new_tokens=8, ignore_eos=True)) for p in prompts]
     assert [h.result(timeout=60).token_ids for h in handles] == want
     assert calls["prefill"] > 0 and calls["decode"] > 0
@@ -590,11 +589,11 @@ def test_gpu_compiled_prefill_steps_give_the_static_path_tokens(prefill_graphs):
                     prefill_graphs=prefill_graphs)
     engine.capture_graphs(256)
     engine.warm_up()
-    with engine._lock:  # all five arrive before the first step: chunks of 64 tokens, some that sample nothing
+    with engine.paused():  # all five arrive before the first step: chunks of 64 tokens, some that sample nothing
         handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=300).token_ids for h in handles] == want
     # one at a time: each prompt a step of one chunk (a replayed graph with prefill_graphs), then its last chunk
     assert [engine.add_request(p, o).result(timeout=300).token_ids for p, o in zip(prompts, options)] == want
-    assert bool(engine.prefill_graphs and engine.prefill_graphs.graphs) == prefill_graphs
+    assert bool(engine.paged.prefill_graphs and engine.paged.prefill_graphs.graphs) == prefill_graphs
     engine.shutdown()
 

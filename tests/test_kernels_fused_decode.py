@@ -134,8 +134,8 @@ def test_fused_paged_decode_gives_the_model_logits(variant):
     rope, then the pool's decode op)."""
     import dataclasses
 
-    from redline.engine.engine import registered_paged_ops
-    from redline.engine.graphs import decode_logits
+    from redline.runner.paged import registered_paged_ops
+    from redline.runner.decode_graphs import decode_logits
     from redline.model import PagedKVCache
 
     torch.manual_seed(0)

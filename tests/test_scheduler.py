@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from redline.engine.kv_pages import PagePool
-from redline.engine.scheduler import Scheduler, Sequence
+from redline.engine.batch import Sequence
+from redline.engine.scheduler import Scheduler
 
 
 def seq(name: str, prompt_len: int, first: int = 0) -> Sequence:

@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 
+from redline.engine import Engine
 from redline.generate import LLM
 from redline.serve import ServeSettings, create_app
 from redline.serve_metrics import parse_metrics
@@ -284,12 +285,14 @@ def test_models_tokenize_detokenize_and_metrics(client, url, llm):
 def test_health_is_503_until_the_model_has_loaded(tiny_chat_checkpoint, llm):
     release = threading.Event()
 
-    def loader():
-        release.wait(30)
-        return llm, PacedEngine(llm)
+    def start(state):
+        def load():
+            release.wait(30)
+            state.prompts, state.engine = llm, PacedEngine(llm)
+        threading.Thread(target=load, daemon=True).start()
 
     settings = ServeSettings(checkpoint_path=tiny_chat_checkpoint[0])
-    with ServerThread(create_app(None, None, settings, loader)) as base:
+    with ServerThread(create_app(None, None, settings, start)) as base:
         assert httpx.get(f"{base}/health").status_code == 503
         r = httpx.post(f"{base}/v1/completions", json={"prompt": "a"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready"
@@ -298,61 +301,6 @@ def test_health_is_503_until_the_model_has_loaded(tiny_chat_checkpoint, llm):
         while httpx.get(f"{base}/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert httpx.post(f"{base}/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
-
-
-SERVE_WITH_SEQUENTIAL_ENGINE = """
-import sys
-sys.path.insert(0, {tests!r})
-from paced_engine import PacedEngine
-from redline.serve import ServeSettings, serve
-
-def make(llm, settings):
-    engine = PacedEngine(llm)
-    engine.piece_delay_s = 0.02
-    return engine
-
-sys.exit(serve(ServeSettings(checkpoint_path={path!r}, port={port}, shutdown_grace_s=20), make))
-"""
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_sigterm_finishes_running_requests_and_exits_0(tiny_chat_checkpoint):
-    port = free_port()
-    code = SERVE_WITH_SEQUENTIAL_ENGINE.format(tests=str(TESTS), path=str(tiny_chat_checkpoint[0]), port=port)
-    proc = subprocess.Popen([sys.executable, "-c", code], env=os.environ, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        body = {"prompt": "abc", "max_tokens": 60, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        output = proc.communicate()[0]
-    with pytest.raises(httpx.TransportError):
-        httpx.get(f"{base}/health")
-    assert "Traceback" not in output
 
 
 @pytest.fixture(scope="module")
@@ -419,21 +367,27 @@ def test_cli_errors_are_one_line(argv, message, capsys):
 
 
 def test_prefill_graphs_flag_reaches_the_engine():
-    from redline.serve import batching_engine, load_llm, parse_args
+    from redline.serve import parse_args
 
     settings = parse_args(["--random-weights", "debug-tiny", "--device", "cpu", "--dtype", "float32",
                            "--compile-prefill", "--prefill-graphs", "--max-kv-tokens", "2048"])
-    assert settings.prefill_graphs and not parse_args(["--random-weights", "debug-tiny"]).prefill_graphs
-    engine = batching_engine(load_llm(settings), settings)  # warm_up() prefills one-chunk steps through it
-    assert engine.prefill_graphs is not None
+    assert settings.engine.prefill_graphs and not parse_args(["--random-weights", "debug-tiny"]).engine.prefill_graphs
+    engine = Engine(random_llm(), settings.engine)
+    engine.warm_up()  # prefills one-chunk steps through the prefill graphs
+    assert engine.paged.prefill_graphs is not None and settings.engine.max_kv_tokens == 2048
     engine.shutdown()
 
 
-def test_random_weights_serve_token_ids_without_a_tokenizer():
-    from redline.serve import load_llm
+def random_llm():
+    from redline.runner.load import random_model
 
+    return LLM(random_model("debug-tiny", torch.device("cpu"), "float32", None, lambda line: None), None, "cpu",
+               compile=False)
+
+
+def test_random_weights_serve_token_ids_without_a_tokenizer():
     settings = ServeSettings(random_weights="debug-tiny", device="cpu", dtype="float32")
-    llm = load_llm(settings)
+    llm = random_llm()
     assert llm.tokenizer is None and settings.model_name == "debug-tiny"
     with ServerThread(create_app(PacedEngine(llm), llm, settings)) as base:
         body = {"model": "debug-tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}

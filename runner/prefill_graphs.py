@@ -11,15 +11,17 @@ is captured the first time it runs. On the CPU the same padded step runs compile
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from redline.engine.graphs import captured, pages_bucket, put
-from redline.engine.scheduler import Chunk
-from redline.engine.steps import mark_step_dynamic
+from redline.runner.decode_graphs import captured, pages_bucket, put
+from redline.runner.paged import mark_step_dynamic
 from redline.model import PagedKVCache, Transformer
+
+if TYPE_CHECKING:  # the engine's batch type; the runner reads its fields only
+    from redline.engine.batch import Chunk
 
 # Chunk sizes whose step replays a graph, padded up to the next of these (fewer tokens than 512: larger chunks keep
 # the GPU busier than the host's launches anyway).

@@ -1,6 +1,7 @@
 """Decode steps, torch.compile'd and (on a GPU) replayed as CUDA graphs, at batch-size buckets.
 
-A step where every sequence decodes one token is padded to the next bucket (1, 2, 4, 8, then every 8 up to 256)
+A step where every sequence decodes one token is padded to the next bucket (1, 2, 4, 8, every 8 up to 256, then
+every 16 up to 512; only the buckets up to the engine's largest step are made)
 and to a power-of-two number of pages per row (at least 2); each (bucket, pages, greedy) shape is captured once,
 the first time it runs. The graph reads static staging buffers, which each step fills in place; pages live in
 the pool, outside every graph. Padding rows decode token 0 at position 0 into a scratch page that no sequence
@@ -16,13 +17,13 @@ from torch import Tensor
 from redline.model import PagedContext, PagedKVCache, Transformer
 from redline.sampling import argmax_rows, sample_rows
 
-BATCH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 8))
+BATCH_BUCKETS = (1, 2, 4, 8) + tuple(range(16, 257, 8)) + tuple(range(272, 513, 16))
 MAX_GRAPH_ROWS = BATCH_BUCKETS[-1]
 
 
-def batch_bucket(rows: int) -> int | None:
-    """The smallest bucket that holds rows, or None above the largest."""
-    return next((b for b in BATCH_BUCKETS if b >= rows), None)
+def batch_bucket(rows: int, largest: int = MAX_GRAPH_ROWS) -> int | None:
+    """The smallest bucket that holds rows, or None above the largest (at most `largest` rows)."""
+    return next((b for b in BATCH_BUCKETS if rows <= b and b <= largest), None)
 
 
 def pages_bucket(pages: int, limit: int) -> int:
@@ -60,16 +61,22 @@ class DecodeGraphs:
     copies, one per dtype, laid out so that each bucket's slice of the staging buffers is contiguous."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, device: torch.device,
-                 scratch_page: int, step_model: Any = None) -> None:
+                 scratch_page: int, step_model: Any = None, max_rows: int = MAX_GRAPH_ROWS,
+                 min_tokens: int | None = None) -> None:
         """step_model: what a step calls, model by default; a kernels.FusedDecode of model runs a one-row step's
-        blocks in its fused kernels (the other buckets go on to model)."""
-        from redline.runner import CompiledStep
+        blocks in its fused kernels (the other buckets go on to model). max_rows: the most rows a step holds (the
+        engine's max_running); buckets above the one that holds it are never made. min_tokens: every step's block
+        tables are at least as wide as sequences of this many tokens need (one graph per bucket serves them all;
+        None: the narrowest power of two, a graph per width)."""
+        from redline.runner.runner import CompiledStep
 
         self.model, self.kv, self.vocab_bias, self.device = model, kv, vocab_bias, device
         self.step_model = model if step_model is None else step_model
         self.max_pages = -(-model.args.block_size // kv.page_size)
+        self.min_width = pages_bucket(-(-min_tokens // kv.page_size), self.max_pages) if min_tokens else 2
         self.scratch_page = scratch_page
-        n = MAX_GRAPH_ROWS
+        self.largest = batch_bucket(min(max_rows, MAX_GRAPH_ROWS))
+        n = self.largest
         self.longs = torch.zeros(5 * n, dtype=torch.long, device=device)  # ids, positions, slots, top_k, seed
         self.ints = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)  # seq_lens, tables
         self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # temperature, top_p
@@ -81,7 +88,7 @@ class DecodeGraphs:
         self.compiled = CompiledStep(decode_logits, device, graphs=False, dynamic=dynamic)
 
     def fits(self, rows: int) -> bool:
-        return rows <= MAX_GRAPH_ROWS
+        return rows <= self.largest
 
     def run(self, tokens: list[int] | Tensor, positions: list[int], pages: list[list[int]],
             settings: list[tuple[float, int, float, int]]) -> Tensor:
@@ -89,8 +96,8 @@ class DecodeGraphs:
         settings), on the device: the step is launched, not awaited. tokens may be a device tensor (B,), the
         previous step's output, which the step then reads without the host ever seeing it."""
         rows = len(positions)
-        bucket = batch_bucket(rows)
-        width = pages_bucket(max(len(p) for p in pages), self.max_pages)
+        bucket = batch_bucket(rows, self.largest)
+        width = max(self.min_width, pages_bucket(max(len(p) for p in pages), self.max_pages))
         greedy = all(s[0] == 0 for s in settings)
         on_device = isinstance(tokens, Tensor)
         self._fill(bucket, width, [0] * rows if on_device else tokens, positions, pages, settings)
@@ -106,22 +113,23 @@ class DecodeGraphs:
         graph.replay()
         return out[:rows]
 
-    def capture(self, max_tokens: int) -> int:
+    def capture(self, max_tokens: int, progress: Any = None) -> int:
         """Capture the greedy step of every bucket at every page width that sequences of up to max_tokens tokens
-        reach, before serving (a shape met later is captured then, in a step of its own). Returns the graphs made."""
+        reach, before serving (a shape met later is captured then, in a step of its own). Returns the graphs made;
+        progress(done, total), if given, is called after each."""
         if self.device.type != "cuda":
             return 0
-        made = 0
-        top = pages_bucket(-(-max_tokens // self.kv.page_size), self.max_pages)
-        width = 2
-        while width <= top:
-            for bucket in BATCH_BUCKETS:
-                if (bucket, width, True) not in self.graphs:
-                    self._fill(bucket, width, [], [], [], [])  # padding rows only: they write the scratch page
-                    self.graphs[(bucket, width, True)] = self._capture(True, self._inputs(bucket, width))
-                    made += 1
-            width *= 2
-        return made
+        top = max(self.min_width, pages_bucket(-(-max_tokens // self.kv.page_size), self.max_pages))
+        widths = [2 ** i for i in range(1, top.bit_length()) if self.min_width <= 2 ** i <= top]
+        widths += [top] if top not in widths else []  # the context's page count need not be a power of two
+        todo = [(bucket, width) for width in widths for bucket in BATCH_BUCKETS
+                if bucket <= self.largest and (bucket, width, True) not in self.graphs]
+        for done, (bucket, width) in enumerate(todo, 1):
+            self._fill(bucket, width, [], [], [], [])  # padding rows only: they write the scratch page
+            self.graphs[(bucket, width, True)] = self._capture(True, self._inputs(bucket, width))
+            if progress is not None:
+                progress(done, len(todo))
+        return len(todo)
 
     def _inputs(self, bucket: int, width: int) -> tuple[Tensor, ...]:
         """ids (1, B), positions, slots, tables (B, W), seq_lens, temperature, top_k, top_p, seed: views of the

@@ -2,17 +2,20 @@
 and one token per sampling row with that row's own settings."""
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from redline.engine.graphs import mark_dynamic, pages_bucket
-from redline.engine.scheduler import Chunk
+from redline.runner.decode_graphs import mark_dynamic, pages_bucket
 from redline.model import PagedContext, PagedKVCache, Transformer
 from redline.sampling import argmax_rows, sample_rows
+
+if TYPE_CHECKING:  # the engine's batch type; the runner reads its fields only
+    from redline.engine.batch import Chunk
 
 
 @dataclass
@@ -173,3 +176,110 @@ def chosen_logprobs(logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, T
         return chosen, None, None
     values, ids = logprobs.topk(top, dim=-1)  # (B, top)
     return chosen, values, ids
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The runner's model over a paged KV cache.
+
+
+class PagedModel:
+    """The runner's model over a paged KV cache of `num_pages` pages: the cache itself, the compiled prefill step
+    (optional), the decode steps (CUDA graphs at batch buckets where the runner compiles) and the prefill graphs.
+
+    The pages' owner (the engine's pool and scheduler) decides which page each row uses; this class only computes.
+    Padding rows of graphs write `scratch_page`, a page nobody holds (None when nothing is compiled)."""
+
+    def __init__(self, runner: Any, num_pages: int, page_size: int, scratch_page: int | None,
+                 compile_prefill: bool, prefill_graphs: bool, max_rows: int,
+                 graph_tokens: int | None = None) -> None:
+        from redline.kernels import FusedDecode
+        from redline.runner.decode_graphs import DecodeGraphs, TokenReader
+        from redline.runner.prefill_graphs import PrefillGraphs
+
+        model, device = runner.model, runner.device
+        args = model.args
+        if compile_prefill and args.attn_softcap:
+            raise ValueError("compile_prefill runs the paged attention kernels, which have no soft-capping yet; drop "
+                             "compile_prefill=True (--compile-prefill) for this model")
+        if prefill_graphs and not compile_prefill:
+            raise ValueError("prefill_graphs replays the compiled prefill step; add compile_prefill=True "
+                             "(--compile-prefill), or drop prefill_graphs")
+        self.model, self.device, self.vocab_bias = model, device, runner.vocab_bias
+        kernel_ops = paged_attention_ops(runner.kernels)
+        ops = kernel_ops or (registered_paged_ops() if compile_prefill else None)
+        self.kv = PagedKVCache(args, num_pages, page_size, model.cache_dtype, device, ops)
+        # Steps with prompt chunks, compiled once with dynamic sizes (their attention is the ops: the references'
+        # host lists would specialize every step).
+        self.prefill_step = compiled_prefill(device) if compile_prefill else None
+        # A one-row step runs the fused batch-1 decode's blocks where the runner fuses its own (its own sums buffer:
+        # the static path may run beside the engine).
+        fused = FusedDecode(model) if runner.fuse else None
+        self.graphs = DecodeGraphs(model, self.kv, self.vocab_bias, device, scratch_page, fused, max_rows,
+                                   graph_tokens) if runner.compile else None
+        self.pad_page = scratch_page if compile_prefill else None  # the compiled prefill step's padding sequence
+        pool = self.graphs.pool if self.graphs is not None else None
+        self.prefill_graphs = PrefillGraphs(self.prefill_step, model, self.kv, self.vocab_bias, device, scratch_page,
+                                            pool) if prefill_graphs else None
+        self.reader = TokenReader(device)
+
+    def capture(self, max_tokens: int, progress: Callable[[int, int], None] | None = None) -> int:
+        """Capture every decode graph for sequences of up to max_tokens tokens now; returns how many were made."""
+        if self.graphs is None:
+            return 0
+        return self.graphs.capture(max_tokens, progress)
+
+    def fits_graph(self, rows: int) -> bool:
+        return self.graphs is not None and self.graphs.fits(rows)
+
+    def launch_decode(self, tokens: list[int] | Tensor, positions: list[int], pages: list[list[int]],
+                      settings: list[tuple[float, int, float, int]]) -> tuple[Tensor, Tensor, Any]:
+        """Replay the decode graph of these rows; returns (tokens (B,) on the device, their pinned host copy, the
+        event after which the copy is valid, None on the CPU). Nothing waits for the device."""
+        out = self.graphs.run(tokens, positions, pages, settings)
+        host, ready = self.reader.start(out)
+        return out, host, ready
+
+    def step(self, chunks: list[Chunk], wants_prompt: set[int]) -> tuple[Tensor, dict[int, tuple[int, int]], Any]:
+        """Run the model on chunks (eagerly, through the compiled prefill step, or as a prefill graph): logits
+        (L, V) fp32, each prompt-logprob chunk's [begin, end) rows, and the rows of the sampling chunks."""
+        bucket = self.prefill_graphs.bucket(chunks) if self.prefill_graphs and not wants_prompt else None
+        if bucket is not None:  # one short chunk: a replayed graph; its logits row 0 is the chunk's last token
+            return self.prefill_graphs.logits(chunks[0], bucket), {}, slice(0, 1)
+        batch = step_batch(chunks, self.kv, self.device, wants_prompt, self.pad_page)
+        logits = step_logits(self.model, batch, self.vocab_bias, self.prefill_step)  # (L, V)
+        return logits, batch.prompt_rows, batch.sample_rows
+
+
+def compile_prefill_default(runner: Any, requested: bool | None) -> bool:
+    """Whether the steps with prompt chunks compile: as asked, else where it pays (a compiling runner on a GPU,
+    with the kernels, and a model without soft-caps)."""
+    if requested is not None:
+        return requested
+    return bool(runner.compile and runner.device.type == "cuda" and paged_attention_ops(runner.kernels)
+                and not runner.model.args.attn_softcap)
+
+
+def paged_attention_ops(kernels: bool) -> tuple[Any, Any] | None:
+    """The GPU's paged attention kernels (torch.ops.redline.paged_prefill_attention, paged_decode_attention) when
+    the runner runs Redline's kernels and they are registered; None: model.py's references."""
+    if not kernels:
+        return None
+    namespace = torch.ops.redline
+    names = ("paged_prefill_attention", "paged_decode_attention")
+    if not all(hasattr(namespace, name) for name in names):
+        return None
+    return tuple(getattr(namespace, name) for name in names)
+
+
+def compiled_prefill(device: torch.device) -> Any:
+    """prefill_logits under torch.compile, dynamic in the sizes mark_step_dynamic names, no CUDA graphs."""
+    from redline.runner.runner import CompiledStep
+
+    return CompiledStep(prefill_logits, device, graphs=False, dynamic=None)
+
+
+def registered_paged_ops() -> tuple[Any, Any]:
+    """torch.ops.redline's paged attention ops (importing their module registers them); on the CPU, or where no
+    kernel config fits, they run the references."""
+    importlib.import_module("redline.kernels.paged_attention")
+    return torch.ops.redline.paged_prefill_attention, torch.ops.redline.paged_decode_attention
