@@ -50,6 +50,10 @@ class BenchServeConfig:
     compile_prefill: bool | None = None  # --offline: the engine's steps with prompt chunks compiled; None: its rule
     capture_tokens: int | None = None  # --offline: decode graphs captured up front for sequences up to this long
     max_concurrency: int | None = None  # requests in flight at once at most (1: one client); None: no limit
+    clients: int = 1  # client processes sharing the requests (one Python process parses ~10k SSE lines/s at most)
+    shard: tuple[int, int] | None = None  # (k, n): this process sends requests k, k + n, ... (set by --clients)
+    start_at: float | None = None  # with shard: the perf_counter time at which every client process starts
+    timings_path: Path | None = None  # with shard: where this process writes its requests' raw timings
 
     def __post_init__(self) -> None:
         lo, hi = self.input_len
@@ -58,6 +62,8 @@ class BenchServeConfig:
         for name in ("num_prompts", "output_len", "vocab_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.clients < 1 or (self.clients > 1 and self.offline):
+            raise ValueError(f"--clients must be positive, and 1 with --offline; got {self.clients}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be positive, got {self.max_concurrency}")
         if not self.request_rates or not all(r > 0 for r in self.request_rates):
@@ -201,13 +207,45 @@ async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: floa
             async with slots:  # the request's clock starts once it is sent
                 await one_request(client, cfg, model, prompt, timing)
 
+        offsets = arrival_offsets(cfg, rate)
+        if cfg.shard is not None:
+            k, n = cfg.shard
+            prompts, timings, offsets = prompts[k::n], timings[k::n], offsets[k::n]
+        # Connections are opened before the clock starts: one per request that may be in flight at once.
+        warm = min(len(prompts), cfg.max_concurrency or len(prompts))
+        await asyncio.gather(*(client.get("/health") for _ in range(warm)))
+        if cfg.start_at is not None:
+            await asyncio.sleep(max(0.0, cfg.start_at - time.perf_counter()))
         start = time.perf_counter()
         tasks = []
-        for prompt, timing, offset in zip(prompts, timings, arrival_offsets(cfg, rate)):
+        for prompt, timing, offset in zip(prompts, timings, offsets):
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(limited(prompt, timing)))
         await asyncio.gather(*tasks)
+        if cfg.timings_path is not None:
+            write_json({"timings": [asdict(t) for t in timings]}, cfg.timings_path)
         return summarize(timings, time.perf_counter() - start, rate)
+
+
+def run_clients(cfg: BenchServeConfig, argv: Sequence[str], rate: float) -> dict[str, Any]:
+    """The requests at one rate split over cfg.clients processes of this benchmark, started together; their raw
+    timings merged into one summary (perf_counter is the same clock in every process on Linux)."""
+    import subprocess
+    import tempfile
+
+    start = time.perf_counter() + 5.0 + 0.02 * cfg.num_prompts  # time for every process to start and connect
+    with tempfile.TemporaryDirectory() as folder:
+        paths = [Path(folder) / f"client-{k}.json" for k in range(cfg.clients)]
+        procs = [subprocess.Popen([sys.executable, "-m", "redline.benchmarks.bench_serve", *argv, "--clients", "1",
+                                   "--request-rate", str(rate), "--shard", f"{k}/{cfg.clients}",
+                                   "--start-at", repr(start), "--timings", str(path)], stdout=subprocess.DEVNULL)
+                 for k, path in enumerate(paths)]
+        if any(p.wait() != 0 for p in procs) and not all(path.exists() for path in paths):
+            raise ValueError("a client process failed; run with --clients 1 to see why")
+        timings = [RequestTiming(**t) for path in paths for t in json.loads(path.read_text())["timings"]]
+    sent = [t for t in timings if t.start]
+    end = max((t.arrivals[-1] for t in sent if t.arrivals), default=start)
+    return summarize(timings, end - min((t.start for t in sent), default=start), rate)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -320,13 +358,20 @@ def write_json(payload: dict[str, Any], path: Path) -> None:
     write_atomically(path, lambda tmp: Path(tmp).write_text(text + "\n", encoding="utf-8"))
 
 
-def run(cfg: BenchServeConfig) -> dict[str, Any]:
+def run(cfg: BenchServeConfig, argv: Sequence[str] = ()) -> dict[str, Any]:
     prompts = make_prompts(cfg)
     engine = offline_engine(cfg) if cfg.offline else None
     runs = []
     try:
         for rate in cfg.request_rates:
-            result = run_offline(engine, cfg, prompts, rate) if engine else asyncio.run(run_online(cfg, prompts, rate))
+            if engine is not None:
+                result = run_offline(engine, cfg, prompts, rate)
+            elif cfg.clients > 1:
+                result = run_clients(cfg, client_argv(argv), rate)
+            else:
+                result = asyncio.run(run_online(cfg, prompts, rate))
+            if cfg.shard is not None:
+                return {"runs": [result]}  # one client of several: its parent reports
             print(report_line(result), flush=True)
             runs.append(result)
     finally:
@@ -341,6 +386,28 @@ def run(cfg: BenchServeConfig) -> dict[str, Any]:
         write_plot(runs, cfg.plot_path, f"{cfg.num_prompts} requests, prompts {lo}-{hi} tokens, "
                                         f"{cfg.output_len} output tokens")
     return payload
+
+
+def client_argv(argv: Sequence[str]) -> list[str]:
+    """argv without the options the parent sets for each client process."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=")[0]
+        if name in ("--clients", "--request-rate", "--json", "--plot"):
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    k, _, n = text.partition("/")
+    return int(k), int(n)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -370,6 +437,11 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--vocab-size", type=int, default=32000, help="random prompt ids are drawn below this")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at once at most (1: one client at a time); default: no limit")
+    p.add_argument("--clients", type=int, default=1,
+                   help="client processes sharing the requests (one Python process parses ~10k SSE lines/s at most)")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timings", dest="timings_path", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", dest="plot_path", type=Path, default=None, help="write a PNG of a rate sweep here")
@@ -386,12 +458,13 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
                    help="--offline: compile the steps with prompt chunks (default: where serve.py does)")
     ns = p.parse_args(argv)
     return BenchServeConfig(**{**vars(ns), "input_len": parse_range(ns.input_len),
-                               "request_rates": parse_rates(ns.request_rates)})
+                               "request_rates": parse_rates(ns.request_rates), "shard": parse_shard(ns.shard)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        payload = run(parse_args(argv))
+        argv = list(sys.argv[1:] if argv is None else argv)
+        payload = run(parse_args(argv), argv)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

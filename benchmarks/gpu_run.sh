@@ -120,9 +120,9 @@ frontdoor)
         grep "redline" "$RESULTS/server-$start.log" | tail -4
         if [ $start = warm ]; then
             run serve-512 python3 benchmarks/bench_serve.py $url --num-prompts 512 --input-len 128 \
-                --output-len 128 --vocab-size "$vocab" --json "$RESULTS/serve-512.json"
+                --output-len 128 --vocab-size "$vocab" --clients "${CLIENTS:-1}" --json "$RESULTS/serve-512.json"
             run serve-64 python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 \
-                --output-len 256 --vocab-size "$vocab" --json "$RESULTS/serve-64.json"
+                --output-len 256 --vocab-size "$vocab" --clients "${CLIENTS:-1}" --json "$RESULTS/serve-64.json"
         fi
         kill -TERM $server && wait $server
         echo "== start-$start: exit status $?"
