@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
 #   bash benchmarks/gpu_run.sh frontdoor  # serve.py started twice (cold, then with its compile cache warm), each
 #                                         # to /health 200, and 512 prompts of 128/128 at once against the second
+#   bash benchmarks/gpu_run.sh frontdoor-pair  # one start, 512 x 128/128 against it from CLIENTS (default 4)
+#                                         # client processes, then the same requests through the engine in-process
 #   bash benchmarks/gpu_run.sh frontdoor-offline  # the same 512 requests through the engine in-process, and the
 #                                         # fixed workload at --max-running 256 and 512
 #
@@ -127,6 +129,27 @@ frontdoor)
         kill -TERM $server && wait $server
         echo "== start-$start: exit status $?"
     done
+    ;;
+frontdoor-pair)
+    port=8321
+    cache=${COMPILE_CACHE:-/tmp/redline-compile-cache}
+    capture=${CAPTURE_TOKENS:-2048}
+    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port --max-running 512 \
+        --capture-tokens "$capture" --compile-cache "$cache" $extra >"$RESULTS/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 600); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server.log"; exit 1; }
+        sleep 0.5
+    done
+    run serve-512 python3 benchmarks/bench_serve.py --base-url http://127.0.0.1:$port --num-prompts 512 \
+        --input-len 128 --output-len 128 --vocab-size "$vocab" --clients "${CLIENTS:-4}" --json "$RESULTS/serve-512.json"
+    kill -TERM $server && wait $server
+    # The same compile cache as the server's, so the in-process engine compiles nothing new.
+    TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton" run serve-512-offline \
+        python3 benchmarks/bench_serve.py --offline --random-weights "$model" --dtype bfloat16 --vocab-size "$vocab" \
+        --max-running 512 --capture-tokens "$capture" --num-prompts 512 --input-len 128 --output-len 128 $extra \
+        --json "$RESULTS/serve-512-offline.json"
     ;;
 frontdoor-offline)
     offline="--offline --random-weights $model --dtype bfloat16 --vocab-size $vocab --max-running 512"
