@@ -18,7 +18,6 @@ import json
 import math
 import random
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -271,32 +270,34 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
 
 
 def run_offline(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]], rate: float) -> dict[str, Any]:
+    """The requests through the in-process engine, read as the server reads them: one event loop takes each
+    request's outputs as they arrive (all that came since its last read at once), no thread per request."""
+    return asyncio.run(offline_requests(engine, cfg, prompts, rate))
+
+
+async def offline_requests(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]],
+                           rate: float) -> dict[str, Any]:
     from redline.options import GenerationOptions
 
     options = GenerationOptions(max_new_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
     timings = [RequestTiming(len(p)) for p in prompts]
-    slots = threading.BoundedSemaphore(cfg.max_concurrency or len(prompts))
+    slots = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
 
-    def follow(handle: Any, timing: RequestTiming) -> None:
-        try:
-            for out in handle:
-                if out.token_ids:
+    async def follow(prompt: list[int], timing: RequestTiming) -> None:
+        async with slots:
+            timing.start = time.perf_counter()
+            async for batch in engine.add_request(prompt, options).batches():
+                tokens = sum(len(out.token_ids) for out in batch)
+                if tokens:
                     timing.arrivals.append(time.perf_counter())
-                    timing.output_tokens += len(out.token_ids)
-        finally:
-            slots.release()
+                    timing.output_tokens += tokens
 
-    threads = []
     start = time.perf_counter()
+    tasks = []
     for prompt, timing, offset in zip(prompts, timings, arrival_offsets(cfg, rate)):
-        time.sleep(max(0.0, start + offset - time.perf_counter()))
-        slots.acquire()
-        timing.start = time.perf_counter()
-        thread = threading.Thread(target=follow, args=(engine.add_request(prompt, options), timing), daemon=True)
-        thread.start()
-        threads.append(thread)
-    for thread in threads:
-        thread.join()
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        tasks.append(asyncio.create_task(follow(prompt, timing)))
+    await asyncio.gather(*tasks)
     return summarize(timings, time.perf_counter() - start, rate)
 
 
