@@ -1,0 +1,234 @@
+"""scripts/hf_int4.py through scripts/convert_hf_checkpoint.py: AWQ, GPTQ and compressed-tensors 4-bit checkpoints,
+written here from known codes, scales and zero points, become Redline int4 checkpoints holding those codes exactly
+and giving the logits of the model the file means (transformers' own classes on the dequantized weights)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import prefill_then_decode_logits, save_random_hf_model
+from redline.checkpoint import load_tensors, read_checkpoint_info
+from redline.quantize import Int4Linear, Int4MoEFeedForward, dequantize_int4, load_model, unpack_int4
+from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint, main
+
+# A tiny Llama whose every input width (128 hidden, 256 intermediate) takes groups of 32, 64 and 128.
+LLAMA = ("LlamaForCausalLM", dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                  num_key_value_heads=2, num_hidden_layers=2, initializer_range=0.05))
+QWEN3_MOE = ("Qwen3MoeForCausalLM", dict(hidden_size=64, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=64, head_dim=16, mlp_only_layers=[1],
+                                         norm_topk_prob=True, initializer_range=0.1))
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+# --- the packing rules, written from each format's published description ---
+
+def pack_words(values: torch.Tensor) -> torch.Tensor:
+    """(R, 8W) codes 0..15 -> int32 (R, W): value 8w + p in bits 4p..4p+3 of word w."""
+    v = values.to(torch.int64).view(values.shape[0], -1, 8)
+    words = sum(v[..., p] << (4 * p) for p in range(8))
+    return (words - ((words >= 2**31).to(torch.int64) << 32)).to(torch.int32)
+
+
+def gptq_tensors(q, scales, zeros, g_idx, v1: bool) -> dict[str, torch.Tensor]:
+    """GPTQ: qweight (K/8, N) packed along the inputs, qzeros (K/G, N/8) along the outputs, v1 storing z - 1."""
+    stored = (zeros - 1) & 0xF if v1 else zeros
+    return {"qweight": pack_words(q).t().contiguous(), "qzeros": pack_words(stored.t()), "scales": scales.t().contiguous(),
+            "g_idx": g_idx.to(torch.int32)}
+
+
+def awq_tensors(q, scales, zeros) -> dict[str, torch.Tensor]:
+    """AWQ GEMM: qweight (K, N/8) packed along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7, qzeros likewise."""
+    def interleave(m):  # (R, N): nibble p of word j holds column 8j + AWQ_ORDER[p]
+        n = m.shape[1]
+        cols = (torch.arange(0, n, 8).unsqueeze(1) + torch.tensor(AWQ_ORDER)).flatten()
+        return pack_words(m[:, cols])
+    return {"qweight": interleave(q.t()), "qzeros": interleave(zeros.t()), "scales": scales.t().contiguous()}
+
+
+def known_int4(n: int, k: int, group: int, gen: torch.Generator, symmetric: bool):
+    """Codes (N, K) 0..15, fp16 scales (N, K/G) and zero points (N, K/G): 8 when symmetric, else any of 0..15."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int64)
+    scales = (0.002 + 0.004 * torch.rand(n, k // group, generator=gen)).half()
+    zeros = torch.full((n, k // group), 8, dtype=torch.int64) if symmetric else torch.randint(
+        0, 16, (n, k // group), generator=gen, dtype=torch.int64)
+    return q, scales, zeros
+
+
+def dequantized(q, scales, zeros, g_idx) -> torch.Tensor:
+    """The weight a 4-bit module means: w[n, k] = s[n, g] * (q[n, k] - z[n, g]), g = g_idx[k], in fp32."""
+    return (q.float() - zeros.float()[:, g_idx]) * scales.float()[:, g_idx]
+
+
+def fp16_offset_dequantized(q, scales, zeros, g_idx) -> torch.Tensor:
+    """What Redline's layout holds for it: s * q + offset with offset = -s * z rounded to fp16."""
+    offsets = (-scales.float() * zeros.float()).half().float()
+    return q.float() * scales.float()[:, g_idx] + offsets[:, g_idx]
+
+
+def with_weights(model, known: dict, dequantize) -> torch.nn.Module:
+    """A copy of the HF model whose 4-bit linears hold dequantize(codes, scales, zeros, g_idx)."""
+    import copy
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, parts in known.items():
+            model.get_submodule(name).weight.copy_(dequantize(*parts))
+    return model
+
+
+def activation_order(k: int, group: int, gen: torch.Generator) -> torch.Tensor:
+    """An act-order g_idx: inputs taken in a random order, every `group` of them one group."""
+    order = torch.randperm(k, generator=gen)
+    g_idx = torch.empty(k, dtype=torch.int64)
+    g_idx[order] = torch.arange(k) // group
+    return g_idx
+
+
+def linear_names(model) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"
+            and not name.endswith("mlp.gate")]
+
+
+def write_4bit_checkpoint(out_dir: Path, arch, method: str, group: int = 32, symmetric: bool = True,
+                          v1: bool = True, act_order: tuple[str, ...] = (), channel: bool = False, seed: int = 0,
+                          config_extra: dict | None = None):
+    """A random `arch` model whose linears (not the head or routers) are 4-bit in `method`'s layout, from known
+    codes. Returns (folder, HF model holding the dequantized weights, {module: (codes, scales, zeros, g_idx)})."""
+    hf_dir, model = save_random_hf_model(out_dir, *arch, seed, {})
+    gen = torch.Generator().manual_seed(seed + 1)
+    state = {name: t for name, t in model.state_dict().items()}
+    known = {}
+    for name in linear_names(model):
+        n, k = state[f"{name}.weight"].shape
+        g = k if channel else group
+        q, scales, zeros = known_int4(n, k, g, gen, symmetric)
+        g_idx = activation_order(k, g, gen) if any(name.endswith(a) for a in act_order) else torch.arange(k) // g
+        known[name] = (q, scales, zeros, g_idx)
+        state.pop(f"{name}.weight")
+        if method == "gptq":
+            state.update({f"{name}.{s}": t for s, t in gptq_tensors(q, scales, zeros, g_idx, v1).items()})
+        elif method == "awq":
+            state.update({f"{name}.{s}": t for s, t in awq_tensors(q, scales, zeros).items()})
+        else:
+            state.update({f"{name}.{s}": t for s, t in compressed_tensors_module(
+                q, scales, zeros, g_idx, g, symmetric, channel).items()})
+        with torch.no_grad():
+            model.get_submodule(name).weight.copy_(dequantized(q, scales, zeros, g_idx))
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config(method, group, symmetric, v1, bool(act_order), channel)
+    config["quantization_config"].update(config_extra or {})
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    for old in hf_dir.glob("model*.safetensors"):
+        old.unlink()
+    state = {name: t.contiguous() for name, t in state.items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    return hf_dir, model, known
+
+
+def compressed_tensors_module(q, scales, zeros, g_idx, group, symmetric, channel) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own compressor packs the module (its signed codes q - 8); act-order modules, whose
+    groups its current compressor no longer takes, are packed with its pack_to_int32 and get weight_g_idx."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    n, k = q.shape
+    signed_zeros = (zeros - 8).to(torch.int8)
+    if not torch.equal(g_idx, torch.arange(k) // group):
+        out = {"weight_packed": pack_to_int32((q - 8).to(torch.int8), 4), "weight_scale": scales,
+               "weight_shape": torch.tensor([n, k]), "weight_g_idx": g_idx.to(torch.int32)}
+        if not symmetric:
+            out["weight_zero_point"] = pack_to_int32(signed_zeros, 4, packed_dim=0)
+        return out
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="channel" if channel else "group",
+                            group_size=None if channel else group)
+    state = {"weight": dequantized(q, scales, zeros, g_idx).to(scales.dtype), "weight_scale": scales}
+    if not symmetric:
+        state["weight_zero_point"] = signed_zeros
+    out = dict(PackedQuantizationCompressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args)))
+    assert torch.equal(out["weight_packed"], pack_to_int32((q - 8).to(torch.int8), 4))  # it found the known codes
+    return out
+
+
+def quantization_config(method, group, symmetric, v1, act_order, channel) -> dict:
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": -1 if channel else group, "sym": symmetric,
+                "desc_act": act_order, "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="channel" if channel else "group",
+                            group_size=None if channel else group)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                format="pack-quantized", ignore=["lm_head"], quantization_status="compressed")
+    out = json.loads(json.dumps(config.model_dump(), default=str))
+    if act_order:
+        out["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    return out
+
+
+def redline_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = load_model(read_checkpoint_info(path), "cpu", torch.float32)
+    assert any(isinstance(m, Int4Linear) for m in model.modules())
+    return prefill_then_decode_logits(model, ids, ids.shape[1] - 2)
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def redline_codes(tensors: dict[str, torch.Tensor], layer: int, part: str, rows: slice) -> torch.Tensor:
+    return unpack_int4(tensors[f"layers.{layer}.{part}.weight"][rows])
+
+
+CASES = {
+    "gptq-v1-sym-g64": dict(method="gptq", group=64),
+    "gptq-v1-asym-g32": dict(method="gptq", group=32, symmetric=False),
+    "gptq-v2-asym-channel": dict(method="gptq", symmetric=False, v1=False, channel=True),
+    "awq-g32": dict(method="awq", group=32, symmetric=False),
+    "awq-g128": dict(method="awq", group=128, symmetric=False),
+    "ct-sym-g32": dict(method="compressed-tensors", group=32),
+    "ct-asym-g64": dict(method="compressed-tensors", group=64, symmetric=False),
+    "ct-channel": dict(method="compressed-tensors", channel=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_4bit_checkpoint_converts_to_its_codes_and_logits(case, tmp_path):
+    hf_dir, model, known = write_4bit_checkpoint(tmp_path / "hf", LLAMA, **CASES[case])
+    path = convert_hf_checkpoint(hf_dir, tmp_path / "m.safetensors", dtype="float32")
+    info = read_checkpoint_info(path)
+    tensors = load_tensors(info)
+    group = info.quantization["group_size"]
+    assert info.scheme == "int4" and group == (min(CASES[case].get("group", 128), 128))
+    assert info.quantization["source"].startswith(CASES[case]["method"])
+    q_size, kv = model.config.num_attention_heads * 32, model.config.num_key_value_heads * 32
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        for part, hf_name, rows in (("attention.wqkv", "self_attn.k_proj", slice(q_size, q_size + kv)),
+                                    ("feed_forward.w13", "mlp.up_proj", slice(256, 512)),
+                                    ("feed_forward.w2", "mlp.down_proj", slice(None))):
+            q, scales, zeros, _ = known[prefix + hf_name]
+            assert torch.equal(redline_codes(tensors, layer, part, rows), q.to(torch.uint8))
+            pairs = tensors[f"layers.{layer}.{part}.scales"][rows]  # (N, K/G', 2)
+            repeat = q.shape[1] // scales.shape[1] // group
+            assert torch.equal(pairs[..., 0], scales.repeat_interleave(repeat, dim=1))  # every scale exactly
+            offsets = (-scales.float() * zeros.float()).half().repeat_interleave(repeat, dim=1)
+            assert torch.equal(pairs[..., 1], offsets)
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(3))
+    ours = redline_logits(path, ids)
+    if CASES[case].get("symmetric", True):  # every weight exact: the file's own model
+        torch.testing.assert_close(ours, hf_logits(model, ids), atol=1e-4, rtol=0)
+    else:  # zero points become fp16 offsets: the model of those, and within the rounding of the file's own
+        torch.testing.assert_close(ours, hf_logits(with_weights(model, known, fp16_offset_dequantized), ids),
+                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours, hf_logits(model, ids), atol=3e-3, rtol=0)
