@@ -368,6 +368,10 @@ def int4_checkpoint_tensors(hf: dict[str, torch.Tensor], args: ModelArgs, source
     if not modules:
         raise ValueError(f"config.json declares {source.method} quantization, but the weights hold no 4-bit "
                          f"module; the checkpoint is damaged")
+    for name in modules:
+        if not (quantized_target(f"{name}.weight", args) or (name == "lm_head" and not args.tie_word_embeddings)):
+            raise ValueError(f"module {name} is 4-bit in the checkpoint, but Redline keeps it float (routers, a "
+                             f"tied head); convert an unquantized copy of the model")
     folded = fold_act_order(modules, floats)
     group = redline_group_size(modules)
     for name, module in modules.items():

@@ -75,9 +75,10 @@ def with_weights(model, known: dict, dequantize) -> torch.nn.Module:
     import copy
 
     model = copy.deepcopy(model)
+    weights = quantizable_weights(model)
     with torch.no_grad():
         for name, parts in known.items():
-            model.get_submodule(name).weight.copy_(dequantize(*parts))
+            weights[name].copy_(dequantize(*parts))
     return model
 
 
@@ -89,9 +90,20 @@ def activation_order(k: int, group: int, gen: torch.Generator) -> torch.Tensor:
     return g_idx
 
 
-def linear_names(model) -> list[str]:
-    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"
-            and not name.endswith("mlp.gate")]
+def quantizable_weights(model) -> dict[str, torch.Tensor]:
+    """Every weight a 4-bit file holds in 4 bits (not the head or routers), under the module name files give it, as
+    a view of the model's parameter; transformers' stacked experts are one module per expert in files."""
+    out = {name: m.weight for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+           and name != "lm_head" and not name.endswith("mlp.gate")}
+    for name, p in model.named_parameters():
+        prefix = name.rpartition(".")[0]
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{prefix}.{e}.gate_proj"], out[f"{prefix}.{e}.up_proj"] = p[e, :half], p[e, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            out.update({f"{prefix}.{e}.down_proj": p[e] for e in range(p.shape[0])})
+    return out
 
 
 def write_4bit_checkpoint(out_dir: Path, arch, method: str, group: int = 32, symmetric: bool = True,
@@ -101,15 +113,15 @@ def write_4bit_checkpoint(out_dir: Path, arch, method: str, group: int = 32, sym
     codes. Returns (folder, HF model holding the dequantized weights, {module: (codes, scales, zeros, g_idx)})."""
     hf_dir, model = save_random_hf_model(out_dir, *arch, seed, {})
     gen = torch.Generator().manual_seed(seed + 1)
-    state = {name: t for name, t in model.state_dict().items()}
+    state = {name: t for name, t in model.state_dict().items() if ".experts." not in name}
     known = {}
-    for name in linear_names(model):
-        n, k = state[f"{name}.weight"].shape
+    for name, weight in quantizable_weights(model).items():
+        n, k = weight.shape
         g = k if channel else group
         q, scales, zeros = known_int4(n, k, g, gen, symmetric)
         g_idx = activation_order(k, g, gen) if any(name.endswith(a) for a in act_order) else torch.arange(k) // g
         known[name] = (q, scales, zeros, g_idx)
-        state.pop(f"{name}.weight")
+        state.pop(f"{name}.weight", None)
         if method == "gptq":
             state.update({f"{name}.{s}": t for s, t in gptq_tensors(q, scales, zeros, g_idx, v1).items()})
         elif method == "awq":
@@ -118,7 +130,7 @@ def write_4bit_checkpoint(out_dir: Path, arch, method: str, group: int = 32, sym
             state.update({f"{name}.{s}": t for s, t in compressed_tensors_module(
                 q, scales, zeros, g_idx, g, symmetric, channel).items()})
         with torch.no_grad():
-            model.get_submodule(name).weight.copy_(dequantized(q, scales, zeros, g_idx))
+            weight.copy_(dequantized(q, scales, zeros, g_idx))
     config = json.loads((hf_dir / "config.json").read_text())
     config["quantization_config"] = quantization_config(method, group, symmetric, v1, bool(act_order), channel)
     config["quantization_config"].update(config_extra or {})
@@ -232,3 +244,134 @@ def test_4bit_checkpoint_converts_to_its_codes_and_logits(case, tmp_path):
         torch.testing.assert_close(ours, hf_logits(with_weights(model, known, fp16_offset_dequantized), ids),
                                    atol=1e-4, rtol=0)
         torch.testing.assert_close(ours, hf_logits(model, ids), atol=3e-3, rtol=0)
+
+
+def test_act_order_down_projections_are_folded_into_gate_and_up_rows(tmp_path):
+    hf_dir, model, known = write_4bit_checkpoint(tmp_path / "hf", LLAMA, "gptq", group=32, act_order=("down_proj",))
+    path = convert_hf_checkpoint(hf_dir, tmp_path / "m.safetensors", dtype="float32")
+    info = read_checkpoint_info(path)
+    assert info.quantization["act_order_folded"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    tensors = load_tensors(info)
+    q, _, _, g_idx = known["model.layers.0.mlp.down_proj"]
+    order = torch.argsort(g_idx, stable=True)  # the inputs, group by group
+    assert torch.equal(redline_codes(tensors, 0, "feed_forward.w2", slice(None)), q[:, order].to(torch.uint8))
+    up = known["model.layers.0.mlp.up_proj"][0]
+    assert torch.equal(redline_codes(tensors, 0, "feed_forward.w13", slice(256, 512)), up[order].to(torch.uint8))
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(redline_logits(path, ids), hf_logits(model, ids), atol=1e-4, rtol=0)
+
+
+def test_compressed_tensors_group_actorder_is_folded(tmp_path):
+    hf_dir, model, _ = write_4bit_checkpoint(tmp_path / "hf", LLAMA, "compressed-tensors", group=64,
+                                             act_order=("down_proj",))
+    path = convert_hf_checkpoint(hf_dir, tmp_path / "m.safetensors", dtype="float32")
+    assert len(read_checkpoint_info(path).quantization["act_order_folded"]) == 2
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(redline_logits(path, ids), hf_logits(model, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("method,symmetric", [("gptq", True), ("awq", False)])
+def test_mixture_of_experts_goes_to_the_int4_experts(method, symmetric, tmp_path):
+    hf_dir, model, known = write_4bit_checkpoint(tmp_path / "hf", QWEN3_MOE, method, group=32, symmetric=symmetric,
+                                                 act_order=("down_proj",) if method == "gptq" else ())
+    assert "model.layers.0.mlp.experts.3.down_proj" in known
+    path = convert_hf_checkpoint(hf_dir, tmp_path / "m.safetensors", dtype="float32")
+    info = read_checkpoint_info(path)
+    loaded = load_model(info, "cpu", torch.float32)
+    assert isinstance(loaded.layers[0].feed_forward, Int4MoEFeedForward)
+    assert "feed_forward.gate (the expert routers)" in info.quantization["not_quantized"]
+    tensors = load_tensors(info)
+    q = known["model.layers.0.mlp.experts.2.up_proj"][0]
+    order = torch.argsort(known["model.layers.0.mlp.experts.2.down_proj"][3], stable=True)  # the fold's row order
+    assert torch.equal(unpack_int4(tensors["layers.0.feed_forward.w13"][2, 64:]), q[order].to(torch.uint8))
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(6))
+    reference = model if symmetric else with_weights(model, known, fp16_offset_dequantized)
+    torch.testing.assert_close(prefill_then_decode_logits(loaded, ids, 8), hf_logits(reference, ids), atol=1e-4,
+                               rtol=0)
+
+
+def test_awq_packing_agrees_with_compressed_tensors_converter():
+    """compressed-tensors' AutoAWQ converter unpacks AWQ's interleaved words into its own layout; its dequantized
+    weight is the one the codes mean, and the one this reader finds."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from redline.scripts.hf_int4 import Int4Source, dequantize_module, read_module
+
+    q, scales, zeros = known_int4(64, 128, 32, torch.Generator().manual_seed(7), symmetric=False)
+    awq = awq_tensors(q, scales, zeros)
+    converted = AutoAWQConverter(group_size=32).process({f"m.{name}": t for name, t in awq.items()})
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
+    theirs = PackedQuantizationCompressor.decompress({name[2:]: t for name, t in converted.items()},
+                                                     QuantizationScheme(targets=["Linear"], weights=args))["weight"]
+    exact = dequantized(q, scales, zeros, torch.arange(128) // 32)
+    assert torch.equal(theirs, exact.half())  # theirs in fp16: one rounding of the exact product
+    assert torch.equal(dequantize_module(read_module("m", dict(awq), Int4Source("awq"))), exact)
+
+
+def test_gptq_v1_zero_points_read_as_autogptq_does():
+    """v1 files store z - 1 in four bits; AutoGPTQ reads (stored + 1) & 15, so a stored 15 is zero point 0."""
+    from redline.scripts.hf_int4 import Int4Source, read_module
+
+    q, scales, _ = known_int4(16, 64, 32, torch.Generator().manual_seed(8), symmetric=True)
+    zeros = torch.arange(32).view(16, 2) % 16  # every zero point 0..15
+    t = gptq_tensors(q, scales, zeros, torch.arange(64) // 32, v1=True)
+    stored = t["qzeros"].contiguous().view(torch.uint8)
+    assert torch.cat((stored & 0xF, stored >> 4)).unique().numel() == 16  # a stored 15 among them
+    module = read_module("m", t, Int4Source("gptq", zero_plus_one=True))
+    assert torch.equal(module.zeros, zeros.to(torch.int16))
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory):
+    return write_4bit_checkpoint(tmp_path_factory.mktemp("gptq") / "hf", LLAMA, "gptq", group=32)[0]
+
+
+def with_config(hf_dir: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the folder whose quantization_config edit(qc) changed."""
+    import shutil
+
+    out = tmp_path / "edited"
+    shutil.copytree(hf_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    edit(config["quantization_config"])
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def ct_groups(**weights):
+    def edit(qc):
+        qc.clear()
+        qc.update(quantization_config("compressed-tensors", 32, True, True, False, False))
+        qc["config_groups"]["group_0"]["weights"].update(weights)
+    return edit
+
+
+REFUSALS = {
+    "gptq 3-bit": (lambda qc: qc.update(bits=3), "quantization_config.bits is 3"),
+    "gptq 2-bit": (lambda qc: qc.update(bits=2), "quantization_config.bits is 2"),
+    "gptq group 16": (lambda qc: qc.update(group_size=16), "quantization_config.group_size is 16"),
+    "awq gemv": (lambda qc: qc.update(quant_method="awq", version="gemv"), "quantization_config.version is 'gemv'"),
+    "unknown method": (lambda qc: qc.update(quant_method="bitsandbytes"),
+                       "quantization_config.quant_method is 'bitsandbytes'"),
+    "ct 2-bit": (ct_groups(num_bits=2), "quantization_config.config_groups.group_0.weights.num_bits is 2"),
+    "ct tensor strategy": (ct_groups(strategy="tensor"),
+                           "quantization_config.config_groups.group_0.weights.strategy is 'tensor'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_unrepresentable_layouts_are_refused_in_one_line(case, gptq_dir, tmp_path, capsys):
+    edit, message = REFUSALS[case]
+    folder = with_config(gptq_dir, tmp_path, edit)
+    assert main(["--checkpoint_dir", str(folder)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not list(folder.glob("*.redline*")) and not (folder / "model.redline.safetensors").exists()
+
+
+def test_act_order_without_a_fold_is_refused_naming_the_tensor(tmp_path):
+    hf_dir, _, _ = write_4bit_checkpoint(tmp_path / "hf", LLAMA, "gptq", group=32, act_order=("q_proj",))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.g_idx .*act-order.*desc_act false"):
+        convert_hf_checkpoint(hf_dir, tmp_path / "m.safetensors")
