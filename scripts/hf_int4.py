@@ -28,7 +28,7 @@ from the residual stream or the attention, has no such fold and is refused.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,7 +72,7 @@ class Int4Module:
     scales: Tensor
     zeros: Tensor
     group_index: Tensor | None = None
-    bias: Tensor | None = field(default=None)
+    bias: Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -284,6 +284,9 @@ def read_int4_modules(hf: dict[str, Tensor], source: Int4Source) -> tuple[dict[s
 def read_module(name: str, parts: dict[str, Tensor], source: Int4Source) -> Int4Module:
     module = {"awq": lambda: awq_module(name, parts), "gptq": lambda: gptq_module(name, parts, source),
               "compressed-tensors": lambda: compressed_tensors_module(name, parts)}[source.method]()
+    if module.shape[1] % module.scales.shape[1]:
+        raise ValueError(f"{name} has {module.scales.shape[1]} scale groups for {module.shape[1]} inputs, which they "
+                         f"do not divide; the checkpoint is damaged")
     module.scales = fp16_scales(name, module.scales)
     if module.zeros.min() < 0 or module.zeros.max() > 15:
         raise ValueError(f"the zero points of {name} leave 0..15; the checkpoint is damaged")

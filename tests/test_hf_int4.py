@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from conftest import prefill_then_decode_logits, save_random_hf_model
 from redline.checkpoint import load_tensors, read_checkpoint_info
-from redline.quantize import Int4Linear, Int4MoEFeedForward, dequantize_int4, load_model, unpack_int4
+from redline.quantize import Int4Linear, Int4MoEFeedForward, load_model, unpack_int4
 from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint, main
 
 # A tiny Llama whose every input width (128 hidden, 256 intermediate) takes groups of 32, 64 and 128.
@@ -37,8 +37,8 @@ def pack_words(values: torch.Tensor) -> torch.Tensor:
 def gptq_tensors(q, scales, zeros, g_idx, v1: bool) -> dict[str, torch.Tensor]:
     """GPTQ: qweight (K/8, N) packed along the inputs, qzeros (K/G, N/8) along the outputs, v1 storing z - 1."""
     stored = (zeros - 1) & 0xF if v1 else zeros
-    return {"qweight": pack_words(q).t().contiguous(), "qzeros": pack_words(stored.t()), "scales": scales.t().contiguous(),
-            "g_idx": g_idx.to(torch.int32)}
+    return {"qweight": pack_words(q).t().contiguous(), "qzeros": pack_words(stored.t()),
+            "scales": scales.t().contiguous(), "g_idx": g_idx.to(torch.int32)}
 
 
 def awq_tensors(q, scales, zeros) -> dict[str, torch.Tensor]:
