@@ -406,6 +406,9 @@ def int4_checkpoint_tensors(hf: dict[str, torch.Tensor], args: ModelArgs, source
         quantization["act_order_folded"] = folded
     if requantized:
         quantization["quantized_from_float"] = requantized
+    rounded = {name: m.rounded_scales for name, m in modules.items() if m.rounded_scales}
+    if rounded:
+        quantization["scales_rounded_to_fp16"] = rounded
     return out, quantization
 
 

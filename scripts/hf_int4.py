@@ -14,9 +14,10 @@ inputs of a row, and means w = s * (q - z):
                              strategy; weight_zero_point int32 (N/8, K/G) packed along the rows (asymmetric only,
                              else z = 8); weight_g_idx (K,) with actorder "group".
 What is kept exactly: every code (Redline's bytes are GPTQ's and compressed-tensors' words, byte for byte; AWQ's are
-reordered), every scale (fp16 as stored; a bf16 or fp32 scale converts to fp16 when it fits exactly, else the module
-is refused), and symmetric zero points (offset -8s, a power-of-two multiple). What is not: an asymmetric zero point
-becomes Redline's offset -s * z rounded once to fp16 (at most half an fp16 step of s * z). A group larger than
+reordered), every scale fp16 holds (AWQ's and GPTQ's are fp16; a bf16 scale fits unless it is below 2^-17), and
+symmetric zero points (offset -8s, a power-of-two multiple). What is not: an asymmetric zero point becomes Redline's
+offset -s * z rounded once to fp16 (at most half an fp16 step of s * z); a bf16/fp32 scale fp16 cannot hold is
+rounded to the nearest fp16 (counted per module in the metadata). A group larger than
 Redline's (channel strategy, group_size -1, 256) is split into Redline groups sharing its scale and offset.
 
 Act-order (GPTQ desc_act, compressed-tensors actorder "group"): a g_idx that is the plain order (input k in group
@@ -73,6 +74,7 @@ class Int4Module:
     zeros: Tensor
     group_index: Tensor | None = None
     bias: Tensor | None = None
+    rounded_scales: int = 0  # scales of the file that fp16 holds only rounded
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -287,21 +289,23 @@ def read_module(name: str, parts: dict[str, Tensor], source: Int4Source) -> Int4
     if module.shape[1] % module.scales.shape[1]:
         raise ValueError(f"{name} has {module.scales.shape[1]} scale groups for {module.shape[1]} inputs, which they "
                          f"do not divide; the checkpoint is damaged")
-    module.scales = fp16_scales(name, module.scales)
+    module.scales, module.rounded_scales = fp16_scales(name, module.scales)
     if module.zeros.min() < 0 or module.zeros.max() > 15:
         raise ValueError(f"the zero points of {name} leave 0..15; the checkpoint is damaged")
     return module
 
 
-def fp16_scales(name: str, scales: Tensor) -> Tensor:
-    """The scales as fp16, which must hold them exactly (AWQ and GPTQ store fp16; bf16 scales fit unless tiny)."""
+def fp16_scales(name: str, scales: Tensor) -> tuple[Tensor, int]:
+    """The scales as fp16, which Redline's layout stores, and how many of them fp16 does not hold exactly (AWQ and
+    GPTQ store fp16; a bf16 scale fits unless below 2^-17, where fp16's subnormals drop its low bits: clamped
+    scales of all-zero groups). A scale beyond fp16's range is refused."""
     if not scales.is_floating_point():
         raise ValueError(f"the scales of {name} are {scales.dtype}, not floating point; the checkpoint is damaged")
     half = scales.to(torch.float16)
-    if not torch.equal(half.to(scales.dtype), scales) or not torch.isfinite(half).all():
-        raise ValueError(f"the scales of {name} ({scales.dtype}) do not all fit fp16 exactly, which Redline's int4 "
-                         f"layout stores; convert an unquantized copy and quantize it with quantize.py")
-    return half
+    if not torch.isfinite(half).all():
+        raise ValueError(f"a scale of {name} exceeds fp16's range (65504), which Redline's int4 layout stores; "
+                         f"convert an unquantized copy and quantize it with quantize.py")
+    return half, int((half.to(scales.dtype) != scales).sum())
 
 
 def fold_act_order(modules: dict[str, Int4Module], floats: dict[str, Tensor]) -> list[str]:

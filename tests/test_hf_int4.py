@@ -375,3 +375,16 @@ def test_act_order_without_a_fold_is_refused_naming_the_tensor(tmp_path):
     hf_dir, _, _ = write_4bit_checkpoint(tmp_path / "hf", LLAMA, "gptq", group=32, act_order=("q_proj",))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.g_idx .*act-order.*desc_act false"):
         convert_hf_checkpoint(hf_dir, tmp_path / "m.safetensors")
+
+
+def test_bf16_scales_fit_fp16_exactly_above_two_to_the_minus_17():
+    from redline.scripts.hf_int4 import fp16_scales
+
+    # bf16 keeps 8 significant bits; fp16's smallest step is 2^-24, so from 2^-17 up every bf16 value fits
+    scales = torch.tensor([[2.0**-17 * 1.9921875, 0.0123, 3.5], [2.0**-18 * 1.0078125, 1e-7, 2.0**-20 * 1.5]])
+    half, rounded = fp16_scales("m", scales.bfloat16())
+    assert half.dtype == torch.float16 and rounded == 2  # 2^-18 * (1 + 2^-7) and 1e-7 lose low bits
+    exact = torch.tensor([[True, True, True], [False, False, True]])
+    assert torch.equal(half.bfloat16() == scales.bfloat16(), exact)
+    with pytest.raises(ValueError, match="exceeds fp16's range"):
+        fp16_scales("m", torch.tensor([[7e4]]).bfloat16())
