@@ -388,3 +388,18 @@ def test_bf16_scales_fit_fp16_exactly_above_two_to_the_minus_17():
     assert torch.equal(half.bfloat16() == scales.bfloat16(), exact)
     with pytest.raises(ValueError, match="exceeds fp16's range"):
         fp16_scales("m", torch.tensor([[7e4]]).bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gptq-v1-sym-g64", "awq-g32"])
+def test_gpu_kernels_run_a_converted_checkpoint(case, tmp_path):
+    """The converted checkpoint through the GPU kernels (int4 GEMV for the decode steps, the tensor-core kernel for
+    the prompt) gives the CPU reference's logits within the kernels' fp16-product rounding."""
+    from redline.kernels import use_kernels
+
+    hf_dir, _, _ = write_4bit_checkpoint(tmp_path / "hf", LLAMA, **CASES[case])
+    path = convert_hf_checkpoint(hf_dir, tmp_path / "m.safetensors", dtype="float32")
+    ids = torch.randint(0, 512, (1, 10), generator=torch.Generator().manual_seed(9))
+    model = use_kernels(load_model(read_checkpoint_info(path), "cuda", torch.float32))
+    gpu = prefill_then_decode_logits(model, ids.cuda(), ids.shape[1] - 2).cpu()
+    torch.testing.assert_close(gpu, redline_logits(path, ids), atol=2e-2, rtol=0)
