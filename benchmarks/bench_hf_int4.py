@@ -4,6 +4,8 @@ with its quantization_config, one model.safetensors) is written here from random
 
     python benchmarks/bench_hf_int4.py [--model Llama-3-8B] [--groupsize 128] [--dir DIR] [--new-tokens 256] [--runs 3]
 
+The folder and its conversion (about 2 x 5.5 GB for 8B) go to a new temporary folder under --dir, removed at the end.
+
 The GPTQ file quantizes the output head too (GPTQModel's lm_head option), as Redline's own int4 does, so both read
 the same bytes per token. Prints each model's decode tok/s (the median of --runs, the two alternated after one
 warm-up each), then `ratio converted/own`.
@@ -14,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -96,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="Llama-3-8B", help="a Llama-shaped registry model")
     parser.add_argument("--groupsize", type=int, default=128)
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/redline-gptq-bench"),
-                        help="where the GPTQ folder and its conversion are written (about 2 x 5.5 GB for 8B)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where a temporary folder for the GPTQ files and their conversion is made (default: the "
+                             "system's temporary folder)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
@@ -115,14 +119,16 @@ def main(argv: list[str] | None = None) -> int:
 
     args = ModelArgs.from_name(ns.model)
     device = torch.device(ns.device)
-    start = time.perf_counter()
-    folder = write_gptq_folder(ns.dir / "gptq", args, ns.groupsize)
-    log(f"wrote the GPTQ g{ns.groupsize} folder in {time.perf_counter() - start:.0f} s")
-    start = time.perf_counter()
-    path = convert_hf_checkpoint(folder, ns.dir / "converted.safetensors", dtype="bfloat16", overwrite=True)
-    log(f"converted it in {time.perf_counter() - start:.0f} s: {path}")
-    info = read_checkpoint_info(path)
-    converted = load_model(info, device)
+    if ns.dir is not None:
+        ns.dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="redline-gptq-bench-", dir=ns.dir) as scratch:
+        start = time.perf_counter()
+        folder = write_gptq_folder(Path(scratch) / "gptq", args, ns.groupsize)
+        log(f"wrote the GPTQ g{ns.groupsize} folder in {time.perf_counter() - start:.0f} s")
+        start = time.perf_counter()
+        path = convert_hf_checkpoint(folder, Path(scratch) / "converted.safetensors", dtype="bfloat16")
+        log(f"converted it in {time.perf_counter() - start:.0f} s")
+        converted = load_model(read_checkpoint_info(path), device)
     own = build_random_model(args, device, torch.bfloat16, "int4", 0, ns.groupsize)
     llms = {"converted GPTQ": LLM(converted, tokenizer=None, device=device, compile=device.type == "cuda",
                                   name=f"{ns.model} GPTQ g{ns.groupsize} (converted)"),

@@ -171,8 +171,7 @@ serve-offline)
         --output-len 256 --json "$RESULTS/serve-64-offline.json"
     ;;
 hf-int4)
-    run hf-int4-decode python3 benchmarks/bench_hf_int4.py --model Llama-3-8B --groupsize 128 --runs 3 \
-        --dir "${TMPDIR:-/tmp}/redline-gptq-bench"
+    run hf-int4-decode python3 benchmarks/bench_hf_int4.py --model Llama-3-8B --groupsize 128 --runs 3
     ;;
 *)
     echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor," \
