@@ -95,19 +95,38 @@ def decode_rates(llms: dict, prompt: torch.Tensor, new_tokens: int, runs: int, l
     return rates
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="Llama-3-8B", help="a Llama-shaped registry model")
-    parser.add_argument("--groupsize", type=int, default=128)
+    parser.add_argument("--model", default="Llama-3-8B", help="a Llama-shaped registry model (default Llama-3-8B)")
+    parser.add_argument("--groupsize", type=int, default=128,
+                        help="GPTQ group size, and Redline's int4 group size beside it (default 128)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where a temporary folder for the GPTQ files and their conversion is made (default: the "
                              "system's temporary folder)")
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--device", default="cuda")
-    ns = parser.parse_args(argv)
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens decoded per timed run (default 256)")
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="random prompt length (default 16)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per model, alternated (default 3)")
+    parser.add_argument("--device", default="cuda", help="torch device (default cuda)")
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    try:
+        from redline.quantize import check_group_size
+
+        args = ModelArgs.from_name(ns.model)
+        hf_config(args, ns.groupsize)  # a shape the benchmark cannot build is refused before any work
+        check_group_size(ns.groupsize, args.dim)
+        if min(ns.new_tokens, ns.prompt_tokens, ns.runs) < 1:
+            raise ValueError("--new-tokens, --prompt-tokens and --runs must be at least 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run(ns, args)
+
+
+def run(ns: argparse.Namespace, args: ModelArgs) -> int:
     from redline.benchmarks.bench_model import build_random_model, random_prompts
     from redline.checkpoint import read_checkpoint_info
     from redline.generate import LLM
@@ -117,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-    args = ModelArgs.from_name(ns.model)
     device = torch.device(ns.device)
     if ns.dir is not None:
         ns.dir.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,11 @@
 words as Redline's bytes (the decode it times runs on a GPU)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors import safe_open
 
+from redline.benchmarks import bench_hf_int4
 from redline.benchmarks.bench_hf_int4 import write_gptq_folder
 from redline.checkpoint import load_tensors, read_checkpoint_info
 from redline.model import ModelArgs
@@ -28,3 +30,15 @@ def test_random_gptq_folder_converts_byte_for_byte_and_decodes(tmp_path):
     assert torch.equal(ours["output.scales"][..., 0], head_scales.t())
     assert torch.equal(ours["output.scales"][..., 1], -8 * head_scales.t())
     load_model(info, "cpu")  # the structure the metadata names holds the tensors
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "Llama-9B"], "unknown model name 'Llama-9B'"),
+    (["--model", "Qwen3-8B"], "plain Llama-shaped models"),
+    (["--groupsize", "48"], "int4 group size must be a power of two"),
+    (["--runs", "0"], "--runs must be at least 1"),
+])
+def test_bad_arguments_are_one_line_errors(args, message, capsys):
+    assert bench_hf_int4.main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
