@@ -26,7 +26,7 @@ from redline.model import ModelArgs
 from redline.outputs import check_inside
 from redline.scripts.hf_config import args_from_hf_config, hf_family
 from redline.scripts.hf_int4 import (Int4Source, fold_act_order, int4_source, read_int4_modules, redline_group_size,
-                                     redline_parts)
+                                     redline_parts, side_quantization_config)
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
@@ -328,11 +328,15 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     inputs = [check_inside(p, checkpoint_dir) for p in [checkpoint_dir / "config.json", *files]]  # no symlink out
     check_checkpoint_output(out_path, inputs, overwrite)
     tokenizer_files_to_copy(checkpoint_dir, out_path.parent, overwrite, inputs)
+    side = side_quantization_config(checkpoint_dir) if "quantization_config" not in config else None
+    source = int4_source({**config, "quantization_config": side} if side is not None else config)  # before reading
     hf = read_hf_tensors(files)
     if hf_family(config) == "gemma3":
         hf = language_model_tensors(hf)
     check_layer_count(hf, args.n_layer, "config.json")  # before anything builds or loops over the declared layers
-    source = int4_source(config)
+    if source is None and any(name.endswith((".qweight", ".weight_packed")) for name in hf):
+        raise ValueError(f"the weights in {checkpoint_dir} are 4-bit, but config.json has no quantization_config "
+                         f"(nor is there a quantize_config.json); re-download the model's config files")
     if source is not None:
         tensors, quantization = int4_checkpoint_tensors(hf, args, source, dtype)
         return save_checkpoint(out_path, tensors, CheckpointInfo(path=out_path, args=args, dtype=dtype,

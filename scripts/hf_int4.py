@@ -28,8 +28,10 @@ from the residual stream or the attention, has no such fold and is refused.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,6 +85,27 @@ class Int4Module:
     @property
     def group_size(self) -> int:
         return self.shape[1] // self.scales.shape[1]
+
+
+# Older exports keep the quantization settings beside config.json: AutoGPTQ's quantize_config.json, AutoAWQ's
+# quant_config.json (file name -> the quant_method it implies when the file does not name one).
+SIDE_CONFIG_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def side_quantization_config(folder: Path) -> dict[str, Any] | None:
+    """The quantization settings of a folder whose config.json has no quantization_config, from the file an older
+    exporter wrote beside it; None when there is none."""
+    for name, method in SIDE_CONFIG_FILES.items():
+        path = folder / name
+        if path.is_file():
+            try:
+                qc = json.loads(path.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
+                raise ValueError(f"cannot read {path} ({exc}); re-download it") from None
+            if not isinstance(qc, dict):
+                raise ValueError(f"{path} is not a JSON object; re-download it")
+            return {"quant_method": method, **qc}
+    return None
 
 
 def refuse(field_name: str, value: Any, why: str) -> ValueError:

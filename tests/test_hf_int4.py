@@ -403,3 +403,30 @@ def test_gpu_kernels_run_a_converted_checkpoint(case, tmp_path):
     model = use_kernels(load_model(read_checkpoint_info(path), "cuda", torch.float32))
     gpu = prefill_then_decode_logits(model, ids.cuda(), ids.shape[1] - 2).cpu()
     torch.testing.assert_close(gpu, redline_logits(path, ids), atol=2e-2, rtol=0)
+
+
+def moved_to_side_file(hf_dir: Path, tmp_path: Path, side_name: str | None, side: dict | None) -> Path:
+    """A copy of the folder whose quantization_config left config.json (for `side_name`, when given)."""
+    folder = with_config(hf_dir, tmp_path, lambda qc: None)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    if side_name is not None:
+        (folder / side_name).write_text(json.dumps(side))
+    return folder
+
+
+def test_older_exports_quantization_files_beside_config_json(gptq_dir, tmp_path):
+    """AutoGPTQ's quantize_config.json (older ones name no quant_method) and AutoAWQ's quant_config.json."""
+    folder = moved_to_side_file(gptq_dir, tmp_path / "gptq", "quantize_config.json",
+                                {"bits": 4, "group_size": 32, "desc_act": False, "sym": True})
+    path = convert_hf_checkpoint(folder, tmp_path / "gptq.safetensors", dtype="float32")
+    assert read_checkpoint_info(path).quantization["source"].startswith("gptq (gptq), group 32")
+    awq_dir = write_4bit_checkpoint(tmp_path / "awq-hf", LLAMA, "awq", group=64, symmetric=False)[0]
+    folder = moved_to_side_file(awq_dir, tmp_path / "awq", "quant_config.json",
+                                {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"})
+    path = convert_hf_checkpoint(folder, tmp_path / "awq.safetensors", dtype="float32")
+    assert read_checkpoint_info(path).quantization["group_size"] == 64
+    folder = moved_to_side_file(gptq_dir, tmp_path / "none", None, None)
+    with pytest.raises(ValueError, match="are 4-bit, but config.json has no quantization_config"):
+        convert_hf_checkpoint(folder, tmp_path / "none.safetensors")
