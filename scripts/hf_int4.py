@@ -203,8 +203,6 @@ def unpack_nibbles(words: Tensor) -> Tensor:
 def words_as_packed(words: Tensor) -> Tensor:
     """int32 (N, K/8) of eight consecutive inputs a word, low nibble first -> Redline's uint8 (N, K/2): the same
     bytes (little-endian words), so no code is touched."""
-    if words.dtype != torch.int32:
-        raise TypeError(f"expected int32 packed words, got {words.dtype}")
     flat = words.contiguous().view(torch.uint8)  # little-endian: byte b of word w holds inputs 8w + 2b, 2b + 1
     if not torch.tensor([1], dtype=torch.int32).view(torch.uint8)[0]:  # big-endian host: reorder the bytes
         flat = flat.view(*words.shape, 4).flip(-1).reshape(words.shape[0], -1)
@@ -214,7 +212,8 @@ def words_as_packed(words: Tensor) -> Tensor:
 def gptq_module(name: str, t: dict[str, Tensor], source: Int4Source) -> Int4Module:
     qweight, scales, qzeros = t["qweight"], t["scales"], t["qzeros"]  # (K/8, N), (K/G, N), (K/G, N/8)
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    check_int4_shapes(name, (qweight, (k // 8, n)), (qzeros, (scales.shape[0], n // 8)), (scales, (scales.shape[0], n)))
+    check_int4_shapes(name, [(qweight, (k // 8, n)), (qzeros, (scales.shape[0], n // 8))],
+                      (scales, (scales.shape[0], n)))
     zeros = unpack_nibbles(qzeros).to(torch.int16)  # (K/G, N)
     if source.zero_plus_one:
         zeros = (zeros + 1) & 0xF
@@ -226,7 +225,8 @@ def gptq_module(name: str, t: dict[str, Tensor], source: Int4Source) -> Int4Modu
 def awq_module(name: str, t: dict[str, Tensor]) -> Int4Module:
     qweight, scales, qzeros = t["qweight"], t["scales"], t["qzeros"]  # (K, N/8), (K/G, N), (K/G, N/8)
     k, n = qweight.shape[0], qweight.shape[1] * 8
-    check_int4_shapes(name, (qweight, (k, n // 8)), (qzeros, (scales.shape[0], n // 8)), (scales, (scales.shape[0], n)))
+    check_int4_shapes(name, [(qweight, (k, n // 8)), (qzeros, (scales.shape[0], n // 8))],
+                      (scales, (scales.shape[0], n)))
     order = awq_output_order(n)
     codes = unpack_nibbles(qweight)[:, order]  # (K, N) in output order
     zeros = unpack_nibbles(qzeros)[:, order].to(torch.int16)  # (K/G, N)
@@ -242,28 +242,31 @@ def awq_output_order(n: int) -> Tensor:
 def compressed_tensors_module(name: str, t: dict[str, Tensor]) -> Int4Module:
     packed, scales = t["weight_packed"], t["weight_scale"]  # (N, K/8), (N, K/G)
     n, k = packed.shape[0], packed.shape[1] * 8
-    check_int4_shapes(name, (packed, (n, k // 8)), (scales, (n, scales.shape[-1])))
+    zp = t.get("weight_zero_point")
+    groups = scales.shape[-1]
+    check_int4_shapes(name, [(packed, (n, k // 8))] + ([(zp, ((n + 7) // 8, groups))] if zp is not None else []),
+                      (scales, (n, groups)))
     if "weight_shape" in t and [int(d) for d in t["weight_shape"].tolist()] != [n, k]:
         raise ValueError(f"tensor {name}.weight_shape says {t['weight_shape'].tolist()}, but its packed codes hold "
                          f"({n}, {k}); Redline reads rows of whole 32-bit words only")
-    zp = t.get("weight_zero_point")
     if zp is None:
         zeros = torch.full(scales.shape, SYMMETRIC_ZERO, dtype=torch.int16)
     else:
-        check_int4_shapes(name, (zp, ((n + 7) // 8, scales.shape[1])))
         zeros = unpack_nibbles(zp.t())[:, :n].t().to(torch.int16)  # (N, K/G): packed along the rows
     return Int4Module(packed=words_as_packed(packed), scales=scales, zeros=zeros,
                       group_index=group_index(name + ".weight_g_idx", t.get("weight_g_idx"), k, scales.shape[1]),
                       bias=t.get("bias"))
 
 
-def check_int4_shapes(name: str, *pairs: tuple[Tensor, tuple[int, ...]]) -> None:
-    """Each (tensor, expected shape) of one module: packed codes and zero points int32, scales floating point."""
-    for tensor, shape in pairs:
-        packed = tensor.dtype == torch.int32
-        if tuple(tensor.shape) != shape or not (packed or tensor.is_floating_point()):
+def check_int4_shapes(name: str, words: list[tuple[Tensor, tuple[int, ...]]],
+                      scales: tuple[Tensor, tuple[int, ...]]) -> None:
+    """One module's packed words (int32) and scales (floating point), each against its expected shape."""
+    checks = [(tensor, shape, tensor.dtype == torch.int32, "int32") for tensor, shape in words]
+    checks.append((scales[0], scales[1], scales[0].is_floating_point(), "floats"))
+    for tensor, shape, kind_ok, kind in checks:
+        if tuple(tensor.shape) != shape or not kind_ok:
             raise ValueError(f"the 4-bit tensors of {name} do not fit together (one is {tuple(tensor.shape)} "
-                             f"{tensor.dtype}, expected {shape}); the checkpoint is damaged")
+                             f"{tensor.dtype}, expected {shape} {kind}); the checkpoint is damaged")
 
 
 def group_index(name: str, g_idx: Tensor | None, k: int, groups: int) -> Tensor | None:
@@ -276,8 +279,9 @@ def group_index(name: str, g_idx: Tensor | None, k: int, groups: int) -> Tensor 
     g_idx = g_idx.long()
     if torch.equal(g_idx, torch.arange(k) // (k // groups)):
         return None
-    counts = torch.bincount(g_idx.clamp(0, groups), minlength=groups + 1)
-    if counts[:groups].ne(k // groups).any() or counts[groups]:
+    if g_idx.min() < 0 or g_idx.max() >= groups:
+        raise ValueError(f"tensor {name} names groups outside 0..{groups - 1}; the checkpoint is damaged")
+    if torch.bincount(g_idx, minlength=groups).ne(k // groups).any():
         raise ValueError(f"tensor {name} does not put {k // groups} inputs in each of {groups} groups; Redline "
                          f"converts act-order only where every group holds the same number of inputs")
     return g_idx

@@ -430,3 +430,18 @@ def test_older_exports_quantization_files_beside_config_json(gptq_dir, tmp_path)
     folder = moved_to_side_file(gptq_dir, tmp_path / "none", None, None)
     with pytest.raises(ValueError, match="are 4-bit, but config.json has no quantization_config"):
         convert_hf_checkpoint(folder, tmp_path / "none.safetensors")
+
+
+def test_damaged_4bit_tensors_are_one_line_errors():
+    from redline.scripts.hf_int4 import Int4Source, read_module
+
+    q, scales, zeros = known_int4(16, 64, 32, torch.Generator().manual_seed(10), symmetric=True)
+    good = gptq_tensors(q, scales, zeros, torch.arange(64) // 32, v1=True)
+    source = Int4Source("gptq", zero_plus_one=True)
+    damaged = {"float words": dict(good, qweight=good["qweight"].float()),
+               "short scales": dict(good, scales=good["scales"][:1]),
+               "g_idx out of range": dict(good, g_idx=good["g_idx"] + 5),
+               "uneven act-order groups": dict(good, g_idx=torch.zeros(64, dtype=torch.int32))}
+    for case, tensors in damaged.items():
+        with pytest.raises(ValueError, match="the checkpoint is damaged|same number of inputs"):
+            read_module("m", tensors, source)
