@@ -42,3 +42,11 @@ def test_bad_arguments_are_one_line_errors(args, message, capsys):
     assert bench_hf_int4.main(args) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_gptq_config_reads_back_as_the_registry_model():
+    from redline.scripts.hf_config import args_from_hf_config
+
+    for name in ("Llama-3-8B", "Llama-2-7B", "Mistral-7B"):
+        args = ModelArgs.from_name(name)
+        assert args_from_hf_config(bench_hf_int4.hf_config(args, 128)) == args, name
