@@ -16,6 +16,7 @@
 #                                         # client processes, then the same requests through the engine in-process
 #   bash benchmarks/gpu_run.sh frontdoor-offline  # the same 512 requests through the engine in-process, and the
 #                                         # fixed workload at --max-running 256 and 512
+#   bash benchmarks/gpu_run.sh hf-int4    # a random Llama-3-8B GPTQ g128 folder converted, batch 1 beside Redline's int4
 #
 # SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
 # SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
@@ -23,7 +24,7 @@
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|hf-int4}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
@@ -169,9 +170,12 @@ serve-offline)
     run serve-64-offline python3 benchmarks/bench_serve.py $offline --num-prompts 64 --input-len 512 \
         --output-len 256 --json "$RESULTS/serve-64-offline.json"
     ;;
+hf-int4)
+    run hf-int4-decode python3 benchmarks/bench_hf_int4.py --model Llama-3-8B --groupsize 128 --runs 3
+    ;;
 *)
-    echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor or" \
-        "frontdoor-offline" >&2
+    echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor," \
+        "frontdoor-offline or hf-int4" >&2
     exit 2
     ;;
 esac

@@ -2,6 +2,10 @@
 Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE).
 
 python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [--out FILE] [--dtype bfloat16]
+
+A 4-bit checkpoint (quantization_config: AWQ, GPTQ or compressed-tensors pack-quantized) becomes an int4 Redline
+checkpoint, its codes and scales repacked as they are (scripts/hf_int4.py says what is kept exactly); --dtype is then
+the dtype of the tensors that stay float (embedding, norms, routers, a float output head).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_che
 from redline.model import ModelArgs
 from redline.outputs import check_inside
 from redline.scripts.hf_config import args_from_hf_config, hf_family
+from redline.scripts.hf_int4 import (Int4Source, fold_act_order, int4_source, read_int4_modules, redline_group_size,
+                                     redline_parts, side_quantization_config)
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
@@ -322,15 +328,136 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     inputs = [check_inside(p, checkpoint_dir) for p in [checkpoint_dir / "config.json", *files]]  # no symlink out
     check_checkpoint_output(out_path, inputs, overwrite)
     tokenizer_files_to_copy(checkpoint_dir, out_path.parent, overwrite, inputs)
+    side = side_quantization_config(checkpoint_dir) if "quantization_config" not in config else None
+    source = int4_source({**config, "quantization_config": side} if side is not None else config)  # before reading
     hf = read_hf_tensors(files)
     if hf_family(config) == "gemma3":
         hf = language_model_tensors(hf)
     check_layer_count(hf, args.n_layer, "config.json")  # before anything builds or loops over the declared layers
+    if source is None and any(name.endswith((".qweight", ".weight_packed")) for name in hf):
+        raise ValueError(f"the weights in {checkpoint_dir} are 4-bit, but config.json has no quantization_config "
+                         f"(nor is there a quantize_config.json); re-download the model's config files")
+    if source is not None:
+        tensors, quantization = int4_checkpoint_tensors(hf, args, source, dtype)
+        return save_checkpoint(out_path, tensors, CheckpointInfo(path=out_path, args=args, dtype=dtype,
+                                                                 quantization=quantization))
     tensors = map_hf_tensors(hf, args)
     check_shapes(tensors, args)
     tensors = {name: t.to(dtype) for name, t in progress(tensors.items(), len(tensors), "converting")}
     info = CheckpointInfo(path=out_path, args=args, dtype=dtype)
     return save_checkpoint(out_path, tensors, info)
+
+
+def quantized_target(name: str, args: ModelArgs) -> bool:
+    """Whether the HF weight `name` goes into a linear that Redline's int4 checkpoint holds in int4: a projection
+    inside the blocks or an expert (the output head is int4 only where the file has it so)."""
+    from redline.quantize import QUANTIZED_LINEARS
+
+    if EXPERT_TENSOR.fullmatch(name):
+        return True
+    if name in TOP_LEVEL or not name.endswith(".weight"):
+        return False
+    target, _ = hf_target(name, args)
+    return target.split(".", 2)[-1].removesuffix(".weight") in QUANTIZED_LINEARS
+
+
+def int4_checkpoint_tensors(hf: dict[str, torch.Tensor], args: ModelArgs, source: Int4Source,
+                            dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict]:
+    """The int4 checkpoint's tensors and quantization metadata from a 4-bit HF checkpoint: every 4-bit module
+    repacked (act-order folded), a projection the file keeps float quantized to int4 from its values (listed in the
+    metadata), the rest in `dtype`."""
+    from redline.quantize import quantization_metadata, quantize_int4
+
+    modules, floats = read_int4_modules(hf, source)
+    if not modules:
+        raise ValueError(f"config.json declares {source.method} quantization, but the weights hold no 4-bit "
+                         f"module; the checkpoint is damaged")
+    for name in modules:
+        if not (quantized_target(f"{name}.weight", args) or (name == "lm_head" and not args.tie_word_embeddings)):
+            raise ValueError(f"module {name} is 4-bit in the checkpoint, but Redline keeps it float (routers, a "
+                             f"tied head); convert an unquantized copy of the model")
+    folded = fold_act_order(modules, floats)
+    group = redline_group_size(modules)
+    for name, module in modules.items():
+        if module.bias is not None:
+            floats[f"{name}.bias"] = module.bias
+    floats = {name: t for name, t in floats.items() if not dropped_zero_bias(name, t, args)}
+    parts = {f"{name}.weight": redline_parts(module, group) for name, module in modules.items()}
+    requantized = [name for name in floats if not IGNORED_HF_TENSORS.fullmatch(name) and quantized_target(name, args)]
+    for name in requantized:
+        parts[name] = quantize_int4(floats.pop(name).float(), group)
+    if args.tie_word_embeddings:
+        parts.pop("lm_head.weight", None)
+    float_tensors = map_hf_tensors(floats, args)
+    int4_tensors = map_int4_parts(parts, args)
+    stubs = {name: torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], device="meta")
+             for name, (packed, _) in int4_tensors.items()}
+    check_shapes({**float_tensors, **stubs}, args)
+    out = {name: t.to(dtype) for name, t in float_tensors.items()}
+    for name, (packed, scales) in int4_tensors.items():
+        out[name] = packed
+        out[name.removesuffix(".weight") + ".scales" if name.endswith(".weight") else f"{name}_scales"] = scales
+    quantization = quantization_metadata("int4", args.tie_word_embeddings, group)
+    quantization["source"] = source.describe
+    quantization["kept_exactly"] = ("codes and scales; zero points as offset -scale * zero, exact for symmetric "
+                                    "files, else rounded once to fp16")
+    if "output.weight" in out and "output.scales" not in out:
+        quantization["not_quantized"].append("output (float in the source checkpoint)")
+    if args.n_experts:
+        quantization["experts"] = "int4, each expert's rows in the int4 layout (w13_scales, w2_scales)"
+        quantization["not_quantized"].append("feed_forward.gate (the expert routers)")
+    if folded:
+        quantization["act_order_folded"] = folded
+    if requantized:
+        quantization["quantized_from_float"] = requantized
+    rounded = {name: m.rounded_scales for name, m in modules.items() if m.rounded_scales}
+    if rounded:
+        quantization["scales_rounded_to_fp16"] = rounded
+    return out, quantization
+
+
+def dropped_zero_bias(name: str, tensor: torch.Tensor, args: ModelArgs) -> bool:
+    """An all-zero bias of a projection that this architecture has without one (some 4-bit writers store them)."""
+    if not name.endswith(".bias") or bool(tensor.any()):
+        return False
+    try:
+        hf_target(name, args)
+    except ValueError:
+        return True
+    return False
+
+
+def map_int4_parts(parts: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                   args: ModelArgs) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """map_hf_tensors for int4 (packed (N, K/2), scales (N, K/G, 2)) pairs: renamed, q/k/v and gate/up fused along
+    their rows, experts stacked; each HF weight's shape is checked against config.json first."""
+    fused: dict[str, list] = {}
+    experts: dict[str, dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, pair in parts.items():
+        stub = torch.empty(pair[0].shape[0], 2 * pair[0].shape[1], device="meta")  # the float weight's shape
+        if EXPERT_TENSOR.fullmatch(name):
+            target, key = expert_target(name, stub, args)
+            if key in experts.setdefault(target, {}):
+                raise ValueError(f"tensor {name} duplicates another tensor of the HF checkpoint ({target}); remove one")
+            experts[target][key] = pair
+            continue
+        target, index = hf_target(name, args)
+        check_hf_tensor(name, stub, args)
+        if target in out or (index is None and target in fused):
+            raise ValueError(f"tensor {name} duplicates another tensor of the HF checkpoint ({target}); remove one")
+        if index is None:
+            out[target] = pair
+        else:
+            fused.setdefault(target, [None] * FUSED_PARTS[target.split(".", 2)[2]])[index] = pair
+    for target, pieces in fused.items():
+        if any(p is None for p in pieces):
+            absent = [hf for hf, p in zip(hf_names(target), pieces) if p is None]
+            raise ValueError(f"tensor {absent[0]} is missing from the HF checkpoint")
+        out[target] = tuple(torch.cat([p[i] for p in pieces], dim=0) for i in range(2))
+    for target, pieces in experts.items():
+        out[target] = tuple(stacked_experts(target, {key: p[i] for key, p in pieces.items()}, args) for i in range(2))
+    return out
 
 
 def parse_args(argv: list[str] | None) -> ConvertArgs:
