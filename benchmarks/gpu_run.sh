@@ -40,6 +40,17 @@ if ! python3 -c "import redline" 2>/dev/null; then
     mkdir -p /tmp/redline-pkg && ln -sfn "$PWD" /tmp/redline-pkg/redline
     export PYTHONPATH=/tmp/redline-pkg${PYTHONPATH:+:$PYTHONPATH}
 fi
+start_server() {  # start_server LOG ARGS...: serve.py on $port in the background ($server), back once /health is 200
+    local log=$1; shift
+    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port "$@" >"$log" 2>&1 &
+    server=$!
+    for _ in $(seq 600); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
+        kill -0 $server 2>/dev/null || { echo "serve.py exited; see $log"; exit 1; }
+        sleep 0.5
+    done
+    echo "serve.py was not ready after 300 s; see $log"; exit 1
+}
 run() {  # run NAME COMMAND...: the command's output goes to RESULTS/NAME.log and to the terminal
     local name=$1; shift
     echo "== $name: $*"
@@ -84,14 +95,8 @@ moe)
     ;;
 serve)
     port=8321
-    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port $extra >"$RESULTS/server.log" 2>&1 &
-    server=$!
+    start_server "$RESULTS/server.log" $extra  # /health is 200 once the model is loaded and its graphs captured
     trap 'kill $server 2>/dev/null' EXIT
-    for _ in $(seq 300); do  # /health answers 200 once the model is loaded and its decode graphs are captured
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server.log"; exit 1; }
-        sleep 2
-    done
     url="--base-url http://127.0.0.1:$port"
     run serve-one python3 benchmarks/bench_serve.py $url --num-prompts 8 --max-concurrency 1 --input-len 128 \
         --output-len 256 --vocab-size "$vocab" --json "$RESULTS/serve-one.json"
@@ -111,14 +116,8 @@ frontdoor)
     url="--base-url http://127.0.0.1:$port"
     for start in cold warm; do
         t0=$(date +%s.%N)
-        python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port --max-running 512 \
-            --capture-tokens "$capture" --compile-cache "$cache" $extra >"$RESULTS/server-$start.log" 2>&1 &
-        server=$!
-        for _ in $(seq 600); do
-            curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-            kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server-$start.log"; exit 1; }
-            sleep 0.5
-        done
+        start_server "$RESULTS/server-$start.log" --max-running 512 --capture-tokens "$capture" \
+            --compile-cache "$cache" $extra
         echo "== start-$start: /health 200 after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s"
         grep "redline" "$RESULTS/server-$start.log" | tail -4
         if [ $start = warm ]; then
@@ -135,14 +134,7 @@ frontdoor-pair)
     port=8321
     cache=${COMPILE_CACHE:-/tmp/redline-compile-cache}
     capture=${CAPTURE_TOKENS:-2048}
-    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port --max-running 512 \
-        --capture-tokens "$capture" --compile-cache "$cache" $extra >"$RESULTS/server.log" 2>&1 &
-    server=$!
-    for _ in $(seq 600); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
-        kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server.log"; exit 1; }
-        sleep 0.5
-    done
+    start_server "$RESULTS/server.log" --max-running 512 --capture-tokens "$capture" --compile-cache "$cache" $extra
     run serve-512 python3 benchmarks/bench_serve.py --base-url http://127.0.0.1:$port --num-prompts 512 \
         --input-len 128 --output-len 128 --vocab-size "$vocab" --clients "${CLIENTS:-4}" --json "$RESULTS/serve-512.json"
     kill -TERM $server && wait $server

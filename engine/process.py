@@ -116,7 +116,7 @@ def serve_core(config: CoreConfig) -> int:
         elif isinstance(message, Abort):
             core.abort(message.request_id, "stop" if message.reason == "stop" else "abort")
         elif isinstance(message, StatsQuery):
-            send(Stats(**vars(core.stats())))
+            send(core.stats())
         elif isinstance(message, Shutdown):
             log(f"draining (up to {message.grace_s:g} s)")
             core.shutdown(message.grace_s)
@@ -239,7 +239,7 @@ class CoreProcess:
             self._send(StatsQuery())
             if not self.stats_event.wait(STATS_TIMEOUT_S):
                 raise RuntimeError("the engine core did not answer a stats query")
-            return EngineStats(**msgspec.structs.asdict(self.stats_reply.pop()))
+            return self.stats_reply.pop()
 
     def shutdown(self, timeout: float | None) -> None:
         """Let running requests finish (up to timeout seconds), stop the core, wait for it (killed if it hangs)."""

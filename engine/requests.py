@@ -7,6 +7,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
+from redline.engine.messages import Stats
 from redline.options import GenerationOptions, GenerationResult, GenerationStats
 
 FINISH_REASONS = ("eos", "stop", "length", "abort", "error")
@@ -29,19 +30,7 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None  # in the first piece only, when options.prompt_logprobs
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    kv_pages_used: int
-    kv_pages_total: int
-    page_size: int
-    prefix_cache_queries: int  # in tokens
-    prefix_cache_hits: int  # in tokens
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    preemptions: int
-    requests_finished: int
+EngineStats = Stats  # the engine's counters: the same struct in this process and across the core's boundary
 
 
 @dataclass(frozen=True)
@@ -162,22 +151,9 @@ class RequestHandle:
                 return
 
     async def _aiter(self) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        index = 0
-        while True:
-            with self._cond:
-                ready = len(self._outputs) > index
-                if not ready:
-                    event = asyncio.Event()
-                    self._waiters.append((loop, event))
-            if not ready:
-                await event.wait()
-                continue
-            output = self._outputs[index]
-            index += 1
-            yield output
-            if output.finish_reason is not None:
-                return
+        async for batch in self.batches():
+            for output in batch:
+                yield output
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._aiter()
