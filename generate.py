@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, checkpoint_inputs, dtype_from_name, dtype_name,
                                 read_checkpoint_info)
 from redline.checkpoint import run_cli as cli_main
-from redline.model import Transformer
+from redline.images import open_image
+from redline.model import PromptImages, Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
 from redline.outputs import check_output
@@ -42,6 +44,7 @@ from redline.sampling import SamplingParams, nucleus_keep_mask, sample  # noqa: 
 from redline.streaming import GenerationLock, Stream, TextStream, first_stop, print_stream, step_seconds  # noqa: F401
 from redline import tensor_parallel
 from redline.tokenizer import Tokenizer, load_tokenizer
+from redline.vision import VisionTower, load_vision_tower, prompt_images
 
 if TYPE_CHECKING:
     from redline.engine import Engine
@@ -108,6 +111,8 @@ class LLM:
         llm = cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
                   config.fuse)
         llm.max_kv_tokens = config.max_kv_tokens
+        if world is None:  # a multimodal checkpoint's tower, kept in the activations' dtype (never quantized)
+            llm.vision = load_vision_tower(info.path, device, model.cache_dtype)
         return llm
 
     # -- generation ----------------------------------------------------------------------------------------------------
@@ -121,23 +126,47 @@ class LLM:
         """The runner's token loop for equal-length prompts (B, T); not locked (generate/stream/chat are)."""
         return self.runner.token_batches(prompts, max_new_tokens, sampling, recorder)
 
-    def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
-                 **settings: Any) -> GenerationResult:
-        """Generate a continuation of `prompt` (text, or token ids used exactly)."""
-        stream = self.stream(prompt, options, **settings)
+    def generate(self, prompt: str | Sequence[int], options: GenerationOptions | None = None, *,
+                 images: Sequence[Any] | None = None, **settings: Any) -> GenerationResult:
+        """Generate a continuation of `prompt` (text, or token ids used exactly). images: one per image placeholder
+        of the prompt (vision.prompt_images), each a PIL image or the bytes of a PNG, JPEG, WebP or GIF file."""
+        stream = self.stream(prompt, options, images=images, **settings)
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
-               **settings: Any) -> Stream:
-        """Like generate, but yields text pieces as they are decoded; `.result` once exhausted. The prompt and
-        options are checked here, before the first piece is asked for."""
+    def stream(self, prompt: str | Sequence[int], options: GenerationOptions | None = None, *,
+               images: Sequence[Any] | None = None, **settings: Any) -> Stream:
+        """Like generate, but yields text pieces as they are decoded; `.result` once exhausted. The prompt, options
+        and images are checked here (the images run through the vision tower here too), before the first piece is
+        asked for."""
         options = resolve_options(options, settings)
         ids = self.encode_prompt(prompt)
+        ids, media = self.with_images(ids, images, options)
         self.runner.plan_lengths(len(ids), options.max_new_tokens)
         speculative.Speculator.for_options(self, options)  # a bad draft is refused here, before the first piece
-        return Stream(self.lock, lambda: self._pieces(ids, options))
+        return Stream(self.lock, lambda: self._pieces(ids, options, media))
+
+    vision: VisionTower | None = None  # a multimodal checkpoint's vision tower (vision.py)
+
+    def with_images(self, ids: list[int], images: Sequence[Any] | None,
+                    options: GenerationOptions) -> tuple[list[int], PromptImages | None]:
+        """The prompt with each image placeholder expanded into its image's tokens, and the images' embeddings and
+        positions for the prefill; (ids, None) without images."""
+        if not images:
+            if self.vision is not None and self.vision.args.placeholder_id in ids:
+                raise ValueError(f"the prompt holds image placeholders (token {self.vision.args.placeholder_id}) "
+                                 f"but no images came with it; pass images=[...]")
+            return ids, None
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower, so it takes no images; convert a multimodal "
+                             "checkpoint (Gemma 3 4B+, Qwen2.5-VL) with scripts/convert_hf_checkpoint.py")
+        if options.draft is not None:
+            raise ValueError("speculative decoding does not take images yet; drop the draft or the images")
+        pictures = [image if isinstance(image, Image.Image) else open_image(image) for image in images]
+        with torch.inference_mode():
+            expanded, media = prompt_images(self.vision, ids, pictures)
+        return self._in_vocabulary(expanded), media
 
     def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
              **settings: Any) -> GenerationResult:
@@ -172,7 +201,8 @@ class LLM:
         """The most recent turns that fit the context with room for a reply (Prompts.fit_chat)."""
         return self.prompts.fit_chat(messages, max_new_tokens)
 
-    def _pieces(self, prompt_ids: list[int], options: GenerationOptions) -> Generator[str, None, GenerationResult]:
+    def _pieces(self, prompt_ids: list[int], options: GenerationOptions,
+                images: PromptImages | None = None) -> Generator[str, None, GenerationResult]:
         """Text pieces of one generation (the caller holds the LLM); returns its GenerationResult."""
         eos = set() if options.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         stops, sampling, max_new = list(options.stop), options.sampling, options.max_new_tokens
@@ -191,7 +221,9 @@ class LLM:
         with recorder if recorder is not None else contextlib.nullcontext():
             sync(self.device)
             start = time.perf_counter()
-            for tokens, arrived in loop.token_batches(prompts, max_new, sampling, recorder):
+            batches = (loop.token_batches(prompts, max_new, sampling, recorder) if images is None else
+                       self.runner.token_batches(prompts, max_new, sampling, recorder, images))  # never speculative
+            for tokens, arrived in batches:
                 times.append(arrived)
                 counts.append(0)
                 for token in tokens:  # batch 1: one token, or a verify step's accepted run

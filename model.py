@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from redline.model_registry import MODEL_REGISTRY
-from redline.rope import ROPE_TYPES, RopeScaling, apply_rope, rope_frequencies, rope_table  # noqa: F401
+from redline.rope import (ROPE_TYPES, RopeScaling, apply_rope, mrope_table, rope_frequencies,  # noqa: F401
+                          rope_table)
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
 QK_NORMS = ("none", "head", "full")
@@ -68,6 +69,9 @@ class ModelArgs:
     router_weights_rounded: bool = False  # those weights rounded to the activation dtype before use (Qwen3-MoE)
     moe_layers: tuple[bool, ...] = ()  # per layer: True where sparse, False where dense (intermediate_size); empty:
     # every layer sparse when n_experts > 0
+    # Multimodal rope (Qwen2.5-VL): how many of the rotary_dim / 2 frequencies the t, h and w positions of an image
+    # token turn, in that order (16, 24, 24); empty: one position per token. Text tokens need only the 1D table.
+    mrope_sections: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen dataclass: fill derived defaults through object.__setattr__.
@@ -81,6 +85,7 @@ class ModelArgs:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         object.__setattr__(self, "layer_windows", tuple(self.layer_windows))
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        object.__setattr__(self, "mrope_sections", tuple(self.mrope_sections))
         if self.n_experts and not self.moe_intermediate_size:
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
         for name in ("dim", "n_layer", "n_head", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size",
@@ -118,6 +123,11 @@ class ModelArgs:
         if windows and (len(windows) != self.n_layer or not all(type(w) is int and w >= 0 for w in windows)):
             raise ValueError(f"layer_windows must hold one window >= 0 per layer ({self.n_layer}), got {windows}")
         self._check_experts()
+        sections = self.mrope_sections
+        if sections and (len(sections) != 3 or not all(type(n) is int and n >= 0 for n in sections)
+                         or sum(sections) != self.rotary_dim // 2):
+            raise ValueError(f"mrope_sections must be three counts (t, h, w) summing to rotary_dim / 2 = "
+                             f"{self.rotary_dim // 2}, got {sections}")
         scaling = self.rope_scaling
         longrope = scaling is not None and scaling.rope_type == "longrope"
         if longrope and len(scaling.short_factor) != self.rotary_dim // 2:
@@ -384,6 +394,32 @@ class PagedContext:
                                        scale, self.host_lens, self.singles, window, softcap)
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """What a prompt's images change in its prefill (vision.py builds it): their tokens' embeddings replace those of
+    the image placeholder tokens, and, per family, their positions and attention differ from text's."""
+
+    embeds: Tensor  # (N, dim) the image tokens' embeddings, in prompt order
+    slots: Tensor  # (N,) the prompt indices whose token embeddings they replace
+    rope_positions: Tensor | None = None  # (3, T) every prompt token's M-RoPE positions (t, h, w); None: 0..T-1
+    groups: Tensor | None = None  # (T,) the image each prompt token belongs to, -1 for text: an image's tokens see
+    # each other both ways (Gemma 3); None: causal everywhere
+
+    def spliced(self, x: Tensor) -> Tensor:
+        """Token embeddings x (B, T, dim) with the image slots replaced by the image embeddings."""
+        embeds = self.embeds.to(x.dtype).unsqueeze(0).expand(x.shape[0], -1, -1)  # (B, N, dim)
+        return x.index_copy(1, self.slots, embeds)
+
+    def mask(self, causal: Tensor, length: int) -> Tensor:
+        """causal (T, S) widened so that each image's tokens among the first T positions see each other."""
+        if self.groups is None:
+            return causal
+        keys = self.groups.new_full((causal.shape[1],), -1)  # (S,)
+        keys[:length] = self.groups
+        same_image = (self.groups.unsqueeze(1) == keys.unsqueeze(0)) & (self.groups.unsqueeze(1) >= 0)  # (T, S)
+        return causal | same_image
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, window: int = 0) -> None:
         super().__init__()
@@ -594,13 +630,15 @@ class Transformer(nn.Module):
         return self.norm.weight.dtype
 
     def forward(self, idx: Tensor, input_pos: Tensor, logits_at: Tensor | None = None,
-                from_start: bool = False, context: PagedContext | None = None) -> Tensor:
+                from_start: bool = False, context: PagedContext | None = None,
+                images: PromptImages | None = None) -> Tensor:
         """idx (B, T) token ids at positions input_pos (T,). Returns logits (B, T, vocab).
 
         logits_at (L,) picks the sequence indices whose logits are computed (B, L, vocab); prefill only needs one.
         from_start promises input_pos == arange(T) (a prefill), so attention needs only those T cache entries.
         context: the paged path instead of the static cache; idx (1, N) holds many sequences' tokens, input_pos is
         context.positions (N,), and each layer writes and reads its pages in context.kv.
+        images: a prefill's images (from the start, unpadded): their embeddings, M-RoPE positions and attention.
         """
         if context is not None:
             return self.forward_paged(idx, context, logits_at)
@@ -609,12 +647,18 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(idx)  # (B, T, dim)
         if self.embedding_scale != 1.0:
             x = x * self.embedding_scale
-        rope = self.rope[input_pos]  # (T, 2, Dr/2)
+        if images is not None:
+            x = images.spliced(x)
+        mrope = images is not None and images.rope_positions is not None
+        rope = mrope_table(self.args, images.rope_positions) if mrope else self.rope[input_pos]  # (T, 2, Dr/2)
         rope_local = self.rope_local[input_pos] if self.rope_local.numel() else rope
         # Each query attends to cached positions up to its own (and, in a windowed layer, within the window); built
         # per call, so no (S, S) buffer.
         cache_pos = torch.arange(self.max_seq_length, device=idx.device).unsqueeze(0)  # (1, S)
         mask = cache_pos <= input_pos.unsqueeze(1)  # (T, S)
+        if images is not None and images.groups is not None:
+            mask = images.mask(mask, idx.shape[1])
+            from_start = False  # the images' keys after a query are seen too: the whole-cache path with this mask
         masks = {w: mask & (cache_pos > input_pos.unsqueeze(1) - w) for w in set(self.args.layer_windows) if w}
         masks[0] = mask
         for layer in self.layers:

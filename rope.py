@@ -89,6 +89,17 @@ def rope_table(args: ModelArgs, seq_len: int, device: torch.device | None = None
     return table
 
 
+def mrope_table(args: ModelArgs, positions: Tensor) -> Tensor:
+    """Multimodal rope (Qwen2.5-VL): each token has three positions (t, h, w) (3, T), and the rotary frequencies are
+    split into args.mrope_sections runs, the first run turned by t, the second by h, the third by w. A text token's
+    three positions are equal, so it gets the 1D table's row. Returns cos and sin (T, 2, Dr/2) fp32."""
+    inv_freq = rope_frequencies(args).to(positions.device)  # (Dr/2,)
+    sections = torch.tensor(args.mrope_sections, device=positions.device)
+    axis = torch.repeat_interleave(torch.arange(3, device=positions.device), sections)  # (Dr/2,) 0: t, 1: h, 2: w
+    angles = positions[axis].float().t() * inv_freq  # (T, Dr/2)
+    return torch.stack([angles.cos(), angles.sin()], dim=1)  # (T, 2, Dr/2)
+
+
 def apply_rope(x: Tensor, table: Tensor) -> Tensor:
     """Rotate-half rotary embedding. x (B, T, H, D), table (T, 2, Dr/2) fp32: the first Dr features of each head are
     rotated, the rest pass through (partial rotary)."""

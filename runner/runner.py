@@ -22,7 +22,7 @@ from torch import Tensor
 from redline import tensor_parallel
 from redline.kernels import FusedDecode, fused_decode_refusal, use_cpu_kernels, use_kernels
 from redline.kernels import available as kernels_available
-from redline.model import MoEFeedForward, Transformer
+from redline.model import MoEFeedForward, PromptImages, Transformer
 from redline.sampling import SamplingParams, is_int, next_token
 
 SMALLEST_PREFILL_BUCKET = 16
@@ -43,9 +43,10 @@ WARM_UP_CALLS = 3
 
 
 def prefill(model: Transformer, ids: Tensor, input_pos: Tensor, last_index: Tensor, vocab_bias: Tensor | None,
-            *sampling: Tensor) -> Tensor:
-    """ids (B, T) -> first new token (B, 1). `last_index` (1,) is the last real prompt token (prompts may be padded)."""
-    logits = model(ids, input_pos, logits_at=last_index, from_start=True)[:, -1]  # (B, V)
+            *sampling: Tensor, images: PromptImages | None = None) -> Tensor:
+    """ids (B, T) -> first new token (B, 1). `last_index` (1,) is the last real prompt token (prompts may be padded).
+    images: the prompt's images (an unpadded prompt)."""
+    logits = model(ids, input_pos, logits_at=last_index, from_start=True, images=images)[:, -1]  # (B, V)
     return next_token(logits, last_index + 1, vocab_bias, sampling)
 
 
@@ -310,11 +311,12 @@ class Runner:
             seconds += self.warm_up(("prefill", bucket, *key), lambda: self.prefill(inputs, args))
         return seconds
 
-    def prefill_inputs(self, prompts: Tensor | Sequence[Sequence[int]]) -> PrefillInputs:
-        """Equal-length prompts (B, T) padded to their bucket (their own length without compiled prefill)."""
+    def prefill_inputs(self, prompts: Tensor | Sequence[Sequence[int]], bucketed: bool = True) -> PrefillInputs:
+        """Equal-length prompts (B, T) padded to their bucket (their own length without compiled prefill, or when
+        not `bucketed`)."""
         prompts = torch.as_tensor(prompts, dtype=torch.long)  # (B, T)
         batch, length = prompts.shape
-        bucket = prefill_bucket(length, self.cache_length) if self.compile_prefill else length
+        bucket = prefill_bucket(length, self.cache_length) if self.compile_prefill and bucketed else length
         with torch.inference_mode():  # the same tensor kind as the warm-up's, so the compiled prefill's guards match
             ids = torch.zeros(batch, bucket, dtype=torch.long, device=self.device)  # (B, bucket)
             ids[:, :length] = prompts.to(self.device)
@@ -322,10 +324,13 @@ class Runner:
             last = torch.tensor([length - 1], device=self.device)  # (1,)
         return PrefillInputs(ids, positions, last)
 
-    def prefill(self, inputs: PrefillInputs, args: tuple[Tensor, ...]) -> Tensor:
+    def prefill(self, inputs: PrefillInputs, args: tuple[Tensor, ...], images: PromptImages | None = None) -> Tensor:
         """The first new token (B, 1) on the device, copied out of the CUDA graph's pool (the next replay may
-        reuse that memory)."""
+        reuse that memory). A prompt with images runs eagerly: its embeddings and positions are its own."""
         self.mark_step()
+        if images is not None:
+            return prefill(self.model, inputs.ids, inputs.positions, inputs.last, self.vocab_bias, *args,
+                           images=images).clone()
         return self._prefill_fn(self.model, inputs.ids, inputs.positions, inputs.last, self.vocab_bias,
                                 *args).clone()
 
@@ -337,7 +342,7 @@ class Runner:
     # -- the token loop --------------------------------------------------------------------------------------------------
 
     def token_batches(self, prompts: Tensor, max_new_tokens: int, sampling: SamplingParams,
-                      recorder: Any = None) -> Iterator[tuple[list[int], float]]:
+                      recorder: Any = None, images: PromptImages | None = None) -> Iterator[tuple[list[int], float]]:
         """The token loop, for a batch of equal-length prompts (B, T); not locked (LLM's callers are).
 
         Yields (tokens of this step, host time when they arrived, less any time the profiler spent on itself).
@@ -349,11 +354,11 @@ class Runner:
         self.prepare(batch, prompt_len, max_new_tokens, sampling)
         args = self.step_args(sampling)
         region = recorder.region if recorder is not None else (lambda name: contextlib.nullcontext())
-        inputs = self.prefill_inputs(prompts)
+        inputs = self.prefill_inputs(prompts, bucketed=images is None)
         host = HostTokens(batch, self.device)
         with torch.inference_mode():
             with region("prefill"):
-                token = self.prefill(inputs, args)
+                token = self.prefill(inputs, args, images)
                 host.send(token)  # (B, 1)
             # Decode step i reads position prompt_len + i - 1 from this table: a slice per step instead of an
             # in-place increment, which would be one more kernel between graph replays. Made in inference mode,

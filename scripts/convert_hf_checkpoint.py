@@ -1,5 +1,6 @@
 """Convert a Hugging Face checkpoint folder into one Redline .safetensors file (Llama, Mistral, Qwen2/3, Gemma 2/3,
-Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE).
+Phi-3, OLMo 2, Granite, Mixtral, Qwen3-MoE), and for the multimodal ones (Gemma 3 4B-27B, Qwen2.5-VL) their vision
+tower into a second file beside it (NAME.vision.safetensors, vision.py).
 
 python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [--out FILE] [--dtype bfloat16]
 
@@ -21,13 +22,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_layer_count,
-                                dtype_from_name, model_shapes, is_redline_file, progress, run_cli, save_checkpoint)
+                                dtype_from_name, model_shapes, is_redline_file, progress, run_cli, save_checkpoint,
+                                write_atomically, write_safetensors)
 from redline.model import ModelArgs
-from redline.outputs import check_inside
-from redline.scripts.hf_config import args_from_hf_config, hf_family
+from redline.outputs import check_inside, check_output
+from redline.scripts.hf_config import (MULTIMODAL_TEXT_FAMILIES, args_from_hf_config, hf_family,
+                                      vision_args_from_hf_config)
 from redline.scripts.hf_int4 import (Int4Source, fold_act_order, int4_source, read_int4_modules, redline_group_size,
                                      redline_parts, side_quantization_config)
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
+from redline.vision import VisionArgs, vision_path, vision_tower
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
 # HF buffers that are recomputed, not weights.
@@ -69,11 +73,11 @@ POST_NORM_PARTS = {"post_attention_layernorm.weight": ("post_attention_norm.weig
 TOP_LEVEL = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
              "lm_head.weight": "output.weight"}
 FUSED_PARTS = {"attention.wqkv.weight": 3, "attention.wqkv_bias": 3, "feed_forward.w13.weight": 2}
-# Gemma3ForConditionalGeneration: the language model's prefixes (transformers 5, then 4) and the vision parts, which
-# a text-only conversion leaves out.
+# Gemma3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration: the language model's prefixes (transformers
+# 5, then 4) and the vision parts, which convert_vision_tower writes to a file of their own.
 MULTIMODAL_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                        "language_model.lm_head.": "lm_head."}
-VISION_TENSORS = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..+")
+VISION_TENSORS = re.compile(r"(model\.)?(vision_tower|multi_modal_projector|visual)\..+")
 
 
 def layer_parts(args: ModelArgs) -> dict[str, tuple[str, int | None]]:
@@ -330,8 +334,13 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     tokenizer_files_to_copy(checkpoint_dir, out_path.parent, overwrite, inputs)
     side = side_quantization_config(checkpoint_dir) if "quantization_config" not in config else None
     source = int4_source({**config, "quantization_config": side} if side is not None else config)  # before reading
+    vision = read_vision_config(checkpoint_dir, config)
+    if vision is not None:
+        check_output(vision_path(out_path), inputs, "--out", overwrite=overwrite, replaceable=is_vision_file,
+                     kind="Redline vision file")
     hf = read_hf_tensors(files)
-    if hf_family(config) == "gemma3":
+    tower = vision_tensors(hf, vision) if vision is not None else None  # checked now, written after the text model
+    if hf_family(config) in MULTIMODAL_TEXT_FAMILIES:
         hf = language_model_tensors(hf)
     check_layer_count(hf, args.n_layer, "config.json")  # before anything builds or loops over the declared layers
     if source is None and any(name.endswith((".qweight", ".weight_packed")) for name in hf):
@@ -339,13 +348,101 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
                          f"(nor is there a quantize_config.json); re-download the model's config files")
     if source is not None:
         tensors, quantization = int4_checkpoint_tensors(hf, args, source, dtype)
-        return save_checkpoint(out_path, tensors, CheckpointInfo(path=out_path, args=args, dtype=dtype,
+        path = save_checkpoint(out_path, tensors, CheckpointInfo(path=out_path, args=args, dtype=dtype,
                                                                  quantization=quantization))
+        if tower is not None:  # the tower of a 4-bit multimodal checkpoint stays float
+            write_vision_file(vision_path(out_path), vision, tower, dtype)
+        return path
     tensors = map_hf_tensors(hf, args)
     check_shapes(tensors, args)
     tensors = {name: t.to(dtype) for name, t in progress(tensors.items(), len(tensors), "converting")}
     info = CheckpointInfo(path=out_path, args=args, dtype=dtype)
-    return save_checkpoint(out_path, tensors, info)
+    path = save_checkpoint(out_path, tensors, info)
+    if tower is not None:
+        write_vision_file(vision_path(out_path), vision, tower, dtype)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The vision tower of a multimodal checkpoint (vision.py): its own file, written after the language model's.
+
+# HF vision tensor prefixes -> the tower's own names (vision.Gemma3Vision, vision.QwenVision).
+VISION_PREFIXES = {"model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                   "model.multi_modal_projector.": "multi_modal_projector.",
+                   "multi_modal_projector.": "multi_modal_projector.", "model.visual.": "", "visual.": ""}
+# SigLIP's attention-pooling head, which Gemma 3 does not use (it reads the last hidden states).
+UNUSED_VISION_TENSORS = re.compile(r"vision_tower\.head\..+")
+
+
+def read_vision_config(checkpoint_dir: Path, config: dict) -> VisionArgs | None:
+    """The tower's VisionArgs from config.json, preprocessor_config.json (if present) and the tokenizer's "\n\n"
+    token (if tokenizer.json is present); None for a text-only family."""
+    if hf_family(config) not in MULTIMODAL_TEXT_FAMILIES:
+        return None
+    processor_path = checkpoint_dir / "preprocessor_config.json"
+    processor = None
+    if processor_path.is_file():
+        try:
+            processor = json.loads(processor_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{processor_path} is not valid JSON ({exc}); re-download it") from None
+    return vision_args_from_hf_config(config, processor, newline_token(checkpoint_dir))
+
+
+def newline_token(checkpoint_dir: Path) -> int | None:
+    """The id of "\n\n" in the folder's tokenizer.json vocabulary, or None."""
+    path = checkpoint_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8")).get("model", {}).get("vocab", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    token = vocab.get("\n\n") if isinstance(vocab, dict) else None
+    return token if type(token) is int else None
+
+
+def vision_tensors(hf: dict[str, torch.Tensor], args: VisionArgs) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's vision tensors under the tower's names, every one of them checked against the tower."""
+    out = {}
+    for name, tensor in hf.items():
+        prefix = next((p for p in VISION_PREFIXES if name.startswith(p)), None)
+        if prefix is None or not VISION_TENSORS.fullmatch(name):
+            continue
+        local = VISION_PREFIXES[prefix] + name[len(prefix):]
+        if UNUSED_VISION_TENSORS.fullmatch(local):
+            continue
+        if local == "patch_embed.proj.weight":  # Qwen's Conv3d with stride = kernel: a matrix over flat patches
+            local, tensor = "patch_embed.weight", tensor.flatten(1)
+        out[local] = tensor
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in vision_tower(args).state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"the vision tower's tensors do not match config.json's vision_config (missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}); the weights do not belong to this config")
+    for name, shape in expected.items():
+        if tuple(out[name].shape) != shape or not out[name].is_floating_point():
+            raise ValueError(f"vision tensor {name} has shape {tuple(out[name].shape)} ({out[name].dtype}), but "
+                             f"config.json implies {shape} floats; the weights do not belong to this config")
+    return out
+
+
+def write_vision_file(path: Path, args: VisionArgs, tower: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
+    """The tower's tensors (vision_tensors) in dtype with VisionArgs in the metadata, written atomically."""
+    tensors = {name: t.to(dtype).contiguous() for name, t in tower.items()}
+    meta = {"redline_vision": json.dumps(args.to_dict()), "dtype": str(dtype).removeprefix("torch.")}
+    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, meta))
+    return path
+
+
+def is_vision_file(path: Path) -> bool:
+    """Whether `path` is a vision file an earlier conversion wrote (and --overwrite may replace)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return "redline_vision" in (f.metadata() or {})
+    except (SafetensorError, OSError, ValueError):
+        return False
 
 
 def quantized_target(name: str, args: ModelArgs) -> bool:

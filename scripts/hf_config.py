@@ -13,7 +13,11 @@ HF_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
     "Gemma3ForConditionalGeneration": "gemma3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
     "GraniteForCausalLM": "granite", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
+# The multimodal families: their language model's family, read from the nested (or, Qwen2.5-VL in transformers 4,
+# top-level) text config.
+MULTIMODAL_TEXT_FAMILIES = {"gemma3": "gemma3_text", "qwen2_5_vl": "qwen2_5_vl_text"}
 HF_MODEL_TYPES = tuple(dict.fromkeys(HF_ARCHITECTURES.values()))
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -34,10 +38,15 @@ def hf_family(config: Any) -> str:
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The language model's part of a config: Gemma3ForConditionalGeneration nests it under text_config."""
-    if hf_family(config) != "gemma3":
+    """The language model's part of a config: the multimodal families nest it under text_config (Qwen2.5-VL's
+    transformers 4 configs keep it at the top level, beside vision_config)."""
+    family = hf_family(config)
+    if family not in MULTIMODAL_TEXT_FAMILIES:
         return config
     inner = _hf_field(config, "text_config", dict, {})
+    if family == "qwen2_5_vl":
+        outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config", "architectures")}
+        return {**outer, **inner, "model_type": "qwen2_5_vl_text"}
     # transformers' Gemma3Config gives its text model the tie flag of the outer config.
     return {"tie_word_embeddings": config.get("tie_word_embeddings", True), **inner, "model_type": "gemma3_text"}
 
@@ -47,8 +56,7 @@ def args_from_hf_config(config: Any) -> ModelArgs:
     does not implement is refused in one line."""
     family = hf_family(config)
     config = text_config(config)
-    if family == "gemma3":
-        family = "gemma3_text"
+    family = MULTIMODAL_TEXT_FAMILIES.get(family, family)
     args = _llama_fields(config, family)
     deltas = _FAMILY_DELTAS[family](config, args)
     return ModelArgs(**{**args, **deltas})
@@ -129,6 +137,20 @@ def _qwen_deltas(config: dict[str, Any], args: dict[str, Any], qk_norm: str) -> 
 
 def _qwen2_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
     return {**_qwen_deltas(config, args, "none"), "qkv_bias": True, "o_bias": False}
+
+
+def _qwen2_5_vl_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2's language model with multimodal rope: the rope's frequencies split into t, h and w sections."""
+    params = _hf_rope_parameters(config)
+    sections = params.get("mrope_section")
+    if not (isinstance(sections, list) and len(sections) == 3 and all(type(n) is int and n >= 0 for n in sections)):
+        raise ValueError(f"config.json rope parameters must give mrope_section as three counts, got {sections!r}; "
+                         f"fix the config")
+    plain = {k: v for k, v in params.items() if k != "mrope_section"}
+    if plain.get("rope_type", plain.get("type")) in ("mrope", "default"):  # transformers 4 named it "mrope"
+        plain = {k: v for k, v in plain.items() if k not in ("rope_type", "type")}
+    config = {**config, "rope_scaling": None, "rope_parameters": plain or None}
+    return {**_qwen2_deltas(config, args), "mrope_sections": tuple(sections)}
 
 
 def _qwen3_deltas(config: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
@@ -248,6 +270,7 @@ _FAMILY_DELTAS = {
     "llama": _llama_deltas, "mistral": _llama_deltas, "qwen2": _qwen2_deltas, "qwen3": _qwen3_deltas,
     "gemma2": _gemma2_deltas, "gemma3_text": _gemma3_deltas, "phi3": _phi3_deltas, "olmo2": _olmo2_deltas,
     "granite": _granite_deltas, "mixtral": _mixtral_deltas, "qwen3_moe": _qwen3_moe_deltas,
+    "qwen2_5_vl_text": _qwen2_5_vl_deltas,
 }
 
 
@@ -332,3 +355,90 @@ def _longrope(config: dict[str, Any], params: dict[str, Any], max_positions: int
     attention = _hf_field({"attention_factor": attention}, "attention_factor", float, where=where)
     return RopeScaling(rope_type="longrope", original_max_position_embeddings=original, attention_factor=attention,
                        **factors)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Vision towers of the multimodal families (vision.py).
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def vision_args_from_hf_config(config: Any, processor: dict[str, Any] | None = None,
+                               newline_id: int | None = None) -> Any:
+    """The VisionArgs of a multimodal config.json (None for a text-only family), with the preprocessing of its
+    preprocessor_config.json (the family's defaults without one). newline_id: the tokenizer's "\\n\\n" token, which
+    Gemma 3's processor puts around each image."""
+    from redline.vision import ImageProcessing, VisionArgs
+
+    family = hf_family(config)
+    if family not in MULTIMODAL_TEXT_FAMILIES:
+        return None
+    vision = _hf_field(config, "vision_config", dict, {})
+    processor = processor or {}
+    if not isinstance(processor, dict):
+        raise ValueError("preprocessor_config.json must hold a JSON object; re-download it")
+    out_dim = args_from_hf_config(config).dim
+    where = "config.json vision_config"
+    if family == "gemma3":
+        act = _hf_field(vision, "hidden_act", str, "gelu_pytorch_tanh", where)
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(f"{where} hidden_act {act!r} is not implemented for Gemma 3's tower (gelu_pytorch_tanh)")
+        size = processor.get("size") or {}
+        image_size = _hf_field(vision, "image_size", int, 896, where)
+        if size and (size.get("height") != image_size or size.get("width") != image_size):
+            raise ValueError(f"preprocessor_config.json size {size} differs from the tower's {image_size}-pixel tiles; "
+                             f"fix the config")
+        nl = () if newline_id is None else (newline_id,)
+        boi = _hf_field(config, "boi_token_index", int, 255999)
+        return VisionArgs(
+            family="gemma3", dim=_hf_field(vision, "hidden_size", int, where=where),
+            n_layer=_hf_field(vision, "num_hidden_layers", int, where=where),
+            n_head=_hf_field(vision, "num_attention_heads", int, where=where),
+            intermediate_size=_hf_field(vision, "intermediate_size", int, where=where), out_dim=out_dim,
+            patch_size=_hf_field(vision, "patch_size", int, 14, where),
+            norm_eps=_hf_field(vision, "layer_norm_eps", float, 1e-6, where), image_size=image_size,
+            tokens_per_image=_hf_field(config, "mm_tokens_per_image", int, 256),
+            placeholder_id=boi, image_token_id=_hf_field(config, "image_token_index", int, 262144),
+            image_prefix=nl + (boi,), image_suffix=(_hf_field(config, "eoi_token_index", int, 256000),) + nl,
+            processing=_image_processing(processor, ImageProcessing, (0.5,) * 3, (0.5,) * 3, 2, tile_size=image_size))
+    act = _hf_field(vision, "hidden_act", str, "silu", where)
+    if act != "silu":
+        raise ValueError(f"{where} hidden_act {act!r} is not implemented for Qwen2.5-VL's tower (silu)")
+    patch, merge = _hf_field(vision, "patch_size", int, 14, where), _hf_field(vision, "spatial_merge_size", int, 2, where)
+    frames = _hf_field(vision, "temporal_patch_size", int, 2, where)
+    for key, own in (("patch_size", patch), ("merge_size", merge), ("temporal_patch_size", frames)):
+        if processor.get(key, own) != own:
+            raise ValueError(f"preprocessor_config.json {key} {processor[key]} differs from the tower's {own}; fix it")
+    size = processor.get("size") or {}
+    pixels = dict(min_pixels=processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
+                  max_pixels=processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280)
+    theta = (vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    image_token = _hf_field(config, "image_token_id", int, 151655)
+    full = _hf_field(vision, "fullatt_block_indexes", list, [], where)
+    depth = _hf_field(vision, "depth", int, where=where)
+    if not all(type(i) is int and 0 <= i < depth for i in full):
+        raise ValueError(f"{where} fullatt_block_indexes must list layers 0..{depth - 1}, got {full!r}; fix it")
+    return VisionArgs(
+        family="qwen2_5_vl", dim=_hf_field(vision, "hidden_size", int, where=where), n_layer=depth,
+        n_head=_hf_field(vision, "num_heads", int, where=where),
+        intermediate_size=_hf_field(vision, "intermediate_size", int, where=where),
+        out_dim=_hf_field(vision, "out_hidden_size", int, out_dim, where), patch_size=patch,
+        temporal_patch_size=frames, merge_size=merge, window_size=_hf_field(vision, "window_size", int, 112, where),
+        full_attention_layers=tuple(full), rope_base=_hf_field({"rope_theta": theta}, "rope_theta", float, where=where),
+        placeholder_id=image_token, image_token_id=image_token,
+        processing=_image_processing(processor, ImageProcessing, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, 3,
+                                     patch_size=patch, merge_size=merge, temporal_patch_size=frames, **pixels))
+
+
+def _image_processing(processor: dict[str, Any], kind: type, mean: tuple, std: tuple, resample: int,
+                      **sizes: int) -> Any:
+    """An ImageProcessing from preprocessor_config.json's fields, the family's defaults where absent."""
+    for key in ("do_resize", "do_rescale", "do_normalize"):
+        if processor.get(key, True) is not True:
+            raise ValueError(f"preprocessor_config.json sets {key}={processor[key]!r}; Redline always does that step")
+    if processor.get("do_pan_and_scan"):
+        raise ValueError("preprocessor_config.json turns on pan and scan, which Redline does not implement; turn it off")
+    return kind(image_mean=tuple(processor.get("image_mean") or mean), image_std=tuple(processor.get("image_std") or std),
+                rescale_factor=_hf_field(processor, "rescale_factor", float, 1 / 255, "preprocessor_config.json"),
+                resample=processor.get("resample", resample), **sizes)

@@ -456,3 +456,78 @@ def tiny_chat_checkpoint(tmp_path_factory, tiny_llm_checkpoint):
     shutil.copytree(path.parent, folder)
     (folder / "chat_template.jinja").write_text(TINY_CHAT_TEMPLATE, encoding="utf-8")
     return folder / path.name, hf_model
+
+
+# --- multimodal fixtures (owner: vision) ---
+# Tiny Gemma 3 and Qwen2.5-VL checkpoints built with transformers' own classes: random weights everywhere (the vision
+# tower, the projector or merger, every norm and bias), the image processor's config and a word-level tokenizer
+# whose vocabulary is the model's, so every id decodes. Token ids of the image markers:
+MULTIMODAL_TOKENS = {"gemma3": dict(boi_token_index=300, eoi_token_index=301, image_token_index=302),
+                     "qwen2_5_vl": dict(vision_start_token_id=300, vision_end_token_id=301, image_token_id=302,
+                                        video_token_id=303)}
+MULTIMODAL_NEWLINES = 304  # "\n\n", which Gemma 3's processor puts around each image
+
+
+def multimodal_hf_model(family: str, seed: int = 0):
+    """(fp32 transformers model in eval mode with every weight random, its image processor)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    base = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, vocab_size=512,
+                max_position_embeddings=256, rms_norm_eps=1e-5)
+    if family == "gemma3":
+        text = dict(base, **{k: v for k, v in FAMILY_VARIANTS["gemma3"][1].items()})
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=84, patch_size=14, vision_use_head=False)
+        config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=9,
+                                           attn_implementation="eager", **MULTIMODAL_TOKENS[family])
+        model = transformers.Gemma3ForConditionalGeneration(config)
+        processor = transformers.Gemma3ImageProcessorPil(size={"height": 84, "width": 84})
+    else:
+        text = dict(base, num_hidden_layers=3, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                                 "mrope_section": [4, 2, 2]})
+        vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3])
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, attn_implementation="eager",
+                                               **MULTIMODAL_TOKENS[family])
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+        processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16)
+    gemma_norms = ("language_model", "mm_soft_emb_norm")  # Gemma's norms scale by 1 + w
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                one = "norm" in name and name.endswith("weight") and not (family == "gemma3" and
+                                                                          any(g in name for g in gemma_norms))
+                p.copy_(float(one) + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p[0].numel() ** -0.5)
+    model.generation_config.eos_token_id = None  # compare fixed-length continuations
+    return model.eval(), processor
+
+
+def save_word_tokenizer(out_dir: Path, vocab_size: int, specials: dict[int, str]) -> None:
+    """A word-level tokenizer.json of exactly vocab_size ids: "w<id>" words and the given special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    for i, text in specials.items():
+        del vocab[f"w{i}"]
+        vocab[text] = i
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session", params=["gemma3", "qwen2_5_vl"])
+def multimodal_checkpoint(request, tmp_path_factory):
+    """(family, HF dir, fp32 HF model, its image processor, converted fp32 Redline file with its vision file)."""
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+
+    family = request.param
+    hf_dir = tmp_path_factory.mktemp(f"hf-{family}")
+    model, processor = multimodal_hf_model(family)
+    model.save_pretrained(hf_dir)
+    processor.save_pretrained(hf_dir)
+    specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 300: "<start>", 301: "<end>", 302: "<image>", 303: "<video>"}
+    save_word_tokenizer(hf_dir, 512, {**specials, MULTIMODAL_NEWLINES: "\n\n"})
+    return family, hf_dir, model, processor, convert_hf_checkpoint(hf_dir, dtype="float32")

@@ -1,0 +1,160 @@
+"""The vision towers (vision.py) against transformers' Gemma3ForConditionalGeneration and
+Qwen2_5_VLForConditionalGeneration: fp32 logits of prompts with one and two images, and greedy tokens through
+LLM.generate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+transformers = pytest.importorskip("transformers")
+
+from conftest import MULTIMODAL_NEWLINES, MULTIMODAL_TOKENS  # noqa: E402
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    """A smooth random RGB picture (noise blurred by upsampling, so resizing filters matter but do not dominate)."""
+    rng = np.random.default_rng(seed)
+    small = Image.fromarray(rng.integers(0, 256, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8))
+    return small.resize((width, height), Image.BICUBIC)
+
+
+PICTURES = [picture(100, 70, 1), picture(150, 120, 2)]
+
+
+def placeholder(family: str) -> int:
+    tokens = MULTIMODAL_TOKENS[family]
+    return tokens["boi_token_index"] if family == "gemma3" else tokens["image_token_id"]
+
+
+def prompt_ids(family: str, n_images: int) -> list[int]:
+    """Text ids with one placeholder per image, as the family's chat template writes it."""
+    text = [2, 17, 45, 99, 23]
+    tokens = MULTIMODAL_TOKENS[family]
+    if family == "gemma3":
+        image = [placeholder(family)]
+    else:
+        image = [tokens["vision_start_token_id"], placeholder(family), tokens["vision_end_token_id"]]
+    ids = list(text)
+    for i in range(n_images):
+        ids += image + [60 + i, 61 + i]
+    return ids + [88, 7]
+
+
+def hf_inputs(family: str, processor, ids: list[int], images: list[Image.Image]) -> dict:
+    """transformers' model inputs for the expanded prompt `ids`: pixels from its own image processor."""
+    out = {"input_ids": torch.tensor([ids])}
+    if not images:
+        return out
+    features = processor(images=images, return_tensors="pt")
+    image_token = MULTIMODAL_TOKENS[family]["image_token_index" if family == "gemma3" else "image_token_id"]
+    types = (out["input_ids"] == image_token).long()
+    out["pixel_values"] = features["pixel_values"]
+    if family == "gemma3":
+        out["token_type_ids"] = types
+    else:
+        out["image_grid_thw"] = features["image_grid_thw"]
+        out["mm_token_type_ids"] = types.int()
+    return out
+
+
+@pytest.fixture(scope="module")
+def multimodal_llm(multimodal_checkpoint):
+    from redline.generate import LLM
+
+    family, hf_dir, hf_model, processor, path = multimodal_checkpoint
+    return family, hf_model, processor, LLM.load(path, device="cpu", compile=False)
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_prompt_logits_and_decode_steps_match_transformers(multimodal_llm, n_images):
+    """Every prompt position's logits, then three decode steps after it (the M-RoPE shift, the bidirectional image
+    attention's end), within 1e-4 of transformers' logits of the whole sequence in one forward."""
+    from redline.vision import prompt_images
+
+    family, hf_model, processor, llm = multimodal_llm
+    images = PICTURES[:n_images]
+    with torch.inference_mode():
+        ids, media = prompt_images(llm.vision, prompt_ids(family, n_images), images)
+        steps = [31, 400, 5]
+        model = llm.model
+        model.setup_caches(1, 64)
+        ours = [model(torch.tensor([ids]), torch.arange(len(ids)), images=media)]
+        ours += [model(torch.tensor([[t]]), torch.tensor([len(ids) + i])) for i, t in enumerate(steps)]
+        ours = torch.cat(ours, dim=1)
+        theirs = hf_model(**hf_inputs(family, processor, ids + steps, images)).logits
+    assert media.embeds.shape[0] == sum(llm.vision.token_count(image) for image in images)
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= 1e-4, diff
+    assert theirs.std() > 0.3  # the comparison is of real logits, not of near-constant ones
+
+
+def test_gemma_images_are_wrapped_as_its_processor_does(multimodal_llm):
+    """Gemma 3: each placeholder becomes "\\n\\n", start, the image's tokens, end, "\\n\\n" (its processor's text)."""
+    from redline.vision import prompt_images
+
+    family, _, _, llm = multimodal_llm
+    if family != "gemma3":
+        pytest.skip("Gemma 3 only")
+    t = MULTIMODAL_TOKENS["gemma3"]
+    with torch.inference_mode():
+        ids, media = prompt_images(llm.vision, [2, placeholder(family), 9], PICTURES[:1])
+    run = [t["image_token_index"]] * 9
+    assert ids == [2, MULTIMODAL_NEWLINES, t["boi_token_index"], *run, t["eoi_token_index"], MULTIMODAL_NEWLINES, 9]
+    assert media.slots.tolist() == list(range(3, 12))
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_greedy_tokens_through_generate_equal_transformers(multimodal_llm, n_images):
+    from redline.vision import prompt_images
+
+    family, hf_model, processor, llm = multimodal_llm
+    images = PICTURES[:n_images]
+    prompt = prompt_ids(family, n_images)
+    result = llm.generate(prompt, images=images, max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        ids, _ = prompt_images(llm.vision, prompt, images)
+        inputs = hf_inputs(family, processor, ids, images)
+        want = hf_model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert result.token_ids == want
+    assert result.stats.prompt_tokens == len(ids)
+
+
+def test_text_only_prompts_still_match_transformers(multimodal_llm):
+    """No images: the language model alone (Qwen2.5-VL's M-RoPE then equals 1D rope)."""
+    family, hf_model, processor, llm = multimodal_llm
+    ids = [2, 17, 45, 99, 23, 88, 7]
+    result = llm.generate(ids, max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    with torch.inference_mode():
+        want = hf_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    assert result.token_ids == want
+
+
+def test_image_placeholders_and_images_must_agree(multimodal_llm):
+    family, _, _, llm = multimodal_llm
+    with pytest.raises(ValueError, match="1 image placeholders .* but 2 images"):
+        llm.generate(prompt_ids(family, 1), images=PICTURES, max_new_tokens=2)
+    with pytest.raises(ValueError, match="no images came with it"):
+        llm.generate(prompt_ids(family, 1), max_new_tokens=2)
+
+
+def test_a_text_only_checkpoint_refuses_images(tiny_llm_checkpoint):
+    from redline.generate import LLM
+
+    llm = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=False)
+    with pytest.raises(ValueError, match="no vision tower"):
+        llm.generate([1, 5, 6], images=PICTURES[:1], max_new_tokens=2)
+
+
+def test_image_bytes_are_decoded_like_pil_images(multimodal_llm):
+    """PNG bytes give the same tokens as the PIL image they encode."""
+    import io
+
+    family, _, _, llm = multimodal_llm
+    buffer = io.BytesIO()
+    PICTURES[0].save(buffer, format="PNG")
+    prompt = prompt_ids(family, 1)
+    from_bytes = llm.generate(prompt, images=[buffer.getvalue()], max_new_tokens=4, ignore_eos=True)
+    from_pil = llm.generate(prompt, images=PICTURES[:1], max_new_tokens=4, ignore_eos=True)
+    assert from_bytes.token_ids == from_pil.token_ids
