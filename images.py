@@ -43,6 +43,8 @@ def open_image(data: bytes) -> Image.Image:
                          f"those") from None
     except Image.DecompressionBombError:
         raise ValueError(f"the image declares more than {MAX_IMAGE_PIXELS} pixels; send a smaller one") from None
+    except (OSError, SyntaxError, ValueError) as exc:  # a header cut short or malformed
+        raise ValueError(f"the image cannot be read ({one_line(exc)}); it is truncated or corrupt") from None
     width, height = image.size
     if width * height > MAX_IMAGE_PIXELS:
         raise ValueError(f"the image is {width}x{height} pixels, more than the {MAX_IMAGE_PIXELS} allowed; send a "
@@ -52,9 +54,14 @@ def open_image(data: bytes) -> Image.Image:
     try:
         image.load()  # decodes now: a truncated or corrupt file fails here, not later in the tower
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise ValueError(f"the {image.format} image cannot be decoded ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
-                         f"it is truncated or corrupt") from None
+        raise ValueError(f"the {image.format} image cannot be decoded ({one_line(exc)}); it is truncated or "
+                         f"corrupt") from None
     return rgb(image)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def rgb(image: Image.Image) -> Image.Image:

@@ -128,7 +128,8 @@ def hf_weight_files(checkpoint_dir: Path) -> list[Path]:
     """Safetensors shards if present, else pytorch_model*.bin shards."""
     for pattern in ("model*.safetensors", "pytorch_model*.bin"):
         # Skip hidden temp files and an earlier conversion's output, which may sit in the same folder.
-        files = sorted(p for p in checkpoint_dir.glob(pattern) if not p.name.startswith(".") and not is_redline_file(p))
+        files = sorted(p for p in checkpoint_dir.glob(pattern)
+                       if not p.name.startswith(".") and not is_redline_file(p) and not is_vision_file(p))
         if files:
             return files
     raise FileNotFoundError(

@@ -158,3 +158,79 @@ def test_image_bytes_are_decoded_like_pil_images(multimodal_llm):
     from_bytes = llm.generate(prompt, images=[buffer.getvalue()], max_new_tokens=4, ignore_eos=True)
     from_pil = llm.generate(prompt, images=PICTURES[:1], max_new_tokens=4, ignore_eos=True)
     assert from_bytes.token_ids == from_pil.token_ids
+
+
+# --- the converter and config readers ---
+
+# Published config.json of Qwen2.5-VL-7B-Instruct (transformers 4's flat layout) and Gemma 3 12B's multimodal one
+# (its text fields written out, as transformers 5 saves them).
+QWEN2_5_VL_7B = dict(
+    architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", hidden_size=3584,
+    intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+    max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1e6, sliding_window=32768, max_window_layers=28,
+    use_sliding_window=False, tie_word_embeddings=False, hidden_act="silu", image_token_id=151655,
+    video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+    vision_config=dict(depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420, num_heads=16,
+                       in_chans=3, out_hidden_size=3584, patch_size=14, spatial_merge_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, temporal_patch_size=2))
+GEMMA3_12B = dict(
+    architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", boi_token_index=255999,
+    eoi_token_index=256000, image_token_index=262144, mm_tokens_per_image=256,
+    text_config=dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_hidden_layers=48,
+                     num_key_value_heads=8, head_dim=256, vocab_size=262208, query_pre_attn_scalar=256,
+                     max_position_embeddings=131072, sliding_window=1024, rope_theta=1e6, rope_local_base_freq=1e4,
+                     rope_scaling={"factor": 8.0, "rope_type": "linear"}, rms_norm_eps=1e-6),
+    vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304, num_attention_heads=16,
+                       num_hidden_layers=27, patch_size=14, vision_use_head=False))
+
+
+def test_published_multimodal_configs_read_as_their_shapes():
+    from redline.model import ModelArgs
+    from redline.scripts.hf_config import args_from_hf_config, vision_args_from_hf_config
+
+    qwen = args_from_hf_config(QWEN2_5_VL_7B)
+    assert qwen.mrope_sections == (16, 24, 24) and qwen.qkv_bias and qwen.rope_scaling is None
+    assert qwen == ModelArgs(**{**ModelArgs.from_name("Qwen2.5-7B").to_dict(), "mrope_sections": (16, 24, 24),
+                                "block_size": 128000})
+    tower = vision_args_from_hf_config(QWEN2_5_VL_7B, None, None)
+    assert (tower.dim, tower.n_layer, tower.n_head, tower.intermediate_size, tower.out_dim) == (1280, 32, 16, 3420, 3584)
+    assert tower.full_attention_layers == (7, 15, 23, 31) and tower.window_size == 112
+    assert tower.processing.resample == 3 and tower.processing.max_pixels == 28 * 28 * 1280
+    gemma = vision_args_from_hf_config(GEMMA3_12B, {"size": {"height": 896, "width": 896}}, 108)
+    assert (gemma.dim, gemma.n_layer, gemma.tokens_per_image, gemma.out_dim) == (1152, 27, 256, 3840)
+    assert gemma.image_prefix == (108, 255999) and gemma.image_suffix == (256000, 108)
+    assert vision_args_from_hf_config({"architectures": ["LlamaForCausalLM"]}) is None
+
+
+@pytest.mark.parametrize("processor, message", [
+    ({"do_pan_and_scan": True}, "pan and scan"),
+    ({"size": {"height": 448, "width": 448}}, "differs from the tower's 896-pixel tiles"),
+    ({"do_normalize": False}, "do_normalize=False"),
+])
+def test_unimplemented_preprocessing_is_refused(processor, message):
+    from redline.scripts.hf_config import vision_args_from_hf_config
+
+    with pytest.raises(ValueError, match=message) as info:
+        vision_args_from_hf_config(GEMMA3_12B, processor)
+    assert "\n" not in str(info.value)
+
+
+def test_the_tower_is_converted_beside_the_checkpoint(multimodal_checkpoint, tiny_checkpoint, tmp_path):
+    from redline.scripts.convert_hf_checkpoint import convert_hf_checkpoint
+    from redline.vision import load_vision_tower, vision_path
+
+    family, hf_dir, _, _, path = multimodal_checkpoint
+    assert vision_path(path).is_file() and vision_path(path).name == "model.redline.vision.safetensors"
+    tower = load_vision_tower(path, "cpu", torch.bfloat16)
+    assert tower.args.family == family and next(tower.parameters()).dtype == torch.bfloat16
+    assert not vision_path(tiny_checkpoint[0]).exists()  # a text-only model has none
+    out = tmp_path / "m.safetensors"
+    vision_path(out).write_bytes(b"someone else's data")
+    with pytest.raises(ValueError, match="exists and is not a Redline vision file"):
+        convert_hf_checkpoint(hf_dir, out, dtype="float32")
+    assert not out.exists() and vision_path(out).read_bytes() == b"someone else's data"
+    vision_path(out).unlink()
+    convert_hf_checkpoint(hf_dir, out, dtype="float32")
+    with pytest.raises(ValueError, match="exists; pass --overwrite"):
+        convert_hf_checkpoint(hf_dir, out, dtype="float32")
