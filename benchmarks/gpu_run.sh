@@ -17,6 +17,8 @@
 #   bash benchmarks/gpu_run.sh frontdoor-offline  # the same 512 requests through the engine in-process, and the
 #                                         # fixed workload at --max-running 256 and 512
 #   bash benchmarks/gpu_run.sh hf-int4    # a random Llama-3-8B GPTQ g128 folder converted, batch 1 beside Redline's int4
+#   bash benchmarks/gpu_run.sh vision     # the image tests, then time to first token of one 896 x 896 image on random
+#                                         # Gemma-3-12B and Qwen2.5-VL-7B weights (preprocess, encoder, prefill apart)
 #
 # SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
 # SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
@@ -24,7 +26,7 @@
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|hf-int4}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|hf-int4|vision}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
@@ -165,9 +167,14 @@ serve-offline)
 hf-int4)
     run hf-int4-decode python3 benchmarks/bench_hf_int4.py --model Llama-3-8B --groupsize 128 --runs 3
     ;;
+vision)
+    run vision-tests python3 -m pytest -q -p no:cacheprovider tests/test_vision.py tests/test_images.py
+    run vision-ttft python3 benchmarks/bench_vision.py --model Gemma-3-12B --model Qwen2.5-VL-7B --image-size 896 \
+        --repeats 10 --json "$RESULTS/vision-ttft.json"
+    ;;
 *)
     echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor," \
-        "frontdoor-offline or hf-int4" >&2
+        "frontdoor-offline, hf-int4 or vision" >&2
     exit 2
     ;;
 esac
