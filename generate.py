@@ -29,7 +29,7 @@ from torch import Tensor
 from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, checkpoint_inputs, dtype_from_name, dtype_name,
                                 read_checkpoint_info)
 from redline.checkpoint import run_cli as cli_main
-from redline.images import open_image
+from redline.images import open_image, read_image_file
 from redline.model import PromptImages, Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
                      GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
@@ -168,24 +168,25 @@ class LLM:
             expanded, media = prompt_images(self.vision, ids, pictures)
         return self._in_vocabulary(expanded), media
 
-    def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
-             **settings: Any) -> GenerationResult:
-        """The assistant's reply to `messages` ({"role", "content"} dicts), through the checkpoint's chat template."""
-        stream = self.stream_chat(messages, options, **settings)
+    def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None, *,
+             images: Sequence[Any] | None = None, **settings: Any) -> GenerationResult:
+        """The assistant's reply to `messages` ({"role", "content"} dicts), through the checkpoint's chat template.
+        images: one per image placeholder the rendered conversation holds (the model's own, e.g. <start_of_image>)."""
+        stream = self.stream_chat(messages, options, images=images, **settings)
         for _ in stream:
             pass
         return stream.result
 
-    def stream_chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None,
-                    **settings: Any) -> Stream:
+    def stream_chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None, *,
+                    images: Sequence[Any] | None = None, **settings: Any) -> Stream:
         options = resolve_options(options, settings)
-        ids = self.chat_prompt(messages)
+        ids, media = self.with_images(self.chat_prompt(messages), images, options)
         speculative.Speculator.for_options(self, options)
         room = self.context_left(len(ids))
         if room < self.chat_reply_room(options.max_new_tokens):
             raise ValueError(f"the conversation takes {len(ids)} of the model's {self.model.args.block_size} tokens "
                              f"and leaves {room} for the reply; drop older turns (LLM.fit_chat does)")
-        return Stream(self.lock, lambda: self._pieces(ids, options))
+        return Stream(self.lock, lambda: self._pieces(ids, options, media))
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         return self.prompts.chat_prompt(messages)
@@ -355,6 +356,7 @@ class GenerateArgs:
     draft_quantize: str | None = None
     speculate_k: int | None = None  # the draft model's k (prompt lookup's is in options)
     overwrite: bool = False  # --profile may replace an earlier trace
+    images: tuple[Path, ...] = ()  # image files, one per image placeholder of the prompt (or chat message)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig) or not isinstance(self.options, GenerationOptions):
@@ -369,6 +371,8 @@ class GenerateArgs:
             raise ValueError(f"--num_samples must be >= 1, got {self.num_samples}")
         if self.chat and self.interactive:
             raise ValueError("--chat sends one message and --interactive holds a conversation; pick one")
+        if self.interactive and self.images:
+            raise ValueError("--image goes with --prompt (its image placeholders); drop it for --interactive")
         if self.interactive and (self.prompt is not None or self.options.profile is not None or self.num_samples > 1):
             raise ValueError("--interactive reads the conversation from stdin; drop --prompt, --profile, --num_samples")
         if self.system is not None and not (self.chat or self.interactive):
@@ -428,6 +432,8 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
     p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step; None means 5")
     p.add_argument("--threads", type=int, default=None, help="CPU threads; None means the physical cores")
+    p.add_argument("--image", type=Path, action="append", default=[],
+                   help="an image file for the prompt's next image placeholder (repeatable; multimodal checkpoints)")
     ns = p.parse_args(argv)
     engine = EngineConfig(ns.device, ns.dtype, ns.compile, ns.compile_prefill, ns.quantize, ns.kernels, ns.fuse,
                           threads=ns.threads)
@@ -438,7 +444,7 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
         draft="prompt_lookup" if lookup else None, speculate_k=ns.speculate_k if lookup else None)
     return GenerateArgs(ns.checkpoint_path, engine, options, ns.prompt, ns.num_samples, ns.chat, ns.interactive,
                         ns.system, ns.draft_checkpoint_path, ns.draft_quantize, None if lookup else ns.speculate_k,
-                        ns.overwrite)
+                        ns.overwrite, tuple(ns.image))
 
 
 def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = None) -> int:
@@ -455,11 +461,12 @@ def run_cli(cfg: GenerateArgs, stdin: Any = None, out: Any = None, err: Any = No
         cfg.draft_checkpoint_path, dataclasses.replace(cfg.engine, quantize=cfg.draft_quantize))
     if cfg.interactive:
         return interactive(llm, cfg, stdin, out, err, draft)
+    images = [read_image_file(path) for path in cfg.images] or None
     for i in range(cfg.num_samples):
         if cfg.chat:
-            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.sample_options(i, draft))
-        else:
-            stream = llm.stream(cfg.prompt, cfg.sample_options(i, draft))  # checks the prompt before it is echoed
+            stream = llm.stream_chat(cfg.messages(cfg.prompt), cfg.sample_options(i, draft), images=images)
+        else:  # checks the prompt (and runs its images through the tower) before it is echoed
+            stream = llm.stream(cfg.prompt, cfg.sample_options(i, draft), images=images)
             out.write(cfg.prompt)
         result = print_stream(stream, out)
         print(f"[sample {i + 1}/{cfg.num_samples}] {result.stats.summary()}", file=err)

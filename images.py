@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,6 +63,18 @@ def open_image(data: bytes) -> Image.Image:
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def read_image_file(path: Path) -> bytes:
+    """An image file's bytes (decoded later by open_image); a one-line error for a missing or oversized file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"image file {path} does not exist; check the path")
+    try:
+        if path.stat().st_size > MAX_IMAGE_BYTES:
+            raise ValueError(f"image file {path} has more than {MAX_IMAGE_BYTES} bytes; use a smaller image")
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read image file {path} ({exc.strerror}); check its permissions") from None
 
 
 def rgb(image: Image.Image) -> Image.Image:

@@ -162,27 +162,11 @@ def test_image_bytes_are_decoded_like_pil_images(multimodal_llm):
 
 # --- the converter and config readers ---
 
-# Published config.json of Qwen2.5-VL-7B-Instruct (transformers 4's flat layout) and Gemma 3 12B's multimodal one
-# (its text fields written out, as transformers 5 saves them).
-QWEN2_5_VL_7B = dict(
-    architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", hidden_size=3584,
-    intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-    max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1e6, sliding_window=32768, max_window_layers=28,
-    use_sliding_window=False, tie_word_embeddings=False, hidden_act="silu", image_token_id=151655,
-    video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
-    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-    vision_config=dict(depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420, num_heads=16,
-                       in_chans=3, out_hidden_size=3584, patch_size=14, spatial_merge_size=2, window_size=112,
-                       fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, temporal_patch_size=2))
-GEMMA3_12B = dict(
-    architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", boi_token_index=255999,
-    eoi_token_index=256000, image_token_index=262144, mm_tokens_per_image=256,
-    text_config=dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_hidden_layers=48,
-                     num_key_value_heads=8, head_dim=256, vocab_size=262208, query_pre_attn_scalar=256,
-                     max_position_embeddings=131072, sliding_window=1024, rope_theta=1e6, rope_local_base_freq=1e4,
-                     rope_scaling={"factor": 8.0, "rope_type": "linear"}, rms_norm_eps=1e-6),
-    vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304, num_attention_heads=16,
-                       num_hidden_layers=27, patch_size=14, vision_use_head=False))
+# Published config.json of Qwen2.5-VL-7B-Instruct (transformers 4's flat layout) and Gemma 3 12B's multimodal one,
+# as the GPU benchmark builds them.
+from redline.benchmarks.bench_vision import PUBLISHED_CONFIGS  # noqa: E402
+
+QWEN2_5_VL_7B, GEMMA3_12B = PUBLISHED_CONFIGS["Qwen2.5-VL-7B"], PUBLISHED_CONFIGS["Gemma-3-12B"]
 
 
 def test_published_multimodal_configs_read_as_their_shapes():
@@ -234,3 +218,21 @@ def test_the_tower_is_converted_beside_the_checkpoint(multimodal_checkpoint, tin
     convert_hf_checkpoint(hf_dir, out, dtype="float32")
     with pytest.raises(ValueError, match="exists; pass --overwrite"):
         convert_hf_checkpoint(hf_dir, out, dtype="float32")
+
+
+def test_the_cli_takes_image_files(multimodal_llm, multimodal_checkpoint, tmp_path, capsys):
+    from redline.generate import main
+
+    family, _, _, llm = multimodal_llm
+    path = multimodal_checkpoint[-1]
+    marker = "<start>" if family == "gemma3" else "<start> <image> <end>"
+    prompt = f"w17 w45 {marker} w60 w61"
+    image = tmp_path / "picture.png"
+    PICTURES[0].save(image)
+    flags = ["--checkpoint_path", str(path), "--device", "cpu", "--max_new_tokens", "4", "--temperature", "0"]
+    assert main([*flags, "--prompt", prompt, "--image", str(image)]) == 0
+    want = llm.generate(prompt, images=[image.read_bytes()], max_new_tokens=4).text
+    assert capsys.readouterr().out == prompt + want + "\n"
+    assert main([*flags, "--prompt", prompt, "--image", str(tmp_path / "missing.png")]) != 0
+    err = capsys.readouterr().err
+    assert "missing.png does not exist" in err and err.count("\n") == 1
