@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-# Published config.json of the multimodal checkpoints the benchmark models (the fields the readers use): Qwen2.5-VL-7B-
-# Instruct in transformers 4's flat layout; Gemma 3 12B with its text fields written out, as transformers 5 saves them.
+# Published config.json of the multimodal checkpoints the benchmark models (the fields the readers use), as the Hub
+# has them: Qwen2.5-VL-7B-Instruct in transformers 4's flat layout; Gemma 3 12B's text_config lists only the fields
+# that differ from transformers' defaults.
 PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
     "Qwen2.5-VL-7B": dict(
         architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl", hidden_size=3584,
@@ -37,11 +38,9 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
     "Gemma-3-12B": dict(
         architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", boi_token_index=255999,
         eoi_token_index=256000, image_token_index=262144, mm_tokens_per_image=256,
-        text_config=dict(hidden_size=3840, intermediate_size=15360, num_attention_heads=16, num_hidden_layers=48,
-                         num_key_value_heads=8, head_dim=256, vocab_size=262208, query_pre_attn_scalar=256,
-                         max_position_embeddings=131072, sliding_window=1024, rope_theta=1e6,
-                         rope_local_base_freq=1e4, rope_scaling={"factor": 8.0, "rope_type": "linear"},
-                         rms_norm_eps=1e-6),
+        text_config=dict(hidden_size=3840, intermediate_size=15360, model_type="gemma3_text", num_attention_heads=16,
+                         num_hidden_layers=48, num_key_value_heads=8, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                         sliding_window=1024),
         vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304, num_attention_heads=16,
                            num_hidden_layers=27, patch_size=14, vision_use_head=False)),
 }

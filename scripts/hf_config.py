@@ -18,6 +18,11 @@ HF_ARCHITECTURES = {
 # The multimodal families: their language model's family, read from the nested (or, Qwen2.5-VL in transformers 4,
 # top-level) text config.
 MULTIMODAL_TEXT_FAMILIES = {"gemma3": "gemma3_text", "qwen2_5_vl": "qwen2_5_vl_text"}
+# transformers' Gemma3TextConfig defaults: the multimodal checkpoints' text_config lists only the fields that differ
+# (Gemma 3 4B-27B on the Hub), and transformers fills the rest from these.
+GEMMA3_TEXT_DEFAULTS = dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                            rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=4096)
 HF_MODEL_TYPES = tuple(dict.fromkeys(HF_ARCHITECTURES.values()))
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -48,7 +53,8 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
         outer = {k: v for k, v in config.items() if k not in ("text_config", "vision_config", "architectures")}
         return {**outer, **inner, "model_type": "qwen2_5_vl_text"}
     # transformers' Gemma3Config gives its text model the tie flag of the outer config.
-    return {"tie_word_embeddings": config.get("tie_word_embeddings", True), **inner, "model_type": "gemma3_text"}
+    return {**GEMMA3_TEXT_DEFAULTS, "tie_word_embeddings": config.get("tie_word_embeddings", True),
+            **{k: v for k, v in inner.items() if v is not None}, "model_type": "gemma3_text"}
 
 
 def args_from_hf_config(config: Any) -> ModelArgs:

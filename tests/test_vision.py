@@ -162,8 +162,8 @@ def test_image_bytes_are_decoded_like_pil_images(multimodal_llm):
 
 # --- the converter and config readers ---
 
-# Published config.json of Qwen2.5-VL-7B-Instruct (transformers 4's flat layout) and Gemma 3 12B's multimodal one,
-# as the GPU benchmark builds them.
+# Published config.json of Qwen2.5-VL-7B-Instruct (transformers 4's flat layout) and Gemma 3 12B's multimodal one
+# (its text_config only what differs from transformers' defaults), as the GPU benchmark builds them.
 from redline.benchmarks.bench_vision import PUBLISHED_CONFIGS  # noqa: E402
 
 QWEN2_5_VL_7B, GEMMA3_12B = PUBLISHED_CONFIGS["Qwen2.5-VL-7B"], PUBLISHED_CONFIGS["Gemma-3-12B"]
@@ -181,6 +181,7 @@ def test_published_multimodal_configs_read_as_their_shapes():
     assert (tower.dim, tower.n_layer, tower.n_head, tower.intermediate_size, tower.out_dim) == (1280, 32, 16, 3420, 3584)
     assert tower.full_attention_layers == (7, 15, 23, 31) and tower.window_size == 112
     assert tower.processing.resample == 3 and tower.processing.max_pixels == 28 * 28 * 1280
+    assert args_from_hf_config(GEMMA3_12B) == ModelArgs.from_name("Gemma-3-12B")  # transformers' defaults filled in
     gemma = vision_args_from_hf_config(GEMMA3_12B, {"size": {"height": 896, "width": 896}}, 108)
     assert (gemma.dim, gemma.n_layer, gemma.tokens_per_image, gemma.out_dim) == (1152, 27, 256, 3840)
     assert gemma.image_prefix == (108, 255999) and gemma.image_suffix == (256000, 108)
