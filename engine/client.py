@@ -178,7 +178,7 @@ class Engine(EngineClient):
     def __init__(self, llm: Any, settings: EngineSettings | None = None, **fields: Any) -> None:
         settings = settings if settings is not None else EngineSettings(**fields)
         self.core = EngineCore(llm.runner, settings, self._receive_later)
-        super().__init__(LocalLink(self.core), self.core.limits, llm.tokenizer, llm.encode_prompt, settings.max_queue)
+        super().__init__(LocalLink(self.core), self.core.limits, llm.tokenizer, text_prompts(llm), settings.max_queue)
 
     @classmethod
     def of_runner(cls, runner: Any, settings: EngineSettings) -> Engine:
@@ -207,6 +207,23 @@ class Engine(EngineClient):
         """Requests added inside start together, in one step."""
         with self.core.paused():
             yield
+
+
+def text_prompts(llm: Any) -> Callable[[Any], list[int]]:
+    """llm.encode_prompt, refusing a prompt that marks an image (the batching engine does not take images yet)
+    rather than running the placeholder as text."""
+    vision = getattr(llm, "vision", None)
+    if vision is None:
+        return llm.encode_prompt
+
+    def encode(prompt: Any) -> list[int]:
+        ids = llm.encode_prompt(prompt)
+        if vision.args.placeholder_id in ids:
+            raise ValueError(f"the prompt holds image placeholders (token {vision.args.placeholder_id}), but the "
+                             f"batching engine does not take images yet; use LLM.generate(prompt, images=[...])")
+        return ids
+
+    return encode
 
 
 @dataclass

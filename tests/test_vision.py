@@ -237,3 +237,10 @@ def test_the_cli_takes_image_files(multimodal_llm, multimodal_checkpoint, tmp_pa
     assert main([*flags, "--prompt", prompt, "--image", str(tmp_path / "missing.png")]) != 0
     err = capsys.readouterr().err
     assert "missing.png does not exist" in err and err.count("\n") == 1
+
+
+def test_the_batching_engine_refuses_image_placeholders(multimodal_llm):
+    """Until the engine takes images, a prompt marking one is refused rather than run as text."""
+    family, _, _, llm = multimodal_llm
+    with pytest.raises(ValueError, match="does not take images yet"):
+        llm.generate_batch([prompt_ids(family, 1)], max_new_tokens=2)
