@@ -25,7 +25,7 @@ from PIL import Image
 from torch import Tensor
 
 from redline.images import fitted_size, image_patches, tile_pixels
-from redline.model import PromptImages, rms_norm
+from redline.model import PromptImages, RMSNorm
 from redline.rope import apply_rope
 
 VISION_FAMILIES = ("gemma3", "qwen2_5_vl")
@@ -212,17 +212,14 @@ class Gemma3Projector(nn.Module):
         super().__init__()
         self.per_side = args.image_size // args.patch_size
         self.pool = self.per_side // round(args.tokens_per_image ** 0.5)
-        self.eps = args.norm_eps
         self.mm_input_projection_weight = nn.Parameter(torch.zeros(args.dim, args.out_dim))  # (dim, out_dim)
-        self.mm_soft_emb_norm = nn.Module()
-        self.mm_soft_emb_norm.weight = nn.Parameter(torch.zeros(args.dim))
+        self.mm_soft_emb_norm = RMSNorm(args.dim, args.norm_eps, offset=1.0, scale_fp32=True)
 
     def forward(self, x: Tensor) -> Tensor:
         batch, _, dim = x.shape
         grid = x.transpose(1, 2).reshape(batch, dim, self.per_side, self.per_side)  # (B, dim, s, s)
         pooled = F.avg_pool2d(grid, self.pool).flatten(2).transpose(1, 2)  # (B, tokens, dim)
-        normed = rms_norm(pooled, self.mm_soft_emb_norm.weight, self.eps, offset=1.0, scale_fp32=True)
-        return (normed @ self.mm_input_projection_weight).type_as(x)  # (B, tokens, out_dim)
+        return (self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight).type_as(x)  # (B, tokens, out_dim)
 
 
 class Gemma3Vision(nn.Module):
@@ -280,17 +277,14 @@ class QwenVisionMLP(nn.Module):
 class QwenVisionBlock(nn.Module):
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
-        self.eps = args.norm_eps
-        self.norm1 = nn.Module()
-        self.norm1.weight = nn.Parameter(torch.ones(args.dim))
+        self.norm1 = RMSNorm(args.dim, args.norm_eps)
         self.attn = QwenVisionAttention(args)
-        self.norm2 = nn.Module()
-        self.norm2.weight = nn.Parameter(torch.ones(args.dim))
+        self.norm2 = RMSNorm(args.dim, args.norm_eps)
         self.mlp = QwenVisionMLP(args)
 
     def forward(self, x: Tensor, rope: Tensor, mask: Tensor) -> Tensor:
-        x = x + self.attn(rms_norm(x, self.norm1.weight, self.eps), rope, mask)
-        return x + self.mlp(rms_norm(x, self.norm2.weight, self.eps))
+        x = x + self.attn(self.norm1(x), rope, mask)
+        return x + self.mlp(self.norm2(x))
 
 
 class QwenPatchMerger(nn.Module):
@@ -299,13 +293,12 @@ class QwenPatchMerger(nn.Module):
 
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
-        self.eps, self.merged = args.norm_eps, args.dim * args.merge_size ** 2
-        self.ln_q = nn.Module()
-        self.ln_q.weight = nn.Parameter(torch.ones(args.dim))
+        self.merged = args.dim * args.merge_size ** 2
+        self.ln_q = RMSNorm(args.dim, args.norm_eps)
         self.mlp = nn.Sequential(nn.Linear(self.merged, self.merged), nn.GELU(), nn.Linear(self.merged, args.out_dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.mlp(rms_norm(x, self.ln_q.weight, self.eps).view(-1, self.merged))  # (P / m^2, out_dim)
+        return self.mlp(self.ln_q(x).view(-1, self.merged))  # (P / m^2, out_dim)
 
 
 class QwenVision(nn.Module):
