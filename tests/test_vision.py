@@ -244,3 +244,28 @@ def test_the_batching_engine_refuses_image_placeholders(multimodal_llm):
     family, _, _, llm = multimodal_llm
     with pytest.raises(ValueError, match="does not take images yet"):
         llm.generate_batch([prompt_ids(family, 1)], max_new_tokens=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_gpu_kernels_and_compile_give_transformers_greedy_tokens(multimodal_checkpoint, n_images):
+    """On a GPU: the tower there, the prefill through the kernel attention (Gemma's image mask through model.py's
+    masked path), compiled fused decode steps after it; fp32 throughout, against transformers on the CPU."""
+    from redline.generate import LLM
+    from redline.vision import prompt_images
+
+    family, _, hf_model, processor, path = multimodal_checkpoint
+    llm = LLM.load(path, device="cuda", dtype="float32", compile=True)
+    assert llm.kernels and next(llm.vision.parameters()).is_cuda
+    images, prompt = PICTURES[:n_images], prompt_ids(family, n_images)
+    ours = llm.generate(prompt, images=images, max_new_tokens=8, temperature=0.0, ignore_eos=True).token_ids
+    with torch.inference_mode():
+        ids, _ = prompt_images(multimodal_llm_cpu_tower(path), prompt, images)
+        want = hf_model.generate(**hf_inputs(family, processor, ids, images), max_new_tokens=8, do_sample=False)
+    assert ours == want[0, len(ids):].tolist()
+
+
+def multimodal_llm_cpu_tower(path):
+    from redline.vision import load_vision_tower
+
+    return load_vision_tower(path, "cpu", torch.float32)
