@@ -177,10 +177,13 @@ class LLM:
             pass
         return stream.result
 
-    def stream_chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None, *,
+    def stream_chat(self, messages: Sequence[Mapping[str, Any]], options: GenerationOptions | None = None, *,
                     images: Sequence[Any] | None = None, **settings: Any) -> Stream:
         options = resolve_options(options, settings)
-        ids, media = self.with_images(self.chat_prompt(messages), images, options)
+        messages, in_parts = split_image_parts(messages)
+        if in_parts and images:
+            raise ValueError("give the images as content parts or as images=, not both")
+        ids, media = self.with_images(self.chat_prompt(messages), in_parts or images, options)
         speculative.Speculator.for_options(self, options)
         room = self.context_left(len(ids))
         if room < self.chat_reply_room(options.max_new_tokens):
@@ -188,7 +191,7 @@ class LLM:
                              f"and leaves {room} for the reply; drop older turns (LLM.fit_chat does)")
         return Stream(self.lock, lambda: self._pieces(ids, options, media))
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         return self.prompts.chat_prompt(messages)
 
     def context_left(self, prompt_len: int) -> int:
@@ -328,6 +331,30 @@ class LLM:
         from redline.engine.client import generate_all
 
         return generate_all(self.engine, prompts, options, settings)
+
+
+def split_image_parts(messages: Any) -> tuple[Any, list[Any]]:
+    """Messages whose content lists {"type": "image", "image": PIL image or bytes} parts -> the same messages with
+    those parts as {"type": "image"} (what chat templates render as the model's placeholder), and the images in
+    order. Anything else is returned as it is, for chat_prompt to check."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return messages, []
+    images: list[Any] = []
+    out = []
+    for m in messages:
+        if isinstance(m, Mapping) and isinstance(m.get("content"), list):
+            parts = []
+            for part in m["content"]:
+                if isinstance(part, Mapping) and part.get("type") == "image":
+                    if "image" not in part:
+                        raise ValueError("an image part needs its picture: {'type': 'image', 'image': PIL image or "
+                                         "bytes}")
+                    images.append(part["image"])
+                    part = {"type": "image"}
+                parts.append(part)
+            m = {**m, "content": parts}
+        out.append(m)
+    return out, images
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -40,15 +40,19 @@ class Prompts:
             raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{self.vocab_size - 1})")
         return ids
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The prompt ids of a conversation; a message's content is text, or a list of text parts and {"type":
+        "image"} parts (generate.split_image_parts), which a multimodal chat template renders as placeholders."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot chat")
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, m in enumerate(messages):
-            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), (str, list))):
                 raise ValueError(f"message {i} must be a dict with str 'role' and 'content', got {m!r}")
-            check_text(m["content"], f"message {i}")
+            for text in [m["content"]] if isinstance(m["content"], str) else content_texts(m["content"], i):
+                check_text(text, f"message {i}")
         return self._in_vocabulary(list(self.tokenizer.apply_chat_template([dict(m) for m in messages],
                                                                            add_generation_prompt=True)))
 
@@ -74,3 +78,15 @@ class Prompts:
                 turns = turns[1:]
         raise ValueError(f"the last message is too long for the model's context of {self.block_size} "
                          f"tokens with {room} left for the reply; shorten it")
+
+
+def content_texts(parts: list[Any], index: int) -> list[str]:
+    """The texts of a message's content parts; ValueError for a part that is neither text nor an image."""
+    texts = []
+    for part in parts:
+        if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif not (isinstance(part, Mapping) and part.get("type") == "image"):
+            raise ValueError(f"message {index}: each content part must be {{'type': 'text', 'text': str}} or "
+                             f"{{'type': 'image', 'image': ...}}, got {part!r}")
+    return texts

@@ -140,8 +140,9 @@ class Tokenizer:
         return ids
 
     def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The checkpoint's chat template rendered for `messages`, as transformers renders it."""
-        _check_messages(messages)
+        """The checkpoint's chat template rendered for `messages`, as transformers renders it; a message's content
+        may be a list of parts ({"type": "text", "text": ...}, {"type": "image"}), which multimodal templates take."""
+        _check_messages(messages, parts=True)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; add chat_template.jinja beside the checkpoint")
         from redline.templates import render_chat_template
@@ -204,11 +205,14 @@ class Tokenizer:
         return ids + header("assistant") if add_generation_prompt else ids
 
 
-def _check_messages(messages: list[dict[str, Any]]) -> None:
+def _check_messages(messages: list[dict[str, Any]], parts: bool = False) -> None:
+    """Each message a dict with a known role and str content (or, with `parts`, a list of typed part dicts)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("a chat prompt needs a non-empty list of {'role': ..., 'content': ...} messages.")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        content = m.get("content") if isinstance(m, dict) else None
+        typed = parts and isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content)
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (isinstance(content, str) or typed):
             raise ValueError(
                 f"Message {i} must be a dict with 'role' in {ROLES} and a str 'content'; got {m!r}."
             )

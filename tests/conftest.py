@@ -530,4 +530,13 @@ def multimodal_checkpoint(request, tmp_path_factory):
     processor.save_pretrained(hf_dir)
     specials = {0: "<pad>", 1: "<eos>", 2: "<bos>", 300: "<start>", 301: "<end>", 302: "<image>", 303: "<video>"}
     save_word_tokenizer(hf_dir, 512, {**specials, MULTIMODAL_NEWLINES: "\n\n"})
+    (hf_dir / "chat_template.jinja").write_text(MULTIMODAL_CHAT_TEMPLATE.replace(
+        "IMAGE", "<start>" if family == "gemma3" else "<start> <image> <end>"), encoding="utf-8")
     return family, hf_dir, model, processor, convert_hf_checkpoint(hf_dir, dtype="float32")
+
+
+# Each image part rendered as the family's placeholder, as Gemma 3's and Qwen2.5-VL's own templates do.
+MULTIMODAL_CHAT_TEMPLATE = (
+    "{% for m in messages %}w5 {% if m.content is string %}{{ m.content }} {% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}IMAGE {% else %}{{ p.text }} {% endif %}{% endfor %}{% endif %}w6 {% endfor %}"
+    "{% if add_generation_prompt %}w7{% endif %}")

@@ -269,3 +269,20 @@ def multimodal_llm_cpu_tower(path):
     from redline.vision import load_vision_tower
 
     return load_vision_tower(path, "cpu", torch.float32)
+
+
+def test_chat_takes_image_parts(multimodal_llm):
+    """Content parts {"type": "image", "image": ...} go through the chat template as the family's placeholder."""
+    family, _, _, llm = multimodal_llm
+    parts = [{"type": "text", "text": "w17 w45"}, {"type": "image", "image": PICTURES[1]},
+             {"type": "text", "text": "w60"}, {"type": "image", "image": PICTURES[0]}]
+    reply = llm.chat([{"role": "user", "content": parts}], max_new_tokens=4, ignore_eos=True)
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "w17 w45 " + " w60 ".join(
+        ["<start>" if family == "gemma3" else "<start> <image> <end>"] * 2)}])
+    assert ids.count(placeholder(family)) == 2
+    want = llm.generate(ids, images=[PICTURES[1], PICTURES[0]], max_new_tokens=4, ignore_eos=True)
+    assert reply.token_ids == want.token_ids
+    with pytest.raises(ValueError, match="not both"):
+        llm.chat([{"role": "user", "content": parts}], images=PICTURES, max_new_tokens=2)
+    with pytest.raises(ValueError, match="each content part must be"):
+        llm.chat([{"role": "user", "content": [{"type": "audio"}]}], max_new_tokens=2)
