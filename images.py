@@ -36,7 +36,8 @@ def open_image(data: bytes) -> Image.Image:
     if not isinstance(data, (bytes, bytearray)):
         raise ValueError(f"an image must be given as bytes, got {type(data).__name__}")
     if len(data) > MAX_IMAGE_BYTES:
-        raise ValueError(f"the image has {len(data)} bytes, more than the {MAX_IMAGE_BYTES} allowed; send a smaller one")
+        raise ValueError(f"the image has {len(data)} bytes, more than the {MAX_IMAGE_BYTES} allowed; send a smaller "
+                         f"one")
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except UnidentifiedImageError:
@@ -109,7 +110,8 @@ def fitted_size(height: int, width: int, factor: int, min_pixels: int, max_pixel
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), max(factor, math.floor(width / beta / factor) * factor)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
     elif h * w < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
         h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor

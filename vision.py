@@ -408,7 +408,8 @@ def prompt_images(tower: VisionTower, ids: list[int], images: list[Image.Image])
         out.extend(a.image_suffix)
         image += 1
     device = embeds[0].device if embeds else torch.device("cpu")
-    slots = torch.cat([torch.arange(s, s + n) for s, n in runs]).to(device) if runs else torch.empty(0, dtype=torch.long)
+    slots = torch.cat([torch.arange(s, s + n) for s, n in runs]) if runs else torch.empty(0, dtype=torch.long)
+    slots = slots.to(device)  # (N,)
     joined = torch.cat(embeds) if embeds else torch.empty(0, a.out_dim)
     if a.family == "gemma3":
         groups = torch.full((len(out),), -1, dtype=torch.long)

@@ -39,8 +39,8 @@ PUBLISHED_CONFIGS: dict[str, dict[str, Any]] = {
         architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", boi_token_index=255999,
         eoi_token_index=256000, image_token_index=262144, mm_tokens_per_image=256,
         text_config=dict(hidden_size=3840, intermediate_size=15360, model_type="gemma3_text", num_attention_heads=16,
-                         num_hidden_layers=48, num_key_value_heads=8, rope_scaling={"factor": 8.0, "rope_type": "linear"},
-                         sliding_window=1024),
+                         num_hidden_layers=48, num_key_value_heads=8, sliding_window=1024,
+                         rope_scaling={"factor": 8.0, "rope_type": "linear"}),
         vision_config=dict(hidden_size=1152, image_size=896, intermediate_size=4304, num_attention_heads=16,
                            num_hidden_layers=27, patch_size=14, vision_use_head=False)),
 }

@@ -411,7 +411,8 @@ def vision_args_from_hf_config(config: Any, processor: dict[str, Any] | None = N
     act = _hf_field(vision, "hidden_act", str, "silu", where)
     if act != "silu":
         raise ValueError(f"{where} hidden_act {act!r} is not implemented for Qwen2.5-VL's tower (silu)")
-    patch, merge = _hf_field(vision, "patch_size", int, 14, where), _hf_field(vision, "spatial_merge_size", int, 2, where)
+    patch = _hf_field(vision, "patch_size", int, 14, where)
+    merge = _hf_field(vision, "spatial_merge_size", int, 2, where)
     frames = _hf_field(vision, "temporal_patch_size", int, 2, where)
     for key, own in (("patch_size", patch), ("merge_size", merge), ("temporal_patch_size", frames)):
         if processor.get(key, own) != own:
@@ -444,7 +445,9 @@ def _image_processing(processor: dict[str, Any], kind: type, mean: tuple, std: t
         if processor.get(key, True) is not True:
             raise ValueError(f"preprocessor_config.json sets {key}={processor[key]!r}; Redline always does that step")
     if processor.get("do_pan_and_scan"):
-        raise ValueError("preprocessor_config.json turns on pan and scan, which Redline does not implement; turn it off")
-    return kind(image_mean=tuple(processor.get("image_mean") or mean), image_std=tuple(processor.get("image_std") or std),
+        raise ValueError("preprocessor_config.json turns on pan and scan, which Redline does not implement; turn it "
+                         "off")
+    return kind(image_mean=tuple(processor.get("image_mean") or mean),
+                image_std=tuple(processor.get("image_std") or std),
                 rescale_factor=_hf_field(processor, "rescale_factor", float, 1 / 255, "preprocessor_config.json"),
                 resample=processor.get("resample", resample), **sizes)

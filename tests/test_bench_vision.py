@@ -14,7 +14,8 @@ def test_the_benchmark_times_each_stage(family, tmp_path, monkeypatch):
                 num_key_value_heads=2, vocab_size=3000, max_position_embeddings=512)
     if family == "gemma3":
         config = dict(architectures=["Gemma3ForConditionalGeneration"], boi_token_index=2900, eoi_token_index=2901,
-                      image_token_index=2902, mm_tokens_per_image=4, text_config=dict(tiny, head_dim=16, sliding_window=8),
+                      image_token_index=2902, mm_tokens_per_image=4,
+                      text_config=dict(tiny, head_dim=16, sliding_window=8),
                       vision_config=dict(hidden_size=32, image_size=56, intermediate_size=48, num_attention_heads=2,
                                          num_hidden_layers=1, patch_size=14))
     else:

@@ -178,7 +178,8 @@ def test_published_multimodal_configs_read_as_their_shapes():
     assert qwen == ModelArgs(**{**ModelArgs.from_name("Qwen2.5-7B").to_dict(), "mrope_sections": (16, 24, 24),
                                 "block_size": 128000})
     tower = vision_args_from_hf_config(QWEN2_5_VL_7B, None, None)
-    assert (tower.dim, tower.n_layer, tower.n_head, tower.intermediate_size, tower.out_dim) == (1280, 32, 16, 3420, 3584)
+    shapes = (tower.dim, tower.n_layer, tower.n_head, tower.intermediate_size, tower.out_dim)
+    assert shapes == (1280, 32, 16, 3420, 3584)
     assert tower.full_attention_layers == (7, 15, 23, 31) and tower.window_size == 112
     assert tower.processing.resample == 3 and tower.processing.max_pixels == 28 * 28 * 1280
     assert args_from_hf_config(GEMMA3_12B) == ModelArgs.from_name("Gemma-3-12B")  # transformers' defaults filled in
