@@ -36,6 +36,7 @@ from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, checkpo
                                 read_checkpoint_info, resolve_checkpoint_path, run_cli, save_checkpoint)
 from redline.model import ModelArgs, MoEFeedForward, Transformer
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
+from redline.vision import check_vision_copy, copy_vision_file
 
 QUANT_MODES = ("int8", "int4")
 INT8_MAX = 127
@@ -464,11 +465,15 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
     suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
     out_path = Path(out) if out is not None else default_quantized_path(info.path, suffix)
     check_checkpoint_output(out_path, checkpoint_inputs(info.path), overwrite)
+    tower = check_vision_copy(info.path, out_path, overwrite)  # a multimodal checkpoint's tower goes along
     tokenizer_files_to_copy(info.path.parent, out_path.parent, overwrite, [info.path])
     tensors = quantize_state_dict(load_tensors(info), info.args.n_layer, info.args.tie_word_embeddings, mode,
                                   quantization.get("group_size", DEFAULT_GROUP_SIZE), sparse_layers(info.args))
     new_info = CheckpointInfo(path=out_path, args=info.args, dtype=info.dtype, quantization=quantization)
-    return save_checkpoint(out_path, tensors, new_info)
+    path = save_checkpoint(out_path, tensors, new_info)
+    if tower is not None:
+        copy_vision_file(info.path, out_path)
+    return path
 
 
 def parse_args(argv: list[str] | None) -> QuantizeArgs:

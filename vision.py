@@ -460,6 +460,37 @@ def vision_path(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name.removesuffix(".safetensors") + VISION_SUFFIX)
 
 
+def is_vision_file(path: Path) -> bool:
+    """Whether `path` is a vision file a conversion wrote (and --overwrite may replace)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return "redline_vision" in (f.metadata() or {})
+    except (SafetensorError, OSError, ValueError):
+        return False
+
+
+def check_vision_copy(source: Path, target: Path, overwrite: bool) -> Path | None:
+    """Before a command writes the checkpoint `target` from `source`: where source's vision file must be copied
+    (vision_path(target)), checked as an output; None when source has none."""
+    from redline.outputs import check_output
+
+    if not vision_path(source).is_file():
+        return None
+    check_output(vision_path(target), [source, vision_path(source)], "--out", overwrite=overwrite,
+                 replaceable=is_vision_file, kind="Redline vision file")
+    return vision_path(target)
+
+
+def copy_vision_file(source: Path, target: Path) -> None:
+    """source's vision file copied beside the checkpoint `target`, atomically (the tower is never quantized)."""
+    from redline.checkpoint import write_atomically
+
+    data = vision_path(source).read_bytes()
+    write_atomically(vision_path(target), lambda tmp: tmp.write_bytes(data))
+
+
 def load_vision_tower(checkpoint: Path, device: torch.device | str, dtype: torch.dtype) -> VisionTower | None:
     """The tower stored beside a checkpoint file, in dtype on device; None when the checkpoint has none."""
     from safetensors import SafetensorError, safe_open

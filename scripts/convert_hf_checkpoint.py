@@ -31,7 +31,7 @@ from redline.scripts.hf_config import (MULTIMODAL_TEXT_FAMILIES, args_from_hf_co
 from redline.scripts.hf_int4 import (Int4Source, fold_act_order, int4_source, read_int4_modules, redline_group_size,
                                      redline_parts, side_quantization_config)
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
-from redline.vision import VisionArgs, vision_path, vision_tower
+from redline.vision import VisionArgs, is_vision_file, vision_path, vision_tower
 
 DEFAULT_OUT_NAME = "model.redline.safetensors"
 # HF buffers that are recomputed, not weights.
@@ -435,15 +435,6 @@ def write_vision_file(path: Path, args: VisionArgs, tower: dict[str, torch.Tenso
     meta = {"redline_vision": json.dumps(args.to_dict()), "dtype": str(dtype).removeprefix("torch.")}
     write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, meta))
     return path
-
-
-def is_vision_file(path: Path) -> bool:
-    """Whether `path` is a vision file an earlier conversion wrote (and --overwrite may replace)."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            return "redline_vision" in (f.metadata() or {})
-    except (SafetensorError, OSError, ValueError):
-        return False
 
 
 def quantized_target(name: str, args: ModelArgs) -> bool:

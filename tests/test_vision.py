@@ -287,3 +287,18 @@ def test_chat_takes_image_parts(multimodal_llm):
         llm.chat([{"role": "user", "content": parts}], images=PICTURES, max_new_tokens=2)
     with pytest.raises(ValueError, match="each content part must be"):
         llm.chat([{"role": "user", "content": [{"type": "audio"}]}], max_new_tokens=2)
+
+
+def test_quantizing_keeps_the_tower_beside_the_copy(multimodal_checkpoint):
+    """quantize.py writes the text model quantized and copies the tower (never quantized) beside it."""
+    from redline.generate import LLM
+    from redline.quantize import quantize_checkpoint
+    from redline.vision import vision_path
+
+    family, _, _, _, path = multimodal_checkpoint
+    out = quantize_checkpoint(path, "int8")  # beside the input, with its tokenizer
+    assert vision_path(out).read_bytes() == vision_path(path).read_bytes()
+    llm = LLM.load(out, device="cpu", compile=False)
+    assert llm.generate(prompt_ids(family, 1), images=PICTURES[:1], max_new_tokens=2, ignore_eos=True).token_ids
+    with pytest.raises(ValueError, match="exists; pass --overwrite"):
+        quantize_checkpoint(path, "int8")
