@@ -482,7 +482,7 @@ def multimodal_hf_model(family: str, seed: int = 0):
         config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=9,
                                            attn_implementation="eager", **MULTIMODAL_TOKENS[family])
         model = transformers.Gemma3ForConditionalGeneration(config)
-        processor = transformers.Gemma3ImageProcessorPil(size={"height": 84, "width": 84})
+        processor = pil_image_processor("Gemma3")(size={"height": 84, "width": 84})
     else:
         text = dict(base, num_hidden_layers=3, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                                                  "mrope_section": [4, 2, 2]})
@@ -491,7 +491,7 @@ def multimodal_hf_model(family: str, seed: int = 0):
         config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, attn_implementation="eager",
                                                **MULTIMODAL_TOKENS[family])
         model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-        processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16)
+        processor = pil_image_processor("Qwen2VL")(min_pixels=56 * 56, max_pixels=28 * 28 * 16)
     gemma_norms = ("language_model", "mm_soft_emb_norm")  # Gemma's norms scale by 1 + w
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -503,6 +503,14 @@ def multimodal_hf_model(family: str, seed: int = 0):
                 p.normal_(0.0, p[0].numel() ** -0.5)
     model.generation_config.eos_token_id = None  # compare fixed-length continuations
     return model.eval(), processor
+
+
+def pil_image_processor(family: str):
+    """transformers' Pillow image processor class of a family (FamilyImageProcessorPil since transformers 5.2x; the
+    plain FamilyImageProcessor, Pillow-based, before it)."""
+    import transformers
+
+    return getattr(transformers, f"{family}ImageProcessorPil", None) or getattr(transformers, f"{family}ImageProcessor")
 
 
 def save_word_tokenizer(out_dir: Path, vocab_size: int, specials: dict[int, str]) -> None:

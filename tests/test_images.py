@@ -17,6 +17,8 @@ from redline.vision import ImageProcessing
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import pil_image_processor  # noqa: E402
+
 
 def photo(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed)
@@ -34,7 +36,7 @@ def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
 @pytest.mark.parametrize("size", [(896, 896), (640, 480), (37, 1200)])
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L"])
 def test_gemma_tiles_equal_its_image_processor(size, mode):
-    processor = transformers.Gemma3ImageProcessorPil(size={"height": 896, "width": 896})
+    processor = pil_image_processor("Gemma3")(size={"height": 896, "width": 896})
     image = photo(*size, mode=mode)
     want = processor(images=[image], return_tensors="pt")["pixel_values"][0]
     got = tile_pixels(image, ImageProcessing(tile_size=896, resample=processor.resample))
@@ -44,7 +46,7 @@ def test_gemma_tiles_equal_its_image_processor(size, mode):
 
 @pytest.mark.parametrize("size", [(640, 480), (28, 28), (1000, 3000), (4000, 3000), (57, 29)])
 def test_qwen_patches_equal_its_image_processor(size):
-    processor = transformers.Qwen2VLImageProcessorPil()
+    processor = pil_image_processor("Qwen2VL")()
     settings = ImageProcessing(image_mean=processor.image_mean, image_std=processor.image_std, resample=3,
                                patch_size=14, merge_size=2, temporal_patch_size=2,
                                min_pixels=processor.size["shortest_edge"], max_pixels=processor.size["longest_edge"])
