@@ -166,7 +166,7 @@ class LLM:
         pictures = [image if isinstance(image, Image.Image) else open_image(image) for image in images]
         with torch.inference_mode():
             expanded, media = prompt_images(self.vision, ids, pictures)
-        return self._in_vocabulary(expanded), media
+        return self.prompts.encode_prompt(expanded), media  # ids checked against the vocabulary
 
     def chat(self, messages: Sequence[Mapping[str, str]], options: GenerationOptions | None = None, *,
              images: Sequence[Any] | None = None, **settings: Any) -> GenerationResult:
