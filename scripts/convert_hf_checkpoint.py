@@ -364,79 +364,6 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     return path
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The vision tower of a multimodal checkpoint (vision.py): its own file, written after the language model's.
-
-# HF vision tensor prefixes -> the tower's own names (vision.Gemma3Vision, vision.QwenVision).
-VISION_PREFIXES = {"model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
-                   "model.multi_modal_projector.": "multi_modal_projector.",
-                   "multi_modal_projector.": "multi_modal_projector.", "model.visual.": "", "visual.": ""}
-# SigLIP's attention-pooling head, which Gemma 3 does not use (it reads the last hidden states).
-UNUSED_VISION_TENSORS = re.compile(r"vision_tower\.head\..+")
-
-
-def read_vision_config(checkpoint_dir: Path, config: dict) -> VisionArgs | None:
-    """The tower's VisionArgs from config.json, preprocessor_config.json (if present) and the tokenizer's "\n\n"
-    token (if tokenizer.json is present); None for a text-only family."""
-    if hf_family(config) not in MULTIMODAL_TEXT_FAMILIES:
-        return None
-    processor_path = checkpoint_dir / "preprocessor_config.json"
-    processor = None
-    if processor_path.is_file():
-        try:
-            processor = json.loads(processor_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{processor_path} is not valid JSON ({exc}); re-download it") from None
-    return vision_args_from_hf_config(config, processor, newline_token(checkpoint_dir))
-
-
-def newline_token(checkpoint_dir: Path) -> int | None:
-    """The id of "\n\n" in the folder's tokenizer.json vocabulary, or None."""
-    path = checkpoint_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
-    try:
-        vocab = json.loads(path.read_text(encoding="utf-8")).get("model", {}).get("vocab", {})
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-        return None
-    token = vocab.get("\n\n") if isinstance(vocab, dict) else None
-    return token if type(token) is int else None
-
-
-def vision_tensors(hf: dict[str, torch.Tensor], args: VisionArgs) -> dict[str, torch.Tensor]:
-    """The HF checkpoint's vision tensors under the tower's names, every one of them checked against the tower."""
-    out = {}
-    for name, tensor in hf.items():
-        prefix = next((p for p in VISION_PREFIXES if name.startswith(p)), None)
-        if prefix is None or not VISION_TENSORS.fullmatch(name):
-            continue
-        local = VISION_PREFIXES[prefix] + name[len(prefix):]
-        if UNUSED_VISION_TENSORS.fullmatch(local):
-            continue
-        if local == "patch_embed.proj.weight":  # Qwen's Conv3d with stride = kernel: a matrix over flat patches
-            local, tensor = "patch_embed.weight", tensor.flatten(1)
-        out[local] = tensor
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in vision_tower(args).state_dict().items()}
-    missing, unexpected = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"the vision tower's tensors do not match config.json's vision_config (missing "
-                         f"{missing[:3]}, unexpected {unexpected[:3]}); the weights do not belong to this config")
-    for name, shape in expected.items():
-        if tuple(out[name].shape) != shape or not out[name].is_floating_point():
-            raise ValueError(f"vision tensor {name} has shape {tuple(out[name].shape)} ({out[name].dtype}), but "
-                             f"config.json implies {shape} floats; the weights do not belong to this config")
-    return out
-
-
-def write_vision_file(path: Path, args: VisionArgs, tower: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
-    """The tower's tensors (vision_tensors) in dtype with VisionArgs in the metadata, written atomically."""
-    tensors = {name: t.to(dtype).contiguous() for name, t in tower.items()}
-    meta = {"redline_vision": json.dumps(args.to_dict()), "dtype": str(dtype).removeprefix("torch.")}
-    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, meta))
-    return path
-
-
 def quantized_target(name: str, args: ModelArgs) -> bool:
     """Whether the HF weight `name` goes into a linear that Redline's int4 checkpoint holds in int4: a projection
     inside the blocks or an expert (the output head is int4 only where the file has it so)."""
@@ -547,6 +474,79 @@ def map_int4_parts(parts: dict[str, tuple[torch.Tensor, torch.Tensor]],
     for target, pieces in experts.items():
         out[target] = tuple(stacked_experts(target, {key: p[i] for key, p in pieces.items()}, args) for i in range(2))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The vision tower of a multimodal checkpoint (vision.py): its own file, written after the language model's.
+
+# HF vision tensor prefixes -> the tower's own names (vision.Gemma3Vision, vision.QwenVision).
+VISION_PREFIXES = {"model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                   "model.multi_modal_projector.": "multi_modal_projector.",
+                   "multi_modal_projector.": "multi_modal_projector.", "model.visual.": "", "visual.": ""}
+# SigLIP's attention-pooling head, which Gemma 3 does not use (it reads the last hidden states).
+UNUSED_VISION_TENSORS = re.compile(r"vision_tower\.head\..+")
+
+
+def read_vision_config(checkpoint_dir: Path, config: dict) -> VisionArgs | None:
+    """The tower's VisionArgs from config.json, preprocessor_config.json (if present) and the tokenizer's "\n\n"
+    token (if tokenizer.json is present); None for a text-only family."""
+    if hf_family(config) not in MULTIMODAL_TEXT_FAMILIES:
+        return None
+    processor_path = checkpoint_dir / "preprocessor_config.json"
+    processor = None
+    if processor_path.is_file():
+        try:
+            processor = json.loads(processor_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{processor_path} is not valid JSON ({exc}); re-download it") from None
+    return vision_args_from_hf_config(config, processor, newline_token(checkpoint_dir))
+
+
+def newline_token(checkpoint_dir: Path) -> int | None:
+    """The id of "\n\n" in the folder's tokenizer.json vocabulary, or None."""
+    path = checkpoint_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8")).get("model", {}).get("vocab", {})
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return None
+    token = vocab.get("\n\n") if isinstance(vocab, dict) else None
+    return token if type(token) is int else None
+
+
+def vision_tensors(hf: dict[str, torch.Tensor], args: VisionArgs) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's vision tensors under the tower's names, every one of them checked against the tower."""
+    out = {}
+    for name, tensor in hf.items():
+        prefix = next((p for p in VISION_PREFIXES if name.startswith(p)), None)
+        if prefix is None or not VISION_TENSORS.fullmatch(name):
+            continue
+        local = VISION_PREFIXES[prefix] + name[len(prefix):]
+        if UNUSED_VISION_TENSORS.fullmatch(local):
+            continue
+        if local == "patch_embed.proj.weight":  # Qwen's Conv3d with stride = kernel: a matrix over flat patches
+            local, tensor = "patch_embed.weight", tensor.flatten(1)
+        out[local] = tensor
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in vision_tower(args).state_dict().items()}
+    missing, unexpected = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"the vision tower's tensors do not match config.json's vision_config (missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}); the weights do not belong to this config")
+    for name, shape in expected.items():
+        if tuple(out[name].shape) != shape or not out[name].is_floating_point():
+            raise ValueError(f"vision tensor {name} has shape {tuple(out[name].shape)} ({out[name].dtype}), but "
+                             f"config.json implies {shape} floats; the weights do not belong to this config")
+    return out
+
+
+def write_vision_file(path: Path, args: VisionArgs, tower: dict[str, torch.Tensor], dtype: torch.dtype) -> Path:
+    """The tower's tensors (vision_tensors) in dtype with VisionArgs in the metadata, written atomically."""
+    tensors = {name: t.to(dtype).contiguous() for name, t in tower.items()}
+    meta = {"redline_vision": json.dumps(args.to_dict()), "dtype": str(dtype).removeprefix("torch.")}
+    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, meta))
+    return path
 
 
 def parse_args(argv: list[str] | None) -> ConvertArgs:
