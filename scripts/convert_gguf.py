@@ -115,6 +115,10 @@ def read_gguf(path: Path) -> Any:
 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist; download it first")
+    try:  # every declared count bounded by the file's size, before the gguf reader loops over one
+        gguf_metadata.check_header(path)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     try:
         with warnings.catch_warnings(), np.errstate(over="ignore"):  # a wrapped offset is reported below, in one line
             warnings.simplefilter("ignore", RuntimeWarning)
