@@ -279,11 +279,11 @@ class LLM:
 
     @property
     def engine(self) -> Engine:
-        """This LLM's continuous-batching engine (engine.Engine), made on first use."""
+        """This LLM's continuous-batching engine (engine.Engine), made on first use and again after a shutdown."""
         from redline.engine import Engine
 
         with _ENGINE_LOCK:
-            if self.__dict__.get("_engine") is None:
+            if self.__dict__.get("_engine") is None or self._engine.closed:
                 self._engine = Engine(self, max_kv_tokens=self.max_kv_tokens)
             return self._engine
 

@@ -8,10 +8,12 @@ any thread.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -280,6 +282,9 @@ class EngineCore:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="redline-engine", daemon=True)
             self._thread.start()
+            # At interpreter exit (a return from main, sys.exit, an uncaught Ctrl-C) end the step in flight before
+            # torch's native state is torn down under the daemon thread (which aborts the process with SIGABRT).
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -513,3 +518,9 @@ class EngineCore:
             model_bytes_per_token=per_token,
             bandwidth_gb_s=decode * per_token / 1e9,  # each of its steps read the weights once
             peak_memory_gb=peak).as_dict()
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    core = ref()
+    if core is not None:
+        core.shutdown(timeout=0)
