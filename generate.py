@@ -29,8 +29,8 @@ from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, checkpoin
                                 read_checkpoint_info)
 from redline.checkpoint import run_cli as cli_main
 from redline.model import Transformer
-from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
-                     GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
+from redline.options import (DEFAULT_MAX_NEW_TOKENS, DTYPE_FOLDERS, EngineConfig,  # noqa: F401
+                     GenerationOptions, GenerationResult, GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
 from redline.outputs import check_output
 from redline.prompts import CHAT_REPLY_SHARE, Prompts  # noqa: F401
 from redline.profiling import ProfileConfig, TraceRecorder, is_trace_file
@@ -257,9 +257,14 @@ class LLM:
 
     @property
     def model_name(self) -> str:
+        """The name given at load, else the checkpoint's folder (the one above a dtype folder such as float32/, where
+        the demo and convert_gguf's outputs live), else "model"."""
         if self.name is not None:
             return self.name
-        return self.info.path.parent.name if self.info is not None else "model"
+        if self.info is None:
+            return "model"
+        folder = self.info.path.parent
+        return folder.parent.name if folder.name in DTYPE_FOLDERS and folder.parent.name else folder.name
 
     def _trace_stats(self, stats: GenerationStats) -> dict[str, Any]:
         out = {k: v for k, v in stats.as_dict().items() if v is not None}
@@ -440,7 +445,8 @@ def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any, dra
     """A conversation on stdin: the oldest turns are dropped (the system message kept) when it outgrows the context."""
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
     options = cfg.sample_options(0, draft)
-    print(f"chatting with {llm.model_name}; an empty line or EOF ends.", file=err)
+    where = f" ({llm.info.path})" if llm.info is not None else ""
+    print(f"chatting with {llm.model_name}{where}; an empty line or EOF ends.", file=err)
     while True:
         out.write("you> ")
         out.flush()

@@ -33,7 +33,8 @@ from redline.engine.messages import Ready
 from redline.engine.process import CoreProcess, ModelSource
 from redline.engine.requests import Limits, merged
 from redline.model import ModelArgs
-from redline.options import EngineConfig, check_text
+from redline.options import DTYPE_FOLDERS, EngineConfig, check_text
+from redline.outputs import OneLineArgumentParser
 from redline.prompts import Prompts
 from redline.serve_metrics import Metrics
 from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -99,7 +100,8 @@ class ServeSettings:
         if self.served_model_name or self.random_weights is not None:
             return self.served_model_name or self.random_weights
         path = Path(self.checkpoint_path)
-        return (path if path.is_dir() else path.parent).name
+        folder = path if path.is_dir() else path.parent
+        return folder.parent.name if folder.name in DTYPE_FOLDERS and folder.parent.name else folder.name
 
     def model_source(self, tokenizer_vocab: int | None) -> ModelSource:
         return ModelSource(str(self.checkpoint_path) if self.checkpoint_path is not None else None,
@@ -708,23 +710,25 @@ def cache_folder(value: str) -> Path | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> ServeSettings:
-    p = argparse.ArgumentParser(description="Serve a Redline checkpoint over the OpenAI API, with a chat page at /.")
-    p.add_argument("--checkpoint_path", "--checkpoint-path", type=Path, default=None)
+    p = OneLineArgumentParser(description="Serve a Redline checkpoint over the OpenAI API, with a chat page at /.")
+    p.add_argument("--checkpoint_path", "--checkpoint-path", type=Path, default=None,
+                   help="a Redline checkpoint (file or folder); `make demo-model` writes the demo's")
     p.add_argument("--random-weights", default=None, metavar="MODEL",
                    help="serve a registry model (e.g. Llama-3-8B) with random weights and no tokenizer, to benchmark")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("REDLINE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $REDLINE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its folder)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
-    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is this machine only")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY`; None means $REDLINE_API_KEY when set, else no key")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API; None means its folder")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N; None means cuda when available")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None means the checkpoint's")
+    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG; None keeps the weights")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA-graph decode steps (default: on for a GPU)")
+                   help="CUDA-graph decode steps; None means on for a GPU")
     engine = p.add_argument_group("engine", "how the engine core batches (defaults: EngineSettings')")
     engine.add_argument("--max-kv-tokens", type=int, default=SERVE_ENGINE.max_kv_tokens,
-                        help="KV cache size in tokens (default: from free memory)")
+                        help="KV cache size in tokens; None means from free GPU memory, or a few contexts on the "
+                             "CPU")
     engine.add_argument("--max-running", type=int, default=SERVE_ENGINE.max_running,
                         help="requests decoded together at most; decode graphs are made up to this many rows "
                              "(512: about 40 more graphs than 256)")
@@ -748,6 +752,8 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
                    help="seconds running requests get to finish after SIGTERM")
     ns = p.parse_args(argv)
+    if ns.api_key is None:
+        ns.api_key = os.environ.get("REDLINE_API_KEY")
     if ns.checkpoint_path is not None and not ns.checkpoint_path.exists():
         raise FileNotFoundError(f"{ns.checkpoint_path} does not exist; pass a Redline checkpoint (make demo-model "
                                 "writes checkpoints/smollm2/float32/model.safetensors)")

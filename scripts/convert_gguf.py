@@ -518,8 +518,8 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
 
 
 def parse_args(argv: list[str] | None) -> GGUFConvertArgs:
-    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file to convert (llama architecture)")
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file to convert (one of the architectures above)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output .safetensors file, the tokenizer files are written beside it; None means beside "
                              "the input, NAME.redline.safetensors")

@@ -465,7 +465,7 @@ def map_int4_parts(parts: dict[str, tuple[torch.Tensor, torch.Tensor]],
 
 
 def parse_args(argv: list[str] | None) -> ConvertArgs:
-    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint_dir", type=Path, required=True, help="HF checkpoint folder (config.json + weights)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"output file; None means CHECKPOINT_DIR/{DEFAULT_OUT_NAME}")
