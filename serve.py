@@ -44,6 +44,7 @@ from redline.streaming import TextStream
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still there
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
+PAGE_ICON = CHAT_PAGE.with_name("favicon.svg")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
                                            "style-src 'unsafe-inline'; connect-src 'self'"}
@@ -599,6 +600,12 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
     @app.get("/")
     async def page() -> Response:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)
+
+    @app.get("/favicon.svg")
+    @app.get("/favicon.ico")  # browsers ask for it whatever the page links; an SVG answers both
+    async def icon() -> Response:
+        return Response(PAGE_ICON.read_bytes(), media_type="image/svg+xml",
+                        headers={"Cache-Control": "max-age=86400"})
 
     return app
 
