@@ -84,6 +84,7 @@ class LLM:
     fuse = property(lambda self: self.runner.fuse)
     bytes_per_token = property(lambda self: self.runner.bytes_per_token)
     block_size = property(lambda self: self.runner.context_length)
+    vocab_size = property(lambda self: self.prompts.vocab_size)  # the embedding table's rows
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,

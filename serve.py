@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from redline import __version__
 from redline.engine import EngineClient, EngineSettings
 from redline.engine.core import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
 from redline.engine.messages import Ready
@@ -75,6 +76,8 @@ class ServeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests get this long to finish
     compile_cache: Path | None = DEFAULT_COMPILE_CACHE  # torch.compile's on-disk caches; None: torch's defaults
+    # Host names (besides this machine's loopback names) that requests may name in Host and Origin; "*" any.
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.checkpoint_path is None) == (self.random_weights is None):
@@ -85,6 +88,9 @@ class ServeSettings:
             raise ValueError("--api-key is empty; give a key or leave it out")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts or ()))
+        if not all(isinstance(h, str) and h and "/" not in h and " " not in h for h in self.allowed_hosts):
+            raise ValueError(f"--allowed-host takes host names (example.com, 10.0.0.5, *), got {self.allowed_hosts}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
@@ -153,6 +159,97 @@ def authorize(state: ServerState, request: Request) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
         raise APIError(401, "missing or wrong API key; send the header `Authorization: Bearer <key>`",
                        "authentication_error", code="invalid_api_key")
+
+
+# The names a browser uses for this machine: a loopback server answers requests naming only these (or the
+# configured --allowed-host names) in Host and Origin, so a web page on another site cannot reach it through DNS
+# rebinding or read its answers.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+# Content types a web page can send cross-site without a CORS preflight are refused (415): only JSON is an API body.
+JSON_CONTENT_TYPES = ("application/json",)
+
+
+def host_name(authority: str) -> str:
+    """The host of a Host header or an origin's authority, without its port: `[::1]:8000` -> `::1`."""
+    if authority.startswith("["):
+        return authority[1:].split("]", 1)[0].lower()
+    return authority.rsplit(":", 1)[0].lower() if authority.count(":") == 1 else authority.lower()
+
+
+class CrossSiteGuard:
+    """ASGI middleware refusing what a web page on another site could make a browser send here: a Host that is not
+    this server's (DNS rebinding; checked when it listens on loopback, where Host is known), an Origin of another
+    site, and POST bodies that are not JSON (a form or text/plain needs no preflight)."""
+
+    def __init__(self, app: Any, settings: ServeSettings) -> None:
+        self.app, self.settings = app, settings
+        self.loopback = settings.host in LOOPBACK_NAMES
+        self.names = {n.lower() for n in settings.allowed_hosts} | (set(LOOPBACK_NAMES) if self.loopback else set())
+
+    def allowed(self, name: str) -> bool:
+        return "*" in self.names or name in self.names
+
+    def problem(self, scope: dict[str, Any]) -> APIError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = host_name(headers.get("host", ""))
+        if self.loopback and not self.allowed(host):
+            return APIError(403, f"the Host {headers.get('host', '')!r} is not this server's; a page on another "
+                                 "site cannot use it (start the server with --allowed-host NAME to allow a name)",
+                            "invalid_request_error", code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin is not None:
+            scheme, _, authority = origin.partition("://")
+            name = host_name(authority)
+            if not (scheme in ("http", "https") and (name == host or self.allowed(name))):
+                return APIError(403, f"requests from the web origin {origin!r} are refused (start the server with "
+                                     "--allowed-host NAME to allow a site)", "invalid_request_error",
+                                code="origin_not_allowed")
+        if scope.get("method") == "POST":
+            kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if kind not in JSON_CONTENT_TYPES:
+                return APIError(415, f"the body must be JSON, sent with `Content-Type: application/json` (got "
+                                     f"{kind or 'none'!r})", "invalid_request_error", code="unsupported_media_type")
+        return None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            error = self.problem(scope)
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# Bodies past this size are parsed in a worker thread (pydantic's walk of megabytes would stall the event loop).
+PARSE_IN_THREAD_BYTES = 64 * 1024
+# The model behind the answers: this build of Redline (OpenAI's field; it changes when the serving code does).
+SYSTEM_FINGERPRINT = f"redline-{__version__}"
+
+
+async def parse_body(model: type, request: Request, limit: int) -> Any:
+    """The request model of a JSON body, parsed off the event loop when large."""
+    body = await read_body(request, limit)
+    if len(body) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_request, model, body)
+    return parse_request(model, body)
+
+
+def check_queue_room(engine: Any, count: int) -> None:
+    """A 429 before any of a call's `count` engine requests is queued when they would not all fit, so a refused
+    call (n choices, many prompts) leaves nothing behind to crowd out other clients."""
+    room = engine.queue_room()
+    if room is not None and count > room:
+        raise APIError(429, f"the server's queue is full (room for {max(room, 0)} more requests, this call needs "
+                            f"{count}); retry later", "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"})
+
+
+def ignored_header(req: Any) -> dict[str, str]:
+    """A Warning header naming the accepted-and-ignored parameters the request set (serve_protocol.py's list)."""
+    ignored = req.ignored
+    if not ignored:
+        return {}
+    return {"Warning": f'299 redline "ignored parameters: {", ".join(ignored)} (no effect on a local server)"'}
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -354,24 +451,27 @@ def chat_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs: list
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
     llm, engine = state.ready()
-    req = parse_request(ChatRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(ChatRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
+    check_queue_room(engine, req.n)
     try:
         ids = await asyncio.to_thread(llm.chat_prompt, req.message_dicts())  # a long prompt never stalls the loop
     except ValueError as exc:
         raise invalid(str(exc), "messages") from None
-    options = req.options(context_room(llm, ids, req.max_new, "messages"), logprobs=req.logprobs,
-                          top_logprobs=req.top_logprobs or 0)
+    options = req.options(context_room(llm, ids, req.max_new, "messages"), llm.vocab_size,
+                          logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
     run = Run(state, request, submit(engine, [(ids, o) for o in req.seeded(options)]), req.n)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name}
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
     if req.stream:
         return StreamingResponse(chat_events(run, req, base, llm.tokenizer), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers={**SSE_HEADERS, **ignored_header(req)})
     choices = await run.gather()
     return JSONResponse({**base, "object": "chat.completion", "choices": [
         {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
          "logprobs": chat_logprobs(llm.tokenizer, c, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
-         "finish_reason": finish_reason(c)} for i, c in enumerate(choices)], "usage": run.usage()})
+         "finish_reason": finish_reason(c)} for i, c in enumerate(choices)], "usage": run.usage()},
+        headers=ignored_header(req))
 
 
 async def chat_events(run: Run, req: ChatRequest, base: dict[str, Any], tokenizer: Any) -> AsyncIterator[str]:
@@ -423,32 +523,42 @@ def completion_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def completion_prompts(llm: Any, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt: text tokenized, token ids checked, and decoded for echo. Runs in a worker thread:
+    a body of millions of tokens must not stall the event loop (every stream and /health)."""
+    out = []
+    for p in req.prompts():
+        try:
+            ids = llm.encode_prompt(p)
+        except ValueError as exc:
+            raise invalid(str(exc), "prompt") from None
+        text = p if isinstance(p, str) else (llm.tokenizer.decode(ids) if req.echo and llm.tokenizer else "")
+        out.append((text, ids))
+    return out
+
+
 async def completions(state: ServerState, request: Request) -> Response:
     llm, engine = state.ready()
-    req = parse_request(CompletionRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(CompletionRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     want = req.logprobs is not None
     if req.echo and want and req.stream:
         raise invalid("echo with logprobs does not stream; drop stream or logprobs", "stream")
     score_only = req.max_tokens == 0  # echo the prompt's logprobs; one token is generated and dropped
+    check_queue_room(engine, len(req.prompts()) * req.n)
     prompts, work = [], []
-    for p in req.prompts():
-        try:
-            # Text is tokenized off the event loop; token ids are only checked, here (a thread hop per request
-            # slows a burst of requests while the engine's thread holds the GIL).
-            ids = await asyncio.to_thread(llm.encode_prompt, p) if isinstance(p, str) else llm.encode_prompt(p)
-        except ValueError as exc:
-            raise invalid(str(exc), "prompt") from None
-        text = p if isinstance(p, str) else (llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")
+    for text, ids in await asyncio.to_thread(completion_prompts, llm, req):
         prompts += [(text, ids)] * req.n
-        options = req.options(context_room(llm, ids, 1 if score_only else req.max_tokens, "prompt"), logprobs=want,
-                              top_logprobs=req.logprobs or 0, prompt_logprobs=req.echo and want)
+        options = req.options(context_room(llm, ids, 1 if score_only else req.max_tokens, "prompt"),
+                              llm.vocab_size, logprobs=want, top_logprobs=req.logprobs or 0,
+                              prompt_logprobs=req.echo and want)
         work += [(ids, o) for o in req.seeded(options)]
     run = Run(state, request, submit(engine, work), req.n)
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name}
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
     if req.stream:
         return StreamingResponse(completion_events(run, req, base, llm.tokenizer, prompts),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **ignored_header(req)})
     choices = await run.gather()
     out = []
     for i, (c, (prompt_text, prompt_ids)) in enumerate(zip(choices, prompts)):
@@ -461,7 +571,8 @@ async def completions(state: ServerState, request: Request) -> Response:
     usage = run.usage()
     if score_only:
         usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-    return JSONResponse({**base, "object": "text_completion", "choices": out, "usage": usage})
+    return JSONResponse({**base, "object": "text_completion", "choices": out, "usage": usage},
+                        headers=ignored_header(req))
 
 
 async def completion_events(run: Run, req: CompletionRequest, base: dict[str, Any], tokenizer: Any,
@@ -499,16 +610,19 @@ async def completion_events(run: Run, req: CompletionRequest, base: dict[str, An
 
 async def tokenize(state: ServerState, request: Request) -> Response:
     llm, _ = state.ready()
-    req = parse_request(TokenizeRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(TokenizeRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     if llm.tokenizer is None:
         raise invalid("this model has no tokenizer; send token ids")
-    try:
+
+    def encode() -> list[int]:  # in a worker thread: megabytes of text must not stall the event loop
         if req.messages is not None:
-            ids = llm.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
-        else:
-            check_text(req.prompt, "the prompt")
-            ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            return llm.chat_prompt([m.template_dict() for m in req.messages])
+        check_text(req.prompt, "the prompt")
+        return llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    try:
+        ids = await asyncio.to_thread(encode)
     except ValueError as exc:
         raise invalid(str(exc), "messages" if req.messages is not None else "prompt") from None
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": llm.block_size})
@@ -516,15 +630,15 @@ async def tokenize(state: ServerState, request: Request) -> Response:
 
 async def detokenize(state: ServerState, request: Request) -> Response:
     llm, _ = state.ready()
-    req = parse_request(DetokenizeRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(DetokenizeRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     if llm.tokenizer is None:
         raise invalid("this model has no tokenizer")
     vocab = llm.tokenizer.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise invalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
-    return JSONResponse({"prompt": llm.tokenizer.decode(req.tokens)})
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return JSONResponse({"prompt": await asyncio.to_thread(llm.tokenizer.decode, req.tokens)})
 
 
 async def models(state: ServerState, request: Request) -> Response:
@@ -555,6 +669,7 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
 
     app = FastAPI(title="Redline", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.redline = state
+    app.add_middleware(CrossSiteGuard, settings=settings)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -582,6 +697,10 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
     app.add_api_route("/v1/models", api("models", models), methods=["GET"])
     app.add_api_route("/tokenize", api("tokenize", tokenize), methods=["POST"])
     app.add_api_route("/detokenize", api("detokenize", detokenize), methods=["POST"])
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__, "system_fingerprint": SYSTEM_FINGERPRINT})
 
     @app.get("/health")
     async def health() -> Response:
@@ -758,6 +877,9 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
                    help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--allowed-host", action="append", default=None, dest="allowed_hosts", metavar="NAME",
+                   help="a host name requests may use besides 127.0.0.1/localhost (Host header) and a web site "
+                        "whose pages may call the API (Origin); repeatable; * allows any")
     ns = p.parse_args(argv)
     if ns.api_key is None:
         ns.api_key = os.environ.get("REDLINE_API_KEY")
