@@ -297,6 +297,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -331,6 +332,8 @@ class Choice:
         self.top_logprobs += out.top_logprobs or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = list(out.prompt_logprobs)
+        if out.prompt_top_logprobs is not None:
+            self.prompt_top_logprobs = list(out.prompt_top_logprobs)
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if out.finish_reason is not None:
             self.finish_reason, self.error = out.finish_reason, out.error
@@ -430,6 +433,14 @@ def token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else ""
 
 
+def alternatives_by_text(tokenizer: Any, top: dict[int, float]) -> dict[str, float]:
+    """Token id -> logprob as the legacy API's text -> logprob; ids that decode alike keep the most likely's value."""
+    out: dict[str, float] = {}
+    for token, logprob in sorted(top.items(), key=lambda kv: -kv[1]):
+        out.setdefault(token_text(tokenizer, token), logprob)
+    return out
+
+
 def finish_reason(choice: Choice) -> str | None:
     return FINISH_REASONS.get(choice.finish_reason) if choice.finish_reason is not None else None
 
@@ -506,16 +517,17 @@ def completion_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs
                         top: list[dict[int, float]], alternatives: int, offset: int,
                         prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """OpenAI's legacy logprobs: tokens, token_logprobs, top_logprobs and text_offset; with `prompt_ids` (echo) the
-    prompt's tokens come first (the first has no logprob, and prompt tokens have no alternatives)."""
+    prompt's tokens come first, each with its logprob and `alternatives` most likely tokens (the first token has
+    neither), as lm-evaluation-harness reads them."""
     tokens, values, tops = [], [], []
     if prompt_ids is not None:
         tokens += Choice().token_strings(tokenizer, prompt_ids)
         values += choice.prompt_logprobs or [None] * len(prompt_ids)
-        tops += [None] * len(prompt_ids)
+        prompt_tops = choice.prompt_top_logprobs or [None] * len(prompt_ids)
+        tops += [alternatives_by_text(tokenizer, t) if t is not None and alternatives else None for t in prompt_tops]
     tokens += choice.token_strings(tokenizer, ids)
     values += logprobs
-    tops += [{token_text(tokenizer, alt): lp for alt, lp in t.items()} if alternatives else None
-             for t in (top or [{}] * len(ids))]
+    tops += [alternatives_by_text(tokenizer, t) if alternatives else None for t in (top or [{}] * len(ids))]
     offsets = []
     for text in tokens:
         offsets.append(offset)

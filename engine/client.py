@@ -160,7 +160,8 @@ class EngineClient:
         cut = (lambda xs: xs[:keep] if xs is not None else None)
         return live.handle.add(RequestOutput(out.token_ids[:keep], piece, cut(out.logprobs), cut(out.top_logprobs),
                                              reason, out.error, out.prompt_tokens, out.cached_tokens,
-                                             out.prompt_logprobs), stats if finished else None)
+                                             out.prompt_logprobs, out.prompt_top_logprobs),
+                               stats if finished else None)
 
 
 class LocalLink:

@@ -93,6 +93,8 @@ class RequestState:
         self.token_times: list[float] = []
         self.sent_first = False
         self.prompt_logprobs: list[float | None] | None = [None] if request.prompt_logprobs else None
+        self.prompt_top: list[dict[int, float] | None] | None = (
+            [None] if request.prompt_logprobs and request.top_logprobs else None)
 
     def take(self, token: int) -> str | None:
         """Account one sampled token; returns the finish reason when the request ends with it."""
@@ -463,6 +465,9 @@ class EngineCore:
         logprobs = torch.log_softmax(logits[first - chunk.start:last - chunk.start].float(), dim=-1)
         targets = torch.tensor(seq.tokens[first + 1:last + 1], device=logits.device).view(-1, 1)
         state.prompt_logprobs += logprobs.gather(-1, targets).squeeze(1).tolist()
+        if state.prompt_top is not None:
+            values, ids = logprobs.topk(min(state.request.top_logprobs, logprobs.shape[-1]), dim=-1)
+            state.prompt_top += [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _emit(self, seq: Seq, token: int, extra: dict[str, Any]) -> None:
         state: RequestState = seq.state
@@ -492,7 +497,8 @@ class EngineCore:
         state.sent_first = True
         stats = self._result_stats(seq) if reason is not None else None
         return CoreOutput(seq.request_id, token_ids, logprobs, top, reason, error, seq.prompt_len, seq.cached_tokens,
-                          state.prompt_logprobs if first else None, stats)
+                          state.prompt_logprobs if first else None, stats,
+                          prompt_top_logprobs=state.prompt_top if first else None)
 
     def _end(self, seq: Seq, reason: str, error: str | None = None, already_released: bool = False) -> None:
         """End seq now (abort, stop or error): release its pages and say so after its earlier outputs."""

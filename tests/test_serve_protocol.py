@@ -241,3 +241,77 @@ def test_allowed_hosts_are_configured(tiny_chat_checkpoint, llm, engine):
         assert raw_post(base, "/v1/completions", BODY, headers)[0] == 403
     with pytest.raises(ValueError, match="allowed-host"):
         ServeSettings(checkpoint_path=tiny_chat_checkpoint[0], allowed_hosts=("http://x/",))
+
+
+# --- lm-evaluation-harness through the server --------------------------------------------------------------------
+
+QUIZ = [("What is the capital of France?", ["Paris", "London", "Berlin", "Madrid"], 0),
+        ("What color is the sky on a clear day?", ["Green", "Blue", "Red", "Yellow"], 1),
+        ("How many legs does a spider have?", ["Six", "Four", "Eight", "Ten"], 2),
+        ("Which animal says moo?", ["Dog", "Cat", "Duck", "Cow"], 3),
+        ("What is 2 + 2?", ["Four", "Three", "Five", "Six"], 0),
+        ("What do bees make?", ["Milk", "Honey", "Silk", "Wool"], 1),
+        ("Which planet do we live on?", ["Mars", "Venus", "Earth", "Jupiter"], 2),
+        ("What is frozen water called?", ["Steam", "Sand", "Glass", "Ice"], 3),
+        ("Which is the largest ocean?", ["Pacific", "Arctic", "Indian", "Atlantic"], 0),
+        ("What do you use to write on paper?", ["Spoon", "Pen", "Shoe", "Cup"], 1),
+        ("Which season is the coldest?", ["Summer", "Spring", "Winter", "Autumn"], 2),
+        ("How many days are in a week?", ["Five", "Six", "Eight", "Seven"], 3),
+        ("What is the opposite of hot?", ["Cold", "Warm", "Big", "Fast"], 0),
+        ("Which fruit is yellow and curved?", ["Apple", "Banana", "Grape", "Cherry"], 1),
+        ("What gas do plants take in?", ["Oxygen", "Helium", "Carbon dioxide", "Neon"], 2),
+        ("Which language is spoken in Spain?", ["French", "German", "Italian", "Spanish"], 3),
+        ("What is the color of grass?", ["Green", "Purple", "Orange", "Black"], 0),
+        ("Which bird cannot fly?", ["Eagle", "Penguin", "Sparrow", "Crow"], 1),
+        ("What do cows drink?", ["Oil", "Juice", "Water", "Coffee"], 2),
+        ("Where does the sun rise?", ["North", "South", "West", "East"], 3)]
+
+QUIZ_TASK = """task: redline_quiz
+dataset_path: json
+dataset_kwargs:
+  data_files: {data}
+test_split: train
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_lm_eval_local_completions_scores_like_its_hf_model(smollm2_checkpoint, smollm2_hf, tmp_path):
+    """lm-evaluation-harness's `local-completions` model (echo + logprobs through /v1/completions) on a quiz this
+    test writes gives the accuracy and the log-likelihoods of its `hf` model on transformers' SmolLM2."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    from redline.engine import Engine
+
+    data = tmp_path / "quiz.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": [f" {c}" for c in cs], "answer": a}) + "\n"
+                            for q, cs, a in QUIZ))
+    (tmp_path / "quiz.yaml").write_text(QUIZ_TASK.format(data=data))
+    tokenizer, hf_model = smollm2_hf
+    llm = LLM.load(smollm2_checkpoint, device="cpu", dtype="float32")
+    settings = ServeSettings(checkpoint_path=smollm2_checkpoint, served_model_name="smollm2")
+
+    def evaluate(model):
+        out = lm_eval.simple_evaluate(model=model, tasks=["redline_quiz"], task_manager=TaskManager(
+            include_path=str(tmp_path)), log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+        return out["results"]["redline_quiz"], [s["resps"] for s in out["samples"]["redline_quiz"]]
+
+    with ServerThread(create_app(Engine(llm), llm, settings)) as base:
+        served, served_resps = evaluate(lm_eval.api.registry.get_model("local-completions")(
+            base_url=f"{base}/v1/completions", model="smollm2", tokenizer_backend="huggingface",
+            tokenizer=str(smollm2_checkpoint.parent), num_concurrent=1, max_retries=1, batch_size=8))
+    reference, reference_resps = evaluate(HFLM(pretrained=hf_model, tokenizer=tokenizer, batch_size=8))
+    assert served["acc,none"] == reference["acc,none"] and served["acc_norm,none"] == reference["acc_norm,none"]
+    for ours, theirs in zip(served_resps, reference_resps):
+        for (ll, greedy), (ref_ll, ref_greedy) in zip([r[0] for r in ours], [r[0] for r in theirs]):
+            assert abs(ll - ref_ll) < 1e-3 and greedy == ref_greedy
+    assert served["acc,none"] >= 0.5  # the quiz is easy: a model that reads it gets most of it
