@@ -163,6 +163,7 @@ def save_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor], i
     path = Path(path)
     if path.suffix != CHECKPOINT_SUFFIX:
         raise ValueError(f"output file {path} must end with {CHECKPOINT_SUFFIX}")
+    check_context(info.args.block_size, "the checkpoint to write", "fix the source's context length")
     contiguous = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
     write_atomically(path, lambda tmp: write_safetensors(tmp, contiguous, info.metadata()))
     return path
@@ -251,7 +252,7 @@ def checkpoint_scheme(path: Path) -> str | None:
     try:
         with safe_open(str(path), "pt") as f:
             return json.loads((f.metadata() or {}).get("quantization", '{"scheme": "none"}')).get("scheme")
-    except (SafetensorError, OSError, ValueError, AttributeError):
+    except (SafetensorError, OSError, ValueError, AttributeError, RecursionError):
         return None
 
 
@@ -287,16 +288,14 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
         raise ValueError(f"{path} has no Redline metadata; convert it with scripts/convert_hf_checkpoint.py")
     try:
         version, args, dtype, quantization = _parse_metadata(meta)
-    except (KeyError, json.JSONDecodeError, TypeError, ValueError) as exc:
-        problem = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+    except (KeyError, json.JSONDecodeError, TypeError, ValueError, RecursionError) as exc:
+        problem = {KeyError: f"missing {exc}", RecursionError: "JSON nested too deeply"}.get(type(exc), str(exc))
         raise ValueError(f"{path} has malformed Redline metadata ({problem}); re-convert it") from None
     if version > FORMAT_VERSION:
         raise ValueError(f"{path} uses checkpoint format {version}, newer than this Redline ({FORMAT_VERSION}); upgrade")
     _check_tensor_dtypes(path, tensor_dtypes, quantization["scheme"])
     check_layer_count(tensor_dtypes, args.n_layer, str(path))
-    if args.block_size > MAX_CONTEXT:
-        raise ValueError(f"{path} declares a context of {args.block_size} tokens, above Redline's limit of "
-                         f"{MAX_CONTEXT}; the metadata is damaged, re-convert it")
+    check_context(args.block_size, str(path), "the metadata is damaged, re-convert it")
     if embedding_shape is not None and tuple(embedding_shape) != (args.vocab_size, args.dim):
         raise ValueError(f"{path}: tok_embeddings.weight has shape {tuple(embedding_shape)}, but the metadata declares "
                          f"({args.vocab_size}, {args.dim}); the metadata is damaged, re-convert it")
@@ -361,6 +360,13 @@ def load_tensors(info: CheckpointInfo, device: torch.device | str = "cpu") -> di
 LAYER_INDEX = re.compile(r"(?:model\.)?(?:layers|blk)\.(\d+)\.")
 # The longest context a checkpoint may declare (its rope tables and cache are sized from it).
 MAX_CONTEXT = 1 << 24
+
+
+def check_context(block_size: int, source: str, fix: str) -> None:
+    """Refuse a context longer than any loader accepts, naming where it came from and what to do."""
+    if block_size > MAX_CONTEXT:
+        raise ValueError(f"{source} declares a context of {block_size} tokens, above Redline's limit of "
+                         f"{MAX_CONTEXT}; {fix}")
 
 
 def check_layer_count(names: Iterable[str], n_layer: int, source: str) -> None:

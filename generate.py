@@ -31,8 +31,9 @@ from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, checkpoin
 from redline.checkpoint import run_cli as cli_main
 from redline.images import open_image, read_image_file
 from redline.model import PromptImages, Transformer
-from redline.options import (DEFAULT_MAX_NEW_TOKENS, EngineConfig, GenerationOptions, GenerationResult,  # noqa: F401
-                     GenerationStats, check_text, default_device, prompt_token_ids, resolve_options)
+from redline.options import (DEFAULT_MAX_NEW_TOKENS, DTYPE_FOLDERS, EngineConfig, GenerationOptions,  # noqa: F401
+                             GenerationResult, GenerationStats, check_text, default_device, prompt_token_ids,
+                             resolve_options)
 from redline.outputs import check_output
 from redline.prompts import CHAT_REPLY_SHARE, Prompts  # noqa: F401
 from redline.profiling import ProfileConfig, TraceRecorder, is_trace_file
@@ -87,6 +88,7 @@ class LLM:
     fuse = property(lambda self: self.runner.fuse)
     bytes_per_token = property(lambda self: self.runner.bytes_per_token)
     block_size = property(lambda self: self.runner.context_length)
+    vocab_size = property(lambda self: self.prompts.vocab_size)  # the embedding table's rows
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
@@ -293,9 +295,14 @@ class LLM:
 
     @property
     def model_name(self) -> str:
+        """The name given at load, else the checkpoint's folder (the one above a dtype folder such as float32/, where
+        the demo and convert_gguf's outputs live), else "model"."""
         if self.name is not None:
             return self.name
-        return self.info.path.parent.name if self.info is not None else "model"
+        if self.info is None:
+            return "model"
+        folder = self.info.path.parent
+        return folder.parent.name if folder.name in DTYPE_FOLDERS and folder.parent.name else folder.name
 
     def _trace_stats(self, stats: GenerationStats) -> dict[str, Any]:
         out = {k: v for k, v in stats.as_dict().items() if v is not None}
@@ -315,11 +322,11 @@ class LLM:
 
     @property
     def engine(self) -> Engine:
-        """This LLM's continuous-batching engine (engine.Engine), made on first use."""
+        """This LLM's continuous-batching engine (engine.Engine), made on first use and again after a shutdown."""
         from redline.engine import Engine
 
         with _ENGINE_LOCK:
-            if self.__dict__.get("_engine") is None:
+            if self.__dict__.get("_engine") is None or self._engine.closed:
                 self._engine = Engine(self, max_kv_tokens=self.max_kv_tokens)
             return self._engine
 
@@ -506,7 +513,8 @@ def interactive(llm: LLM, cfg: GenerateArgs, stdin: Any, out: Any, err: Any, dra
     """A conversation on stdin: the oldest turns are dropped (the system message kept) when it outgrows the context."""
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
     options = cfg.sample_options(0, draft)
-    print(f"chatting with {llm.model_name}; an empty line or EOF ends.", file=err)
+    where = f" ({llm.info.path})" if llm.info is not None else ""
+    print(f"chatting with {llm.model_name}{where}; an empty line or EOF ends.", file=err)
     while True:
         out.write("you> ")
         out.flush()

@@ -78,6 +78,10 @@ def prompt_token_ids(prompt: Any) -> list[int]:
     return [int(t) for t in ids]
 
 
+# Folders named after a dtype hold one conversion of the model named by the folder above them (the demo's
+# checkpoints/smollm2/float32/): a model's default name skips them.
+DTYPE_FOLDERS = ("float32", "float16", "bfloat16")
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How LLM.load builds an engine; the CLI's flags map onto it one to one."""
@@ -237,7 +241,7 @@ class GenerationStats:
 
     def summary(self) -> str:
         mem = f", peak memory {self.peak_memory_gb:.2f} GB" if self.peak_memory_gb is not None else ""
-        mem += f", {self.threads} threads" if self.threads is not None else ""
+        mem += f", {self.threads} thread{'s' if self.threads != 1 else ''}" if self.threads is not None else ""
         compiled = f", warm-up {self.compile_s:.1f} s" if self.compile_s else ""  # compiling, capture, cost gate
         if self.mean_accepted is not None:
             compiled += f", {self.mean_accepted:.2f} drafts accepted per step ({self.acceptance_rate:.0%})"

@@ -44,8 +44,10 @@ import math
 import os
 import re
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -94,6 +96,34 @@ def _json_value(value: Any) -> Any:
     return str(value)
 
 
+# Lines torch's native profiler writes straight to file descriptor 2 when it starts and stops recording
+# ("USDT:... profiler_start", "STAGE:... Completed Stage"); on a terminal they would land inside the generated text.
+NATIVE_MARKERS = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def native_markers_dropped() -> Iterator[None]:
+    """Run the block with file descriptor 2 captured, then pass on whatever it wrote except the profiler's markers."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all: nothing to keep clean
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode("utf-8", errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not line.startswith(NATIVE_MARKERS))
+            if kept:
+                os.write(2, kept.encode())
+
+
 class TraceRecorder:
     """Records the prefill and the first `record_steps` decode steps as a Chrome trace."""
 
@@ -135,11 +165,13 @@ class TraceRecorder:
             # True just avoids torch's "Profiler clears events at the end of each cycle" warning.
             acc_events=True,
         )
-        self._profiler.start()  # step 0: WARMUP (tracer prepared)
+        with native_markers_dropped():
+            self._profiler.start()  # step 0: WARMUP (tracer prepared)
         self._running = True
         if self.device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)
-        self._profiler.step()  # step 1: RECORD -> the prefill is the first recorded step
+        with native_markers_dropped():
+            self._profiler.step()  # step 1: RECORD -> the prefill is the first recorded step
         return self
 
     def _stop(self) -> None:
@@ -147,7 +179,8 @@ class TraceRecorder:
             self._running = False
             if self.device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.synchronize(self.device)  # let recorded kernels finish
-            self._profiler.stop()
+            with native_markers_dropped():
+                self._profiler.stop()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._stop()
@@ -166,7 +199,8 @@ class TraceRecorder:
     def step(self) -> None:
         """Called by the engine after the prefill and after every decode step."""
         if self.recording:
-            self._profiler.step()
+            with native_markers_dropped():
+                self._profiler.step()
 
     # -- export ---------------------------------------------------------------------------
     def write(self, stats: dict, step_seconds: list[float]) -> Path:

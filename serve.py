@@ -27,13 +27,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from redline import __version__
 from redline.engine import EngineClient, EngineSettings
 from redline.engine.core import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
 from redline.engine.messages import Ready
 from redline.engine.process import CoreProcess, ModelSource
 from redline.engine.requests import Limits, merged
 from redline.model import ModelArgs
-from redline.options import EngineConfig, check_text
+from redline.options import DTYPE_FOLDERS, EngineConfig, check_text
+from redline.outputs import OneLineArgumentParser
 from redline.prompts import Prompts
 from redline.serve_metrics import Metrics
 from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -43,6 +45,7 @@ from redline.streaming import TextStream
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still there
 CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
+PAGE_ICON = CHAT_PAGE.with_name("favicon.svg")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
                                            "style-src 'unsafe-inline'; connect-src 'self'"}
@@ -73,6 +76,8 @@ class ServeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests get this long to finish
     compile_cache: Path | None = DEFAULT_COMPILE_CACHE  # torch.compile's on-disk caches; None: torch's defaults
+    # Host names (besides this machine's loopback names) that requests may name in Host and Origin; "*" any.
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.checkpoint_path is None) == (self.random_weights is None):
@@ -83,6 +88,9 @@ class ServeSettings:
             raise ValueError("--api-key is empty; give a key or leave it out")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts or ()))
+        if not all(isinstance(h, str) and h and "/" not in h and " " not in h for h in self.allowed_hosts):
+            raise ValueError(f"--allowed-host takes host names (example.com, 10.0.0.5, *), got {self.allowed_hosts}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
@@ -99,7 +107,8 @@ class ServeSettings:
         if self.served_model_name or self.random_weights is not None:
             return self.served_model_name or self.random_weights
         path = Path(self.checkpoint_path)
-        return (path if path.is_dir() else path.parent).name
+        folder = path if path.is_dir() else path.parent
+        return folder.parent.name if folder.name in DTYPE_FOLDERS and folder.parent.name else folder.name
 
     def model_source(self, tokenizer_vocab: int | None) -> ModelSource:
         return ModelSource(str(self.checkpoint_path) if self.checkpoint_path is not None else None,
@@ -152,6 +161,97 @@ def authorize(state: ServerState, request: Request) -> None:
                        "authentication_error", code="invalid_api_key")
 
 
+# The names a browser uses for this machine: a loopback server answers requests naming only these (or the
+# configured --allowed-host names) in Host and Origin, so a web page on another site cannot reach it through DNS
+# rebinding or read its answers.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+# Content types a web page can send cross-site without a CORS preflight are refused (415): only JSON is an API body.
+JSON_CONTENT_TYPES = ("application/json",)
+
+
+def host_name(authority: str) -> str:
+    """The host of a Host header or an origin's authority, without its port: `[::1]:8000` -> `::1`."""
+    if authority.startswith("["):
+        return authority[1:].split("]", 1)[0].lower()
+    return authority.rsplit(":", 1)[0].lower() if authority.count(":") == 1 else authority.lower()
+
+
+class CrossSiteGuard:
+    """ASGI middleware refusing what a web page on another site could make a browser send here: a Host that is not
+    this server's (DNS rebinding; checked when it listens on loopback, where Host is known), an Origin of another
+    site, and POST bodies that are not JSON (a form or text/plain needs no preflight)."""
+
+    def __init__(self, app: Any, settings: ServeSettings) -> None:
+        self.app, self.settings = app, settings
+        self.loopback = settings.host in LOOPBACK_NAMES
+        self.names = {n.lower() for n in settings.allowed_hosts} | (set(LOOPBACK_NAMES) if self.loopback else set())
+
+    def allowed(self, name: str) -> bool:
+        return "*" in self.names or name in self.names
+
+    def problem(self, scope: dict[str, Any]) -> APIError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        host = host_name(headers.get("host", ""))
+        if self.loopback and not self.allowed(host):
+            return APIError(403, f"the Host {headers.get('host', '')!r} is not this server's; a page on another "
+                                 "site cannot use it (start the server with --allowed-host NAME to allow a name)",
+                            "invalid_request_error", code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin is not None:
+            scheme, _, authority = origin.partition("://")
+            name = host_name(authority)
+            if not (scheme in ("http", "https") and (name == host or self.allowed(name))):
+                return APIError(403, f"requests from the web origin {origin!r} are refused (start the server with "
+                                     "--allowed-host NAME to allow a site)", "invalid_request_error",
+                                code="origin_not_allowed")
+        if scope.get("method") == "POST":
+            kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if kind not in JSON_CONTENT_TYPES:
+                return APIError(415, f"the body must be JSON, sent with `Content-Type: application/json` (got "
+                                     f"{kind or 'none'!r})", "invalid_request_error", code="unsupported_media_type")
+        return None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            error = self.problem(scope)
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# Bodies past this size are parsed in a worker thread (pydantic's walk of megabytes would stall the event loop).
+PARSE_IN_THREAD_BYTES = 64 * 1024
+# The model behind the answers: this build of Redline (OpenAI's field; it changes when the serving code does).
+SYSTEM_FINGERPRINT = f"redline-{__version__}"
+
+
+async def parse_body(model: type, request: Request, limit: int) -> Any:
+    """The request model of a JSON body, parsed off the event loop when large."""
+    body = await read_body(request, limit)
+    if len(body) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_request, model, body)
+    return parse_request(model, body)
+
+
+def check_queue_room(engine: Any, count: int) -> None:
+    """A 429 before any of a call's `count` engine requests is queued when they would not all fit, so a refused
+    call (n choices, many prompts) leaves nothing behind to crowd out other clients."""
+    room = engine.queue_room()
+    if room is not None and count > room:
+        raise APIError(429, f"the server's queue is full (room for {max(room, 0)} more requests, this call needs "
+                            f"{count}); retry later", "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"})
+
+
+def ignored_header(req: Any) -> dict[str, str]:
+    """A Warning header naming the accepted-and-ignored parameters the request set (serve_protocol.py's list)."""
+    ignored = req.ignored
+    if not ignored:
+        return {}
+    return {"Warning": f'299 redline "ignored parameters: {", ".join(ignored)} (no effect on a local server)"'}
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     too_large = APIError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
                          code="request_too_large")
@@ -197,6 +297,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
     cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -231,6 +332,8 @@ class Choice:
         self.top_logprobs += out.top_logprobs or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = list(out.prompt_logprobs)
+        if out.prompt_top_logprobs is not None:
+            self.prompt_top_logprobs = list(out.prompt_top_logprobs)
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
         if out.finish_reason is not None:
             self.finish_reason, self.error = out.finish_reason, out.error
@@ -330,6 +433,14 @@ def token_text(tokenizer: Any, token: int) -> str:
     return tokenizer.decode([token]) if tokenizer is not None else ""
 
 
+def alternatives_by_text(tokenizer: Any, top: dict[int, float]) -> dict[str, float]:
+    """Token id -> logprob as the legacy API's text -> logprob; ids that decode alike keep the most likely's value."""
+    out: dict[str, float] = {}
+    for token, logprob in sorted(top.items(), key=lambda kv: -kv[1]):
+        out.setdefault(token_text(tokenizer, token), logprob)
+    return out
+
+
 def finish_reason(choice: Choice) -> str | None:
     return FINISH_REASONS.get(choice.finish_reason) if choice.finish_reason is not None else None
 
@@ -351,24 +462,27 @@ def chat_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs: list
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
     llm, engine = state.ready()
-    req = parse_request(ChatRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(ChatRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
+    check_queue_room(engine, req.n)
     try:
         ids = await asyncio.to_thread(llm.chat_prompt, req.message_dicts())  # a long prompt never stalls the loop
     except ValueError as exc:
         raise invalid(str(exc), "messages") from None
-    options = req.options(context_room(llm, ids, req.max_new, "messages"), logprobs=req.logprobs,
-                          top_logprobs=req.top_logprobs or 0)
+    options = req.options(context_room(llm, ids, req.max_new, "messages"), llm.vocab_size,
+                          logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
     run = Run(state, request, submit(engine, [(ids, o) for o in req.seeded(options)]), req.n)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name}
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
     if req.stream:
         return StreamingResponse(chat_events(run, req, base, llm.tokenizer), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers={**SSE_HEADERS, **ignored_header(req)})
     choices = await run.gather()
     return JSONResponse({**base, "object": "chat.completion", "choices": [
         {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
          "logprobs": chat_logprobs(llm.tokenizer, c, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
-         "finish_reason": finish_reason(c)} for i, c in enumerate(choices)], "usage": run.usage()})
+         "finish_reason": finish_reason(c)} for i, c in enumerate(choices)], "usage": run.usage()},
+        headers=ignored_header(req))
 
 
 async def chat_events(run: Run, req: ChatRequest, base: dict[str, Any], tokenizer: Any) -> AsyncIterator[str]:
@@ -403,16 +517,17 @@ def completion_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs
                         top: list[dict[int, float]], alternatives: int, offset: int,
                         prompt_ids: list[int] | None = None) -> dict[str, Any]:
     """OpenAI's legacy logprobs: tokens, token_logprobs, top_logprobs and text_offset; with `prompt_ids` (echo) the
-    prompt's tokens come first (the first has no logprob, and prompt tokens have no alternatives)."""
+    prompt's tokens come first, each with its logprob and `alternatives` most likely tokens (the first token has
+    neither), as lm-evaluation-harness reads them."""
     tokens, values, tops = [], [], []
     if prompt_ids is not None:
         tokens += Choice().token_strings(tokenizer, prompt_ids)
         values += choice.prompt_logprobs or [None] * len(prompt_ids)
-        tops += [None] * len(prompt_ids)
+        prompt_tops = choice.prompt_top_logprobs or [None] * len(prompt_ids)
+        tops += [alternatives_by_text(tokenizer, t) if t is not None and alternatives else None for t in prompt_tops]
     tokens += choice.token_strings(tokenizer, ids)
     values += logprobs
-    tops += [{token_text(tokenizer, alt): lp for alt, lp in t.items()} if alternatives else None
-             for t in (top or [{}] * len(ids))]
+    tops += [alternatives_by_text(tokenizer, t) if alternatives else None for t in (top or [{}] * len(ids))]
     offsets = []
     for text in tokens:
         offsets.append(offset)
@@ -420,32 +535,42 @@ def completion_logprobs(tokenizer: Any, choice: Choice, ids: list[int], logprobs
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def completion_prompts(llm: Any, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """(text, ids) of each prompt: text tokenized, token ids checked, and decoded for echo. Runs in a worker thread:
+    a body of millions of tokens must not stall the event loop (every stream and /health)."""
+    out = []
+    for p in req.prompts():
+        try:
+            ids = llm.encode_prompt(p)
+        except ValueError as exc:
+            raise invalid(str(exc), "prompt") from None
+        text = p if isinstance(p, str) else (llm.tokenizer.decode(ids) if req.echo and llm.tokenizer else "")
+        out.append((text, ids))
+    return out
+
+
 async def completions(state: ServerState, request: Request) -> Response:
     llm, engine = state.ready()
-    req = parse_request(CompletionRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(CompletionRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     want = req.logprobs is not None
     if req.echo and want and req.stream:
         raise invalid("echo with logprobs does not stream; drop stream or logprobs", "stream")
     score_only = req.max_tokens == 0  # echo the prompt's logprobs; one token is generated and dropped
+    check_queue_room(engine, len(req.prompts()) * req.n)
     prompts, work = [], []
-    for p in req.prompts():
-        try:
-            # Text is tokenized off the event loop; token ids are only checked, here (a thread hop per request
-            # slows a burst of requests while the engine's thread holds the GIL).
-            ids = await asyncio.to_thread(llm.encode_prompt, p) if isinstance(p, str) else llm.encode_prompt(p)
-        except ValueError as exc:
-            raise invalid(str(exc), "prompt") from None
-        text = p if isinstance(p, str) else (llm.tokenizer.decode(ids) if llm.tokenizer is not None else "")
+    for text, ids in await asyncio.to_thread(completion_prompts, llm, req):
         prompts += [(text, ids)] * req.n
-        options = req.options(context_room(llm, ids, 1 if score_only else req.max_tokens, "prompt"), logprobs=want,
-                              top_logprobs=req.logprobs or 0, prompt_logprobs=req.echo and want)
+        options = req.options(context_room(llm, ids, 1 if score_only else req.max_tokens, "prompt"),
+                              llm.vocab_size, logprobs=want, top_logprobs=req.logprobs or 0,
+                              prompt_logprobs=req.echo and want)
         work += [(ids, o) for o in req.seeded(options)]
     run = Run(state, request, submit(engine, work), req.n)
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name}
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT}
     if req.stream:
         return StreamingResponse(completion_events(run, req, base, llm.tokenizer, prompts),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+                                 media_type="text/event-stream", headers={**SSE_HEADERS, **ignored_header(req)})
     choices = await run.gather()
     out = []
     for i, (c, (prompt_text, prompt_ids)) in enumerate(zip(choices, prompts)):
@@ -458,7 +583,8 @@ async def completions(state: ServerState, request: Request) -> Response:
     usage = run.usage()
     if score_only:
         usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-    return JSONResponse({**base, "object": "text_completion", "choices": out, "usage": usage})
+    return JSONResponse({**base, "object": "text_completion", "choices": out, "usage": usage},
+                        headers=ignored_header(req))
 
 
 async def completion_events(run: Run, req: CompletionRequest, base: dict[str, Any], tokenizer: Any,
@@ -496,16 +622,19 @@ async def completion_events(run: Run, req: CompletionRequest, base: dict[str, An
 
 async def tokenize(state: ServerState, request: Request) -> Response:
     llm, _ = state.ready()
-    req = parse_request(TokenizeRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(TokenizeRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     if llm.tokenizer is None:
         raise invalid("this model has no tokenizer; send token ids")
-    try:
+
+    def encode() -> list[int]:  # in a worker thread: megabytes of text must not stall the event loop
         if req.messages is not None:
-            ids = llm.chat_prompt([{"role": m.role, "content": m.text()} for m in req.messages])
-        else:
-            check_text(req.prompt, "the prompt")
-            ids = llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            return llm.chat_prompt([m.template_dict() for m in req.messages])
+        check_text(req.prompt, "the prompt")
+        return llm.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    try:
+        ids = await asyncio.to_thread(encode)
     except ValueError as exc:
         raise invalid(str(exc), "messages" if req.messages is not None else "prompt") from None
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": llm.block_size})
@@ -513,15 +642,15 @@ async def tokenize(state: ServerState, request: Request) -> Response:
 
 async def detokenize(state: ServerState, request: Request) -> Response:
     llm, _ = state.ready()
-    req = parse_request(DetokenizeRequest, await read_body(request, state.settings.max_body_bytes))
+    req = await parse_body(DetokenizeRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     if llm.tokenizer is None:
         raise invalid("this model has no tokenizer")
     vocab = llm.tokenizer.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise invalid(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
-    return JSONResponse({"prompt": llm.tokenizer.decode(req.tokens)})
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise invalid(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+    return JSONResponse({"prompt": await asyncio.to_thread(llm.tokenizer.decode, req.tokens)})
 
 
 async def models(state: ServerState, request: Request) -> Response:
@@ -552,6 +681,7 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
 
     app = FastAPI(title="Redline", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.redline = state
+    app.add_middleware(CrossSiteGuard, settings=settings)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -580,6 +710,10 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
     app.add_api_route("/tokenize", api("tokenize", tokenize), methods=["POST"])
     app.add_api_route("/detokenize", api("detokenize", detokenize), methods=["POST"])
 
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__, "system_fingerprint": SYSTEM_FINGERPRINT})
+
     @app.get("/health")
     async def health() -> Response:
         if state.engine is not None and state.error is None:
@@ -597,6 +731,12 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
     @app.get("/")
     async def page() -> Response:
         return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers=PAGE_HEADERS)
+
+    @app.get("/favicon.svg")
+    @app.get("/favicon.ico")  # browsers ask for it whatever the page links; an SVG answers both
+    async def icon() -> Response:
+        return Response(PAGE_ICON.read_bytes(), media_type="image/svg+xml",
+                        headers={"Cache-Control": "max-age=86400"})
 
     return app
 
@@ -708,23 +848,25 @@ def cache_folder(value: str) -> Path | None:
 
 
 def parse_args(argv: Sequence[str] | None) -> ServeSettings:
-    p = argparse.ArgumentParser(description="Serve a Redline checkpoint over the OpenAI API, with a chat page at /.")
-    p.add_argument("--checkpoint_path", "--checkpoint-path", type=Path, default=None)
+    p = OneLineArgumentParser(description="Serve a Redline checkpoint over the OpenAI API, with a chat page at /.")
+    p.add_argument("--checkpoint_path", "--checkpoint-path", type=Path, default=None,
+                   help="a Redline checkpoint (file or folder); `make demo-model` writes the demo's")
     p.add_argument("--random-weights", default=None, metavar="MODEL",
                    help="serve a registry model (e.g. Llama-3-8B) with random weights and no tokenizer, to benchmark")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("REDLINE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $REDLINE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: its folder)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the checkpoint's)")
-    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is this machine only")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY`; None means $REDLINE_API_KEY when set, else no key")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API; None means its folder")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N; None means cuda when available")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None means the checkpoint's")
+    p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG; None keeps the weights")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA-graph decode steps (default: on for a GPU)")
+                   help="CUDA-graph decode steps; None means on for a GPU")
     engine = p.add_argument_group("engine", "how the engine core batches (defaults: EngineSettings')")
     engine.add_argument("--max-kv-tokens", type=int, default=SERVE_ENGINE.max_kv_tokens,
-                        help="KV cache size in tokens (default: from free memory)")
+                        help="KV cache size in tokens; None means from free GPU memory, or a few contexts on the "
+                             "CPU")
     engine.add_argument("--max-running", type=int, default=SERVE_ENGINE.max_running,
                         help="requests decoded together at most; decode graphs are made up to this many rows "
                              "(512: about 40 more graphs than 256)")
@@ -747,7 +889,12 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
                    help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--allowed-host", action="append", default=None, dest="allowed_hosts", metavar="NAME",
+                   help="a host name requests may use besides 127.0.0.1/localhost (Host header) and a web site "
+                        "whose pages may call the API (Origin); repeatable; * allows any")
     ns = p.parse_args(argv)
+    if ns.api_key is None:
+        ns.api_key = os.environ.get("REDLINE_API_KEY")
     if ns.checkpoint_path is not None and not ns.checkpoint_path.exists():
         raise FileNotFoundError(f"{ns.checkpoint_path} does not exist; pass a Redline checkpoint (make demo-model "
                                 "writes checkpoints/smollm2/float32/model.safetensors)")

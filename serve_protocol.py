@@ -5,15 +5,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from redline.options import GenerationOptions
 from redline.sampling import SEED_LIMIT
 
 MAX_N = 16  # choices per request
 MAX_STOP_STRINGS = 16
-MAX_COMPLETION_LOGPROBS = 5  # alternatives per token in /v1/completions, as OpenAI allows
+MAX_COMPLETION_LOGPROBS = 20  # alternatives per token in /v1/completions (OpenAI: 5; vLLM and lm-eval ask up to 20)
 MAX_CHAT_TOP_LOGPROBS = 20
+MAX_PROMPTS = 2048  # prompts in one /v1/completions request, as OpenAI allows; counted before any is tokenized
+MAX_TOP_K = (1 << 31) - 1  # any top_k at or past the vocabulary keeps every token; larger numbers are refused
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' max_tokens when absent or null, as OpenAI documents
+# Fields clients and SDK wrappers attach that mean nothing to a local server: accepted, ignored, and named in the
+# response's Warning header. Anything else Redline does not implement is a 400 naming it.
+IGNORED_PARAMETERS = ("store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key",
+                      "reasoning_effort")
 # Parameters OpenAI defines that Redline accepts only at their neutral value (anything else is refused by name).
 NEUTRAL_ONLY = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
 # The engine's finish reasons as the API reports them.
@@ -54,9 +61,18 @@ class TextPart(Strict):
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextPart]]
+    name: str | None = Field(None, min_length=1, max_length=64)  # a participant's name, passed to the template
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template gets it: `developer` is OpenAI's newer name for `system` (templates
+        know only the older one); `name` is passed on for the templates that use it."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class SamplingRequest(Strict):
@@ -64,16 +80,23 @@ class SamplingRequest(Strict):
     model: str | None = None
     temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default is 1
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)  # extra; -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)  # extra; -1 or 0: off
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extra, for benchmarks
-    user: str | None = None  # an end-user id; recorded nowhere
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Accepted and ignored (IGNORED_PARAMETERS): any JSON value, as clients send them.
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    user: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    reasoning_effort: Any = None
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
@@ -89,10 +112,19 @@ class SamplingRequest(Strict):
             raise invalid("seed + n - 1 must stay below 2**63 (choice i uses seed + i)", "seed")
         return self
 
-    def options(self, max_new_tokens: int, **extra: Any) -> GenerationOptions:
+    @property
+    def ignored(self) -> list[str]:
+        """The accepted-and-ignored parameters this request set."""
+        return [name for name in IGNORED_PARAMETERS if name in self.model_fields_set]
+
+    def options(self, max_new_tokens: int, vocab_size: int | None = None, **extra: Any) -> GenerationOptions:
+        """GenerationOptions for one choice; a top_k at or past the vocabulary (the same distribution as none) is
+        none."""
         temperature = 1.0 if self.temperature is None else self.temperature
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         top_k = self.top_k if self.top_k is not None and self.top_k > 0 else None
+        if top_k is not None and vocab_size is not None and top_k >= vocab_size:
+            top_k = None
         top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
         try:
             return GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -131,7 +163,7 @@ class ChatRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.template_dict() for m in self.messages]
 
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
@@ -139,9 +171,22 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=0)  # OpenAI's default; 0 only with echo (scoring a text)
+    max_tokens: int = Field(DEFAULT_COMPLETION_TOKENS, ge=0)  # null too means the default; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any) -> Any:
+        return DEFAULT_COMPLETION_TOKENS if value is None else value
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _count_before_reading(cls, value: Any) -> Any:
+        """At most MAX_PROMPTS prompts, counted before pydantic walks (or anything tokenizes) them."""
+        if isinstance(value, list) and value and not isinstance(value[0], int) and len(value) > MAX_PROMPTS:
+            raise invalid(f"prompt holds {len(value)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+        return value
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
@@ -204,9 +249,14 @@ def validation_error(exc: ValidationError) -> APIError:
 
 
 def context_room(llm: Any, ids: list[int], asked: int | None, param: str) -> int:
-    """Tokens the reply may have: what was asked, capped by the context left after the prompt."""
+    """Tokens the reply may have: what was asked (None: the rest of the context). Asking more than the context leaves
+    after the prompt is a 400, as OpenAI answers it, not a silently shorter reply."""
     context = llm.block_size
     if len(ids) >= context:
         raise invalid(f"the prompt has {len(ids)} tokens, but the model's context is {context}; shorten it", param,
                       "context_length_exceeded")
-    return context - len(ids) if asked is None else min(asked, context - len(ids))
+    room = context - len(ids)
+    if asked is not None and asked > room:
+        raise invalid(f"max_tokens is {asked}, but the model's context of {context} tokens leaves {room} after the "
+                      f"prompt's {len(ids)}; ask for at most {room}", "max_tokens", "context_length_exceeded")
+    return room if asked is None else asked

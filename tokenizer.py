@@ -354,6 +354,8 @@ class HFTokenizer(Tokenizer):
             check_tokenizer_json(json.loads(path.read_text(encoding="utf-8")), path)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             pass  # the library's own error below names the problem
+        except RecursionError:
+            raise ValueError(f"{path} nests its JSON too deeply to be a tokenizer; fix or re-download it") from None
         try:
             self.tokenizer = tokenizers.Tokenizer.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception with a serde message
@@ -576,7 +578,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); fix or remove it.") from exc
+        raise ValueError(f"{path} is not valid JSON ({exc}); fix or remove it.") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests its JSON too deeply; fix or remove it.") from None
     if not isinstance(value, dict):
         raise ValueError(f"{path} must hold a JSON object.")
     return value

@@ -185,7 +185,7 @@ def table(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="demo", help="demo (SmolLM2-135M from its GGUF) or a registry name")
     p.add_argument("--configs", default=None, help="comma-separated subset (default: all for the model)")
     p.add_argument("--rounds", type=int, default=5)

@@ -245,7 +245,7 @@ def parse_ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--skip-decode", action="store_true", help="only the kernel checks and timings")
     p.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     p.add_argument("--json", default=None, help="write the kernel numbers here")

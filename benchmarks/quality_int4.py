@@ -37,7 +37,7 @@ def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> int:
     from redline.scripts.demo_model import demo_checkpoint
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     p.add_argument("--tokens", type=int, default=1024)
     ns = p.parse_args(argv)

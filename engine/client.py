@@ -67,6 +67,19 @@ class EngineClient:
     def block_size(self) -> int:
         return self.limits.block_size
 
+    @property
+    def closed(self) -> bool:
+        """True once shutdown was called (or the core died): the engine takes no new requests."""
+        with self._lock:
+            return self._closed
+
+    def queue_room(self) -> int | None:
+        """How many more requests add_request takes before EngineFull; None without max_queue."""
+        if self.max_queue is None:
+            return None
+        with self._lock:
+            return self.max_queue - sum(not r.got_first for r in self._live.values())
+
     def check_request(self, prompt: str | Sequence[int], options: GenerationOptions | None) -> tuple[
             list[int], GenerationOptions]:
         """The prompt's token ids and the options, validated; ValueError in one line otherwise."""
@@ -147,7 +160,8 @@ class EngineClient:
         cut = (lambda xs: xs[:keep] if xs is not None else None)
         return live.handle.add(RequestOutput(out.token_ids[:keep], piece, cut(out.logprobs), cut(out.top_logprobs),
                                              reason, out.error, out.prompt_tokens, out.cached_tokens,
-                                             out.prompt_logprobs), stats if finished else None)
+                                             out.prompt_logprobs, out.prompt_top_logprobs),
+                               stats if finished else None)
 
 
 class LocalLink:

@@ -8,10 +8,12 @@ any thread.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -91,6 +93,8 @@ class RequestState:
         self.token_times: list[float] = []
         self.sent_first = False
         self.prompt_logprobs: list[float | None] | None = [None] if request.prompt_logprobs else None
+        self.prompt_top: list[dict[int, float] | None] | None = (
+            [None] if request.prompt_logprobs and request.top_logprobs else None)
 
     def take(self, token: int) -> str | None:
         """Account one sampled token; returns the finish reason when the request ends with it."""
@@ -280,6 +284,9 @@ class EngineCore:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="redline-engine", daemon=True)
             self._thread.start()
+            # At interpreter exit (a return from main, sys.exit, an uncaught Ctrl-C) end the step in flight before
+            # torch's native state is torn down under the daemon thread (which aborts the process with SIGABRT).
+            atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     def _loop(self) -> None:
         with torch.inference_mode():
@@ -458,6 +465,9 @@ class EngineCore:
         logprobs = torch.log_softmax(logits[first - chunk.start:last - chunk.start].float(), dim=-1)
         targets = torch.tensor(seq.tokens[first + 1:last + 1], device=logits.device).view(-1, 1)
         state.prompt_logprobs += logprobs.gather(-1, targets).squeeze(1).tolist()
+        if state.prompt_top is not None:
+            values, ids = logprobs.topk(min(state.request.top_logprobs, logprobs.shape[-1]), dim=-1)
+            state.prompt_top += [dict(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
     def _emit(self, seq: Seq, token: int, extra: dict[str, Any]) -> None:
         state: RequestState = seq.state
@@ -487,7 +497,8 @@ class EngineCore:
         state.sent_first = True
         stats = self._result_stats(seq) if reason is not None else None
         return CoreOutput(seq.request_id, token_ids, logprobs, top, reason, error, seq.prompt_len, seq.cached_tokens,
-                          state.prompt_logprobs if first else None, stats)
+                          state.prompt_logprobs if first else None, stats,
+                          prompt_top_logprobs=state.prompt_top if first else None)
 
     def _end(self, seq: Seq, reason: str, error: str | None = None, already_released: bool = False) -> None:
         """End seq now (abort, stop or error): release its pages and say so after its earlier outputs."""
@@ -513,3 +524,9 @@ class EngineCore:
             model_bytes_per_token=per_token,
             bandwidth_gb_s=decode * per_token / 1e9,  # each of its steps read the weights once
             peak_memory_gb=peak).as_dict()
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    core = ref()
+    if core is not None:
+        core.shutdown(timeout=0)

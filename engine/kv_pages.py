@@ -8,6 +8,7 @@ sequence holds any more keep their contents and key in a least-recently-used lis
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -23,8 +24,10 @@ GPU_MEMORY_SHARE = 0.85
 # of the largest step are left free too (512 rows of Llama-3-8B's 128k vocabulary: 4.2 GB; its 51 graphs took
 # 8.2 GB with the 15% above too small on an 80 GB H100).
 GRAPH_LOGIT_ROWS_PER_ROW = 16
-# Without max_kv_tokens on the CPU the pool holds this many full contexts.
+# Without max_kv_tokens on the CPU the pool holds this many full contexts, within this share of the memory available
+# at start-up (a checkpoint declaring a context of 2^24 tokens gets what fits, not 34 GB). (Hostile small files: the CPU KV pool bounded by the memory available; tokenizer normalizers and decoders bounded by a linear growth bound (Prepend adds, replacements multiply, both composed in order); deeply nested JSON in config, side files and checkpoint metadata is one line; convert_hf_checkpoint refuses a context no loader accepts before writing)
 CPU_DEFAULT_CONTEXTS = 4
+CPU_MEMORY_SHARE = 0.5
 
 
 def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -42,7 +45,7 @@ def page_bytes(args: ModelArgs, page_size: int, dtype: torch.dtype) -> int:
 def pool_pages(args: ModelArgs, page_size: int, dtype: torch.dtype, device: torch.device,
                max_kv_tokens: int | None, max_rows: int = 256) -> int:
     """How many pages the pool holds: max_kv_tokens rounded up to whole pages; else from free GPU memory (less what
-    steps of up to max_rows rows need), or a few full contexts on the CPU."""
+    steps of up to max_rows rows need), or a few full contexts on the CPU, bounded by the memory available."""
     if max_kv_tokens is not None:
         if not is_int(max_kv_tokens) or max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be a positive integer, got {max_kv_tokens!r}")
@@ -55,7 +58,25 @@ def pool_pages(args: ModelArgs, page_size: int, dtype: torch.dtype, device: torc
             raise ValueError(f"only {free / 1e9:.2f} GB of GPU memory is free, too little for one KV page; free "
                              "memory or pass a smaller max_kv_tokens")
         return pages
-    return -(-CPU_DEFAULT_CONTEXTS * args.block_size // page_size)
+    wanted = -(-CPU_DEFAULT_CONTEXTS * args.block_size // page_size)
+    available = available_memory()
+    fits = int(available * CPU_MEMORY_SHARE) // page_bytes(args, page_size, dtype)
+    if fits < 1:
+        raise ValueError(f"only {available / 1e9:.2f} GB of memory is available, too little for one KV page; free "
+                         "memory or pass a smaller max_kv_tokens")
+    return min(wanted, fits)
+
+
+def available_memory() -> int:
+    """Bytes of memory the system can give now without swapping (MemAvailable on Linux, free pages elsewhere)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class PagePool:

@@ -52,6 +52,9 @@ class CoreOutput(msgspec.Struct, frozen=True):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[float | None] | None = None  # in the first output only, when asked
     stats: dict[str, float | int | None] | None = None  # GenerationStats' fields, in the last output
+    # With prompt_logprobs and top_logprobs = N > 0: the N most likely ids -> logprob at each prompt position (None
+    # for the first), in the first output only (lm-evaluation-harness reads the top one to tell a greedy match).
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Outputs(msgspec.Struct, tag=True, frozen=True):

@@ -28,6 +28,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[float | None] | None = None  # in the first piece only, when options.prompt_logprobs
+    # with prompt_logprobs and top_logprobs = N > 0: N most likely ids -> logprob per prompt token (None for the first)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 EngineStats = Stats  # the engine's counters: the same struct in this process and across the core's boundary
@@ -100,7 +102,8 @@ def merged(outputs: list[RequestOutput]) -> RequestOutput:
 
     return RequestOutput([t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs),
                          joined("logprobs"), joined("top_logprobs"), last.finish_reason, last.error,
-                         last.prompt_tokens, max(o.cached_tokens for o in outputs), first.prompt_logprobs)
+                         last.prompt_tokens, max(o.cached_tokens for o in outputs), first.prompt_logprobs,
+                         first.prompt_top_logprobs)
 
 
 class RequestHandle:

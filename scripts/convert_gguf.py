@@ -115,6 +115,10 @@ def read_gguf(path: Path) -> Any:
 
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist; download it first")
+    try:  # every declared count bounded by the file's size, before the gguf reader loops over one
+        gguf_metadata.check_header(path)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     try:
         with warnings.catch_warnings(), np.errstate(over="ignore"):  # a wrapped offset is reported below, in one line
             warnings.simplefilter("ignore", RuntimeWarning)
@@ -514,8 +518,8 @@ def convert_gguf(gguf_path: str | Path, out: str | Path | None = None, dtype: to
 
 
 def parse_args(argv: list[str] | None) -> GGUFConvertArgs:
-    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file to convert (llama architecture)")
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", type=Path, required=True, help="the .gguf file to convert (one of the architectures above)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output .safetensors file, the tokenizer files are written beside it; None means beside "
                              "the input, NAME.redline.safetensors")

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_layer_count,
-                                dtype_from_name, model_shapes, is_redline_file, progress, run_cli, save_checkpoint,
-                                write_atomically, write_safetensors)
+from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_checkpoint_output, check_context,
+                                check_layer_count, dtype_from_name, model_shapes, is_redline_file, progress, run_cli,
+                                save_checkpoint, write_atomically, write_safetensors)
 from redline.model import ModelArgs
 from redline.outputs import check_inside, check_output
 from redline.scripts.hf_config import (MULTIMODAL_TEXT_FAMILIES, args_from_hf_config, hf_family,
@@ -119,6 +119,8 @@ def read_hf_config_json(checkpoint_dir: Path) -> dict:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{config_path} is not valid JSON ({exc}); re-download it") from None
+    except RecursionError:
+        raise ValueError(f"{config_path} nests its JSON too deeply to be a model config; re-download it") from None
     except OSError as exc:
         raise ValueError(f"cannot read {config_path} ({exc.strerror}); check its permissions") from None
     return config
@@ -328,6 +330,7 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     dtype = dtype_from_name(dtype)
     config = read_hf_config_json(checkpoint_dir)
     args = args_from_hf_config(config)
+    check_context(args.block_size, f"{checkpoint_dir / 'config.json'} (max_position_embeddings)", "fix the config")
     files = hf_weight_files(checkpoint_dir)
     out_path = Path(out) if out is not None else checkpoint_dir / DEFAULT_OUT_NAME
     inputs = [check_inside(p, checkpoint_dir) for p in [checkpoint_dir / "config.json", *files]]  # no symlink out
@@ -550,7 +553,7 @@ def write_vision_file(path: Path, args: VisionArgs, tower: dict[str, torch.Tenso
 
 
 def parse_args(argv: list[str] | None) -> ConvertArgs:
-    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint_dir", type=Path, required=True, help="HF checkpoint folder (config.json + weights)")
     parser.add_argument("--out", type=Path, default=None,
                         help=f"output file; None means CHECKPOINT_DIR/{DEFAULT_OUT_NAME}")

@@ -84,7 +84,7 @@ def demo_checkpoint(directory: Path = DEFAULT_DIR, dtype: str = DEFAULT_DTYPE, i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="where the download and the checkpoint live")
     parser.add_argument("--dtype", default=DEFAULT_DTYPE, help="bfloat16 | float16 | float32")
 

@@ -244,7 +244,7 @@ def _local_download_complete(local_dir: Path) -> bool:
         if index.is_file():
             try:
                 shards = set(json.loads(index.read_text())["weight_map"].values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
                 return False
             return bool(shards) and all((local_dir / s).is_file() for s in shards)
     return any(local_dir.glob("*.safetensors")) or any(local_dir.glob("pytorch_model*.bin"))

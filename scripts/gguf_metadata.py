@@ -7,7 +7,9 @@ ValueError here, never a traceback or a loop later.
 from __future__ import annotations
 
 import math
+import mmap
 import os
+import struct
 from typing import Any
 
 # The largest model dimension, head count, context and vocabulary a GGUF file may declare.
@@ -24,6 +26,90 @@ BOOL_SUFFIXES = ("expert_weights_norm",)
 LIST_KEYS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str, "tokenizer.ggml.scores": float,
              "tokenizer.ggml.token_type": int}
 TOKEN_ID_SUFFIX = "_token_id"
+# Bytes of one metadata value of each fixed-size GGUF type (8 is a string, 9 an array: both sized by a count).
+FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+STRING, ARRAY = 8, 9
+MAX_TENSOR_DIMS = 8  # GGML_MAX_DIMS is 4; anything past 8 is a damaged file
+
+
+def check_header(path: str | os.PathLike) -> None:
+    """Walk the GGUF header (metadata and tensor table) once, checking every declared count against the bytes left in
+    the file before anything loops over it: a 1 KB file declaring an array of 2^40 items is refused here, at once,
+    where the gguf package's reader would walk the count past the file's end. Fixed-size arrays are skipped by
+    arithmetic; the work is bounded by the file's size."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise ValueError(f"{os.fspath(path)} is {size} bytes, too short for a GGUF header; re-download it")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            _HeaderWalk(data, size).walk()
+
+
+class _HeaderWalk:
+    """A cursor over a GGUF header whose every read is bounds-checked (see check_header)."""
+
+    def __init__(self, data: Any, size: int) -> None:
+        self.data, self.size, self.offset = data, size, 0
+        self.order = "<"
+
+    def walk(self) -> None:
+        if bytes(self.data[:4]) != b"GGUF":
+            raise ValueError("the file does not start with the GGUF magic; it is not a GGUF file")
+        self.offset = 4
+        if self.read("I") & 0xFFFF == 0:  # written on a big-endian machine (the gguf reader's own test)
+            self.order = ">"
+        tensors, keys = self.read("Q"), self.read("Q")
+        self.check_count(keys, 8 + 8 + 4, "metadata keys")
+        for _ in range(keys):
+            self.string("a metadata key")
+            self.value(self.read("I"), depth=0)
+        self.check_count(tensors, 8 + 4 + 4 + 8, "tensors")
+        for _ in range(tensors):
+            self.string("a tensor name")
+            dims = self.read("I")
+            if dims > MAX_TENSOR_DIMS:
+                raise ValueError(f"a tensor declares {dims} dimensions (at most {MAX_TENSOR_DIMS}); the file is damaged")
+            self.skip(8 * dims + 4 + 8, "a tensor's shape, type and offset")
+
+    def read(self, fmt: str) -> int:
+        width = struct.calcsize(fmt)
+        if self.offset + width > self.size:
+            raise ValueError(f"the GGUF header runs past the file's end at byte {self.offset}; the file is truncated")
+        (value,) = struct.unpack_from(self.order + fmt, self.data, self.offset)
+        self.offset += width
+        return value
+
+    def skip(self, n: int, what: str) -> None:
+        if self.offset + n > self.size:
+            raise ValueError(f"{what} at byte {self.offset} declares {n} bytes, past the file's end ({self.size} "
+                             f"bytes); the file is damaged or crafted")
+        self.offset += n
+
+    def check_count(self, count: int, smallest: int, what: str) -> None:
+        if count * smallest > self.size - self.offset:
+            raise ValueError(f"the GGUF header declares {count} {what} at byte {self.offset}, more than the "
+                             f"{self.size - self.offset} bytes left in the file hold; the file is damaged or crafted")
+
+    def string(self, what: str) -> None:
+        self.skip(self.read("Q"), what)
+
+    def value(self, kind: int, depth: int) -> None:
+        if kind in FIXED_SIZES:
+            self.skip(FIXED_SIZES[kind], "a metadata value")
+        elif kind == STRING:
+            self.string("a metadata string")
+        elif kind == ARRAY:
+            if depth >= 4:
+                raise ValueError("a GGUF metadata array nests more than 4 deep; the file is damaged or crafted")
+            item, count = self.read("I"), self.read("Q")
+            if item in FIXED_SIZES:
+                self.skip(count * FIXED_SIZES[item], f"a metadata array of {count} items")
+                return
+            self.check_count(count, 8 if item == STRING else 12, "array items")
+            for _ in range(count):
+                self.value(item, depth + 1)
+        else:
+            raise ValueError(f"a GGUF metadata value has unknown type {kind}; the file is damaged or crafted")
 
 
 def checked_value(key: str, value: Any) -> Any:

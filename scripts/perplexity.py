@@ -154,7 +154,7 @@ def evaluate(llm: LLM, texts: Sequence[str], window: int, stride: int) -> list[P
 
 
 def parse_args(argv: Sequence[str] | None) -> PerplexityArgs:
-    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     p.add_argument("--text", type=Path, nargs="+", required=True, help="text files, each scored as one document")
     p.add_argument("--max_seq_len", type=int, default=None,

@@ -548,3 +548,27 @@ MULTIMODAL_CHAT_TEMPLATE = (
     "{% for m in messages %}w5 {% if m.content is string %}{{ m.content }} {% else %}{% for p in m.content %}"
     "{% if p.type == 'image' %}IMAGE {% else %}{{ p.text }} {% endif %}{% endfor %}{% endif %}w6 {% endfor %}"
     "{% if add_generation_prompt %}w7{% endif %}")
+
+# --- what this machine lacks for some tests (owner: setup) ---
+def missing_prerequisites() -> list[str]:
+    """One line per test prerequisite this machine lacks: what skips, and how to install it."""
+    import importlib.util
+    import shutil
+
+    missing = []
+    if importlib.util.find_spec("triton") is None:
+        missing.append("Triton (the kernel tests, in its interpreter): pip install --no-deps triton==3.6.0")
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")) or not shutil.which("chromedriver"):
+        missing.append("Chromium and its WebDriver (the chat page test): apt-get install chromium chromium-driver")
+    if not (shutil.which("c++") or shutil.which("g++")):
+        missing.append("a C++ compiler (the CPU int8/int4 kernel): apt-get install g++")
+    return missing
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Printed at the end even under -q (`make test`), after the skip reasons."""
+    missing = missing_prerequisites()
+    if missing:
+        terminalreporter.section("missing here, so their tests skipped (CI installs them)")
+        for line in missing:
+            terminalreporter.line(f"- {line}")

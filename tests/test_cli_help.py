@@ -8,7 +8,7 @@ import pytest
 
 CLIS = ["redline.generate", "redline.quantize", "redline.scripts.convert_hf_checkpoint", "redline.scripts.convert_gguf",
         "redline.scripts.perplexity", "redline.scripts.trace_summary", "redline.scripts.demo_model",
-        "redline.scripts.download"]
+        "redline.scripts.download", "redline.serve"]
 
 
 def help_text(module: str, capsys) -> str:
@@ -59,3 +59,19 @@ def test_a_usage_error_is_one_line_and_status_2(module, capsys):
     assert importlib.import_module(module).main(["--no-such-flag"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "see --help" in err
+
+
+@pytest.mark.parametrize("module", CLIS)
+def test_help_describes_the_tool_in_whole_sentences(module, capsys):
+    text = help_text(module, capsys)
+    description = " ".join(text.split("\n\n")[1].split())
+    assert description.endswith((".", ".)")) and description[0].isupper(), description
+
+
+def test_gguf_help_names_every_supported_architecture(capsys):
+    from redline.scripts.convert_gguf import SUPPORTED_ARCHITECTURES
+
+    text = " ".join(help_text("redline.scripts.convert_gguf", capsys).split())
+    assert "llama architecture" not in text
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in text, arch

@@ -342,3 +342,15 @@ def test_a_small_config_that_declares_a_billion_layers_is_refused_at_once(hf_dir
     code, _, err = run_cli(capsys, "--checkpoint_dir", str(hf_dir), "--out", str(tmp_path / "m.safetensors"))
     assert code == 2 and "declares 1000000000 layers" in err and err.count("\n") == 1
     assert time.monotonic() - start < 30
+
+
+def test_a_context_no_loader_accepts_is_refused_before_writing(hf_dir, capsys):
+    edit_config(hf_dir, lambda c: {**c, "max_position_embeddings": 10 ** 18})
+    one_line_error(*run_cli(capsys, "--checkpoint_dir", str(hf_dir)), "declares a context of 1000000000000000000")
+    assert not (hf_dir / "model.redline.safetensors").exists()
+
+
+def test_deeply_nested_config_is_one_line(hf_dir, capsys):
+    depth = 100_000
+    (hf_dir / "config.json").write_text('{"a": ' * depth + "1" + "}" * depth)
+    one_line_error(*run_cli(capsys, "--checkpoint_dir", str(hf_dir)), "nests its JSON too deeply")

@@ -61,3 +61,52 @@ def test_make_demo_works_on_a_fresh_clone(smollm2_checkpoint, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Paris" in run.stdout
     assert "decode" in run.stderr and "tok/s" in run.stderr
+
+
+def readme_cpu_commands() -> list[str]:
+    """The README's commands (bash blocks, continuation lines joined, comments cut) that run a script on the demo
+    model: every `python generate.py` and `python scripts/...py` naming checkpoints/smollm2. The server (which does
+    not end) and the benchmark (minutes) have tests of their own."""
+    import re
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", command).strip()
+            if re.match(r"python3? (generate\.py|scripts/\w+\.py) ", command) and "checkpoints/smollm2" in command:
+                commands.append(" ".join(command.split()))
+    return commands
+
+
+def test_the_readme_names_its_cpu_commands():
+    commands = readme_cpu_commands()
+    assert any("--quantize int8" in c for c in commands) and any("convert_gguf.py" in c for c in commands)
+    assert any("--chat" in c for c in commands) and len(commands) >= 4
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_every_readme_cpu_command_runs_as_written(smollm2_checkpoint, tmp_path):
+    """Each command, as the README writes it, from a scratch folder laid out like the checkout (the demo model's
+    files hard-linked or copied in, so the conversion writes a new file rather than meeting one from an earlier
+    run; a checkpoint's files may not be symlinks out of its folder)."""
+    import shlex
+
+    demo = smollm2_checkpoint.parents[1]  # checkpoints/smollm2
+    (tmp_path / "checkpoints" / "smollm2" / "float32").mkdir(parents=True)
+    for path in [*demo.glob("*.gguf"), *smollm2_checkpoint.parent.iterdir()]:
+        if path.is_file() and not path.name.startswith("model.int4"):
+            target = tmp_path / path.relative_to(demo.parent.parent)
+            try:
+                os.link(path, target)
+            except OSError:  # another file system
+                shutil.copyfile(path, target)
+    for name in ("generate.py", "scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    for command in readme_cpu_commands():
+        argv = shlex.split(command)
+        proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
+        if argv[1] == "generate.py":
+            assert "Paris" in proc.stdout or "capital" in proc.stdout.lower(), (command, proc.stdout[-500:])

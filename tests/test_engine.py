@@ -597,3 +597,52 @@ def test_gpu_compiled_prefill_steps_give_the_static_path_tokens(prefill_graphs):
     assert bool(engine.paged.prefill_graphs and engine.paged.prefill_graphs.graphs) == prefill_graphs
     engine.shutdown()
 
+
+
+def test_a_bad_item_in_a_batch_is_named_by_its_index(llm):
+    with pytest.raises(ValueError, match=r"^prompt 1: .*context") as info:
+        llm.generate_batch([PROMPTS[0], list(range(3, 300)), PROMPTS[1]])
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"^prompt 2: .*empty"):
+        llm.generate_batch(["a", "b", ""])
+    with pytest.raises(ValueError, match=r"^prompt 1: .*speculat"):
+        llm.generate_batch(["a", "b"], [GenerationOptions(), GenerationOptions(draft="prompt_lookup")])
+
+
+def test_generate_batch_after_shutdown_gets_a_new_engine(llm):
+    want = llm.generate_batch(PROMPTS[:2], max_new_tokens=6, ignore_eos=True)
+    old = llm.engine
+    old.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        old.add_request("C")
+    got = llm.generate_batch(PROMPTS[:2], max_new_tokens=6, ignore_eos=True)
+    assert llm.engine is not old and [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+EXIT_SCRIPT = """
+import os, signal, sys, time
+from redline.generate import LLM, GenerationOptions
+llm = LLM.load(sys.argv[1], device="cpu", max_kv_tokens=4096)
+handles = [llm.engine.add_request("hello there " * 20, GenerationOptions(max_new_tokens=250, ignore_eos=True))
+           for _ in range(4)]
+next(iter(handles[0]))  # the engine's thread is stepping
+if sys.argv[2] == "interrupt":
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+sys.exit(0)
+"""
+
+
+# An uncaught Ctrl-C: Python's own status for it is death by SIGINT (-2); with the engine core stepping at exit it
+# is 1 (the traceback printed, the process ended in order); never SIGABRT (-6) from torch torn down under a thread.
+@pytest.mark.parametrize("how, statuses", [("exit", (0,)), ("interrupt", (130, -2, 1))])
+def test_exit_while_the_engine_runs_is_clean(tiny_llm_checkpoint, how, statuses):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tiny_llm_checkpoint[0]), how], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode in statuses, (proc.returncode, proc.stderr[-2000:])
+    assert "terminate called" not in proc.stderr
+    if how == "interrupt":
+        assert proc.stderr.rstrip().endswith("KeyboardInterrupt"), proc.stderr[-2000:]

@@ -203,9 +203,12 @@ def test_cli_interactive_uses_the_chat_template(tiny_llm_checkpoint, chat_tokeni
     monkeypatch.setattr(generate, "load_tokenizer", lambda path: chat_tokenizer)
     cfg = GenerateArgs(tiny_llm_checkpoint[0], EngineConfig(device="cpu"), GenerationOptions(max_new_tokens=6),
                        interactive=True, system="be brief")
-    out = io.StringIO()
-    code = generate.run_cli(cfg, stdin=io.StringIO("hello there\n\n"), out=out, err=io.StringIO())
+    out, err = io.StringIO(), io.StringIO()
+    code = generate.run_cli(cfg, stdin=io.StringIO("hello there\n\n"), out=out, err=err)
     assert code == 0
+    # the banner names the model (its folder) and the file, not a dtype folder
+    path = tiny_llm_checkpoint[0]
+    assert err.getvalue().startswith(f"chatting with {path.parent.name} ({path});")
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     assert chat_tokenizer.calls[-1] == messages
     reply = llm.generate(chat_tokenizer.apply_chat_template(messages), max_new_tokens=6).text

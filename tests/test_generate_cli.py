@@ -137,3 +137,27 @@ def test_output_piped_into_a_reader_that_goes_away_is_one_line(folder):
     os.close(writer)
     assert proc.returncode == 141, proc.stderr
     assert proc.stderr.startswith("error: the output was closed") and proc.stderr.count("\n") == 1, proc.stderr
+
+
+NESTED_JSON = '{"a": ' * 100_000 + "1" + "}" * 100_000
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "generation_config.json", "special_tokens_map.json"])
+def test_deeply_nested_side_file_is_one_line(folder, name):
+    (folder / name).write_text(NESTED_JSON)
+    proc = run_cli(["--checkpoint_path", str(folder), "--prompt", "hi", "--device", "cpu", "--max_new_tokens", "2"])
+    assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "too deeply" in proc.stderr and name in proc.stderr
+
+
+def test_deeply_nested_checkpoint_metadata_is_one_line(folder):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.redline.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    save_file(load_file(str(path)), str(path), metadata={**meta, "config": '{"a": ' * 5000 + "1" + "}" * 5000})
+    proc = run_cli(["--checkpoint_path", str(folder), "--prompt", "hi", "--device", "cpu", "--max_new_tokens", "2"])
+    assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "nested too deeply" in proc.stderr

@@ -227,3 +227,40 @@ def test_fuzzed_gguf_headers_convert_or_give_one_line(small_gguf, tmp_path, caps
     assert code in (0, 2), err
     if code == 2:
         assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def gguf_header(keys: bytes, n_keys: int, n_tensors: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_keys) + keys
+
+
+def gguf_key(name: str) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode()
+
+
+@pytest.mark.parametrize("body, n_keys, n_tensors, message", [
+    # an array of 2^40 uint32 in a 1 KB file: the gguf reader would walk the count past the file's end
+    (gguf_key("general.junk") + struct.pack("<IIQ", VT.ARRAY, VT.UINT32, 1 << 40) + bytes(900), 1, 0,
+     "past the file's end"),
+    # the same with strings (each item at least 8 bytes) and with nested arrays
+    (gguf_key("general.junk") + struct.pack("<IIQ", VT.ARRAY, VT.STRING, 1 << 40) + bytes(900), 1, 0,
+     "array items"),
+    (gguf_key("general.junk") + struct.pack("<IIQ", VT.ARRAY, VT.ARRAY, 1 << 62) + bytes(900), 1, 0, "array items"),
+    # 2^60 keys or tensors declared
+    (bytes(900), 1 << 60, 0, "metadata keys"),
+    (bytes(900), 0, 1 << 60, "tensors"),
+    # a key name longer than the file
+    (struct.pack("<Q", 1 << 50) + bytes(900), 1, 0, "past the file's end"),
+    # an unknown value type
+    (gguf_key("general.junk") + struct.pack("<I", 77) + bytes(900), 1, 0, "unknown type 77"),
+])
+def test_counts_past_the_files_end_are_refused_at_once(tmp_path, capsys, body, n_keys, n_tensors, message):
+    import time
+
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(gguf_header(body, n_keys, n_tensors))
+    assert path.stat().st_size < 1100
+    start = time.perf_counter()
+    err = one_line_error(capsys, ["--gguf", str(path), "--out", str(tmp_path / "o" / "m.safetensors")])
+    assert time.perf_counter() - start < 5
+    assert message in err and str(path) in err
+    assert not (tmp_path / "o").exists()

@@ -92,3 +92,16 @@ def test_a_reserved_page_is_never_handed_out():
     scratch = pool.reserve()
     assert pool.capacity_tokens == 8 and pool.num_free == 2
     assert scratch not in pool.allocate(2)
+
+
+def test_default_cpu_pool_fits_in_the_memory_available():
+    from redline.engine.kv_pages import CPU_MEMORY_SHARE, available_memory, page_bytes
+
+    # a context of 2^24 tokens: four full contexts of this model would take 4 * 2^24 * 2 * 32 * 8 * 128 * 2 bytes
+    args = ModelArgs(dim=4096, n_layer=32, n_head=32, n_kv_heads=8, head_dim=128, vocab_size=256,
+                     intermediate_size=64, block_size=1 << 24)
+    pages = pool_pages(args, 16, torch.bfloat16, torch.device("cpu"), None)
+    assert 4 * args.block_size * page_bytes(args, 1, torch.bfloat16) > 10 * available_memory()
+    assert 1 <= pages * page_bytes(args, 16, torch.bfloat16) <= available_memory() * CPU_MEMORY_SHARE
+    # an explicit max_kv_tokens is taken as given
+    assert pool_pages(args, 16, torch.bfloat16, torch.device("cpu"), 1 << 24) == (1 << 24) // 16

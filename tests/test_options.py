@@ -3,6 +3,7 @@ LLM.load, the stats and generate.py's --threads."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_llm_load_sets_and_reports_the_threads(tiny_llm_checkpoint, restore_thre
     llm = LLM.load(tiny_llm_checkpoint[0], device="cpu", threads=1)
     assert torch.get_num_threads() == 1
     result = llm.generate("abc", max_new_tokens=3, temperature=0, ignore_eos=True)
-    assert result.stats.threads == 1 and ", 1 threads" in result.stats.summary()
+    assert result.stats.threads == 1 and re.search(r", 1 thread\b(?!s)", result.stats.summary())
     LLM.load(tiny_llm_checkpoint[0], device="cpu")  # the default: the physical cores
     assert torch.get_num_threads() == physical_cores()
 
@@ -58,7 +59,21 @@ def test_cli_threads_flag(tiny_llm_checkpoint, restore_threads, capsys):
     assert parse_args(["--checkpoint_path", "m", "--prompt", "p", "--threads", "2"]).engine.threads == 2
     assert main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt", "abc", "--max_new_tokens", "3",
                  "--device", "cpu", "--threads", "1"]) == 0
-    assert ", 1 threads" in capsys.readouterr().err
+    assert re.search(r", 1 thread\b(?!s)", capsys.readouterr().err)
     assert main(["--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt", "abc", "--threads", "0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "threads must be a positive integer" in err
+
+
+def test_a_model_converted_into_a_dtype_folder_is_named_by_the_folder_above(tiny_llm_checkpoint, tmp_path):
+    import shutil
+
+    from redline.generate import LLM
+    from redline.serve import ServeSettings
+
+    target = tmp_path / "smollm2" / "float32"
+    shutil.copytree(tiny_llm_checkpoint[0].parent, target)
+    path = target / tiny_llm_checkpoint[0].name
+    assert LLM.load(path, device="cpu").model_name == "smollm2"
+    assert ServeSettings(checkpoint_path=path).model_name == "smollm2"
+    assert ServeSettings(checkpoint_path=target).model_name == "smollm2"

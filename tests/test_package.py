@@ -77,3 +77,65 @@ def test_pip_install_gives_import_redline_from_a_folder_with_its_own_model_py(tm
     commands = subprocess.run([str(env_dir / "bin" / "redline-generate"), "--help"], cwd=project, env=clean_env(),
                               capture_output=True, text=True, timeout=120)
     assert commands.returncode == 0 and commands.stdout.startswith("usage:"), commands.stderr[-2000:]
+
+
+def declared_distributions(extras: tuple[str, ...]) -> set[str]:
+    """Normalized names of pyproject's core dependencies and of the given extras."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in extras:
+        requirements += project["optional-dependencies"][extra]
+    return {normalized(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in requirements}
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """Top-level names imported by the module's own statements (not inside functions: those run only in a test)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def undeclared_imports(files: list[Path], extras: tuple[str, ...]) -> dict[str, list[str]]:
+    """{file: [imported distribution not declared in pyproject]} for third-party imports."""
+    from importlib.metadata import packages_distributions
+
+    local = {"redline", "conftest"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+    declared = declared_distributions(extras)
+    owners = packages_distributions()
+    found: dict[str, list[str]] = {}
+    for path in files:
+        for name in sorted(module_level_imports(path) - local - set(sys.stdlib_module_names)):
+            dists = {normalized(d) for d in owners.get(name, [name])}
+            if not dists & declared:
+                found.setdefault(str(path.relative_to(ROOT)), []).append(name)
+    return found
+
+
+def test_every_test_module_imports_with_only_the_declared_test_extra():
+    """`make test` on a fresh machine installs the core dependencies and the `test` extra, nothing else: a test
+    module importing anything more fails there before a test runs (scipy once did)."""
+    files = sorted((ROOT / "tests").glob("*.py"))
+    assert len(files) > 40
+    assert undeclared_imports(files, ("test",)) == {}
+
+
+def test_every_module_of_the_package_imports_with_its_core_dependencies():
+    """The core modules need only the core dependencies; the Triton kernels the `gpu` extra (they are imported only
+    where Triton is); the benchmarks the `test` extra."""
+    core = [*ROOT.glob("*.py"), *[p for folder in ("engine", "scripts", "kernels") for p in (ROOT / folder).glob("*.py")]]
+    kernels = [p for p in core if p.parent.name == "kernels" and p.name.startswith("triton_")]
+    assert len(kernels) >= 5
+    assert undeclared_imports([p for p in core if p not in kernels], ()) == {}
+    assert undeclared_imports(kernels, ("gpu",)) == {}
+    assert undeclared_imports(sorted((ROOT / "benchmarks").glob("*.py")), ("test",)) == {}

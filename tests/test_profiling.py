@@ -170,3 +170,29 @@ def test_default_for():
     assert cfg.path.name.startswith("meta-llama_Llama_3.2-")
     assert cfg.path.name.endswith(".json.gz")
     assert ProfileConfig.default_for("x").record_steps == 16
+
+
+def test_the_profilers_native_markers_stay_out_of_the_output(tiny_llm_checkpoint, tmp_path):
+    """torch's profiler writes `USDT:` / `STAGE:` lines to file descriptor 2 as it starts and stops; on a terminal
+    (stdout and stderr one stream) they would land inside the generated text. Other stderr output still gets through."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "run.json.gz"
+    code = "import sys; from redline.generate import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt",
+                           "hello", "--device", "cpu", "--max_new_tokens", "24", "--temperature", "0", "--profile",
+                           str(trace)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "USDT:" not in proc.stdout and "STAGE:" not in proc.stdout, proc.stdout
+    assert "[sample 1/1] prompt" in proc.stdout and f"trace written to {trace}" in proc.stdout and trace.is_file()
+
+
+def test_output_written_while_markers_are_dropped_is_kept(capfd):
+    import os
+
+    from redline.profiling import native_markers_dropped
+
+    with native_markers_dropped():
+        os.write(2, b"USDT:2026 profiler_start\nkeep this\nSTAGE:2026 Completed Stage\n")
+    assert capfd.readouterr().err == "keep this\n"

@@ -190,7 +190,7 @@ BAD = {"model": "tiny", "messages": MESSAGES}
     ("/v1/completions", {"model": "tiny", "prompt": [5, 100000]}, 400, "prompt", None),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "suffix": "b"}, 400, "suffix", "unsupported_parameter"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 9}, 400, "logprobs", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 21}, 400, "logprobs", "invalid_value"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model", "model_not_found"),
     ("/v1/embeddings", {"model": "tiny", "input": "a"}, 404, None, "not_found"),
     ("/v1/completions", {"model": "tiny", "prompt": "a" * 70000}, 413, None, "request_too_large"),

@@ -148,7 +148,7 @@ def test_killing_the_core_gives_503_and_a_nonzero_exit_within_5_s(tiny_chat_chec
     try:
         srv.wait_ready()
         core = srv.core_pid
-        body = {"prompt": "the fox", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        body = {"prompt": "the fox", "max_tokens": 250, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
