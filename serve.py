@@ -902,7 +902,12 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     engine_fields = {name: fields.pop(name) for name in ("max_kv_tokens", "max_running", "prefill_chunk",
                                                          "compile_prefill", "prefill_graphs", "max_queue",
                                                          "min_step_s", "capture_tokens")}
-    return ServeSettings(**fields, engine=EngineSettings(**engine_fields))
+    try:
+        engine = EngineSettings(**engine_fields)
+    except ValueError as exc:  # EngineSettings names its fields; the command line names its flags
+        name = next((n for n in engine_fields if str(exc).startswith(n)), None)
+        raise ValueError(str(exc).replace(name, "--" + name.replace("_", "-"), 1) if name else str(exc)) from None
+    return ServeSettings(**fields, engine=engine)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
