@@ -183,7 +183,7 @@ def test_grammar_rows_run_in_the_decode_graph_steps(tiny_llm_checkpoint, grammar
     real = engine.graphs.run
     engine.graphs.run = lambda *args: masked_steps.append(args[4] is not None) or real(*args)
     try:
-        with engine._lock:  # both arrive before the first step: their decode steps have two rows (one bucket)
+        with engine.paused():  # both arrive before the first step: their decode steps have two rows (one bucket)
             handle = engine.add_request([1, 41, 41], GenerationOptions(max_new_tokens=120, temperature=1.0, seed=1,
                                                                        grammar=grammar))
             mixed = engine.add_request([1, 40, 41], free)
