@@ -162,6 +162,7 @@ class GenerationOptions:
     logprobs: bool = False  # the engine reports log_softmax(fp32 logits) of each chosen token
     top_logprobs: int = 0  # ...and of the N most likely tokens at each step (0..MAX_TOP_LOGPROBS)
     prompt_logprobs: bool = False  # ...and of each prompt token given the ones before it
+    grammar: Any = None  # a grammar.Grammar: the batching engine samples only the tokens it allows
 
     def __post_init__(self) -> None:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:

@@ -2,8 +2,10 @@
 
     python serve.py --checkpoint_path checkpoints/smollm2/float32/model.safetensors   # http://127.0.0.1:8000
 
-Endpoints: POST /v1/chat/completions, /v1/completions (streamed or not), /tokenize, /detokenize; GET /v1/models, /health
-(503 while loading), /metrics (Prometheus); bodies in serve_protocol.py. create_app serves any engine like Engine.
+Endpoints: POST /v1/chat/completions, /v1/completions, /v1/responses (serve_responses.py), /v1/messages (Anthropic's
+shape, serve_messages.py), streamed or not, /tokenize, /detokenize; GET /v1/models, /health (503 while loading),
+/metrics (Prometheus); bodies in serve_protocol.py; tools, reasoning and grammars in replies.py. create_app serves any
+engine like Engine.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from redline.model import ModelArgs
 from redline.options import DTYPE_FOLDERS, EngineConfig, check_text
 from redline.outputs import OneLineArgumentParser
 from redline.prompts import Prompts
+from redline.replies import REASONING_PARSERS, Agent, AgentSettings, PreparedReply, ReplyReader
+from redline.toolcalls import PARSERS
 from redline.serve_metrics import Metrics
 from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, context_room, invalid, parse_request)
@@ -64,6 +68,7 @@ CORE_DEAD_LINGER_S = 1.5
 class ServeSettings:
     checkpoint_path: Path | None = None
     random_weights: str | None = None  # a registry model name (model.py) with random weights, for benchmarks
+    tokenizer: Path | None = None  # with random_weights: a tokenizer to serve them with (structured-output benchmarks)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -78,6 +83,8 @@ class ServeSettings:
     compile_cache: Path | None = DEFAULT_COMPILE_CACHE  # torch.compile's on-disk caches; None: torch's defaults
     # Host names (besides this machine's loopback names) that requests may name in Host and Origin; "*" any.
     allowed_hosts: tuple[str, ...] = ()
+    tool_parser: str | None = None  # the tool-call format replies are parsed in; None: from the chat template
+    reasoning_parser: str = "auto"  # "auto": <think> blocks split off when the chat template writes them
 
     def __post_init__(self) -> None:
         if (self.checkpoint_path is None) == (self.random_weights is None):
@@ -94,13 +101,20 @@ class ServeSettings:
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
+        self.agent_settings  # validates the parsers
         if self.random_weights is not None:
             ModelArgs.from_name(self.random_weights)  # an unknown name is refused before the server starts
+        if self.tokenizer is not None and self.random_weights is None:
+            raise ValueError("--tokenizer goes with --random-weights (a checkpoint brings its own tokenizer)")
 
     @property
     def engine_config(self) -> EngineConfig:
         return EngineConfig(device=self.device, dtype=self.dtype, compile=self.compile, quantize=self.quantize,
                             name=self.served_model_name)
+
+    @property
+    def agent_settings(self) -> AgentSettings:
+        return AgentSettings(self.tool_parser, self.reasoning_parser)
 
     @property
     def model_name(self) -> str:
@@ -112,7 +126,16 @@ class ServeSettings:
 
     def model_source(self, tokenizer_vocab: int | None) -> ModelSource:
         return ModelSource(str(self.checkpoint_path) if self.checkpoint_path is not None else None,
-                           self.random_weights, self.device, self.dtype, self.quantize, self.compile, tokenizer_vocab)
+                           self.random_weights, self.device, self.dtype, self.quantize, self.compile, tokenizer_vocab,
+                           self.tokenizer_path())
+
+    def tokenizer_path(self) -> str | None:
+        """Where the engine core loads the tokenizer its grammars are compiled for."""
+        if self.checkpoint_path is None:
+            return str(self.tokenizer) if self.tokenizer is not None else None
+        from redline.checkpoint import read_checkpoint_info
+
+        return str(read_checkpoint_info(self.checkpoint_path).path)
 
 
 @dataclass
@@ -127,6 +150,14 @@ class ServerState:
     core: Any = None  # the engine core's process (serve()), None in this process
     metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    _agent: Agent | None = None
+
+    def agent(self) -> Agent:
+        """Tool calls, reasoning and grammars for the loaded model (made on first use)."""
+        llm, _ = self.ready()
+        if self._agent is None:
+            self._agent = Agent(llm, self.settings.agent_settings)
+        return self._agent
 
     def ready(self) -> tuple[Any, Any]:
         if self.engine is None or self.error is not None:
@@ -465,30 +496,65 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     req = await parse_body(ChatRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     check_queue_room(engine, req.n)
-    try:
-        ids = await asyncio.to_thread(llm.chat_prompt, req.message_dicts())  # a long prompt never stalls the loop
-    except ValueError as exc:
-        raise invalid(str(exc), "messages") from None
-    options = req.options(context_room(llm, ids, req.max_new, "messages"), llm.vocab_size,
-                          logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
-    run = Run(state, request, submit(engine, [(ids, o) for o in req.seeded(options)]), req.n)
+    prepared = await state.agent().prepare(req.reply_spec())  # a long prompt or schema never stalls the loop
+    options = req.options(context_room(llm, prepared.ids, req.max_new, "messages"), llm.vocab_size,
+                          logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, grammar=prepared.grammar)
+    run = Run(state, request, submit(engine, [(prepared.ids, o) for o in req.seeded(options)]), req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,
             "system_fingerprint": SYSTEM_FINGERPRINT}
     if req.stream:
-        return StreamingResponse(chat_events(run, req, base, llm.tokenizer), media_type="text/event-stream",
+        return StreamingResponse(chat_events(run, req, base, llm.tokenizer, prepared), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **ignored_header(req)})
     choices = await run.gather()
-    return JSONResponse({**base, "object": "chat.completion", "choices": [
-        {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-         "logprobs": chat_logprobs(llm.tokenizer, c, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
-         "finish_reason": finish_reason(c)} for i, c in enumerate(choices)], "usage": run.usage()},
-        headers=ignored_header(req))
+    out = []
+    for i, c in enumerate(choices):
+        reader = ReplyReader(prepared)
+        reader.feed("".join(c.text))
+        reader.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": reader.content or (None if reader.calls else "")}
+        if reader.calls:
+            message["tool_calls"] = [tool_call_json(call) for call in reader.calls]
+        if reader.reasoning_content is not None:
+            message["reasoning_content"] = reader.reasoning_content
+        out.append({"index": i, "message": message, "logprobs": chat_logprobs(
+            llm.tokenizer, c, c.token_ids, c.logprobs, c.top_logprobs) if req.logprobs else None,
+            "finish_reason": "tool_calls" if reader.calls else finish_reason(c)})
+    return JSONResponse({**base, "object": "chat.completion", "choices": out, "usage": run.usage()},
+                        headers=ignored_header(req))
 
 
-async def chat_events(run: Run, req: ChatRequest, base: dict[str, Any], tokenizer: Any) -> AsyncIterator[str]:
+def tool_call_json(call: Any, index: int | None = None) -> dict[str, Any]:
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return body if index is None else {"index": index, **body}
+
+
+def reply_deltas(reader: ReplyReader, text: str, final: bool) -> list[dict[str, Any]]:
+    """Chat deltas for a reply's next text: reasoning_content, content, and each complete tool call as OpenAI
+    streams one (index, id and name first, then its arguments)."""
+    deltas: list[dict[str, Any]] = []
+    events = reader.feed(text) if text else []
+    if final:
+        events += reader.finish()
+    for event in events:
+        if event.kind == "reasoning":
+            deltas.append({"reasoning_content": event.text})
+        elif event.kind == "content":
+            deltas.append({"content": event.text})
+        else:
+            index = reader.calls.index(event.call)
+            head = tool_call_json(event.call, index)
+            head["function"] = {"name": event.call.name, "arguments": ""}
+            deltas.append({"tool_calls": [head]})
+            deltas.append({"tool_calls": [{"index": index, "function": {"arguments": event.call.arguments}}]})
+    return deltas
+
+
+async def chat_events(run: Run, req: ChatRequest, base: dict[str, Any], tokenizer: Any,
+                      prepared: PreparedReply) -> AsyncIterator[str]:
     head = {**base, "object": "chat.completion.chunk"}
+    readers = [ReplyReader(prepared) for _ in run.handles]
 
-    def chunk(i: int, delta: dict[str, str], finish: str | None = None, logprobs: Any = None) -> str:
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> str:
         return sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
     for i in range(len(run.handles)):
@@ -501,9 +567,14 @@ async def chat_events(run: Run, req: ChatRequest, base: dict[str, Any], tokenize
         logprobs = None
         if req.logprobs and out.token_ids:
             logprobs = chat_logprobs(tokenizer, choice, out.token_ids, out.logprobs or [], out.top_logprobs or [])
-        finish = finish_reason(choice) if out.finish_reason is not None else None
-        if out.text or out.token_ids or finish:
-            yield chunk(i, {"content": out.text} if out.text else {}, finish, logprobs)
+        deltas = reply_deltas(readers[i], out.text, out.finish_reason is not None)
+        for delta in deltas[:-1]:
+            yield chunk(i, delta)
+        finish = None
+        if out.finish_reason is not None:
+            finish = "tool_calls" if readers[i].calls else finish_reason(choice)
+        if deltas or logprobs is not None or finish:
+            yield chunk(i, deltas[-1] if deltas else {}, finish, logprobs)
     if req.include_usage:
         yield sse({**head, "choices": [], "usage": run.usage()})
     yield "data: [DONE]\n\n"
@@ -558,12 +629,16 @@ async def completions(state: ServerState, request: Request) -> Response:
         raise invalid("echo with logprobs does not stream; drop stream or logprobs", "stream")
     score_only = req.max_tokens == 0  # echo the prompt's logprobs; one token is generated and dropped
     check_queue_room(engine, len(req.prompts()) * req.n)
+    spec = req.response_format.spec() if req.response_format is not None else None
+    if spec is not None and (req.echo or score_only):
+        raise invalid("response_format does not go with echo; drop one", "response_format")
+    grammar = await state.agent().completion_grammar(spec) if spec is not None else None
     prompts, work = [], []
     for text, ids in await asyncio.to_thread(completion_prompts, llm, req):
         prompts += [(text, ids)] * req.n
         options = req.options(context_room(llm, ids, 1 if score_only else req.max_tokens, "prompt"),
                               llm.vocab_size, logprobs=want, top_logprobs=req.logprobs or 0,
-                              prompt_logprobs=req.echo and want)
+                              prompt_logprobs=req.echo and want, grammar=grammar)
         work += [(ids, o) for o in req.seeded(options)]
     run = Run(state, request, submit(engine, work), req.n)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,
@@ -706,6 +781,10 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
 
     app.add_api_route("/v1/chat/completions", api("chat", chat_completions), methods=["POST"])
     app.add_api_route("/v1/completions", api("completions", completions), methods=["POST"])
+    from redline import serve_messages, serve_responses  # they build on this module's plumbing
+
+    app.add_api_route("/v1/responses", api("responses", serve_responses.responses), methods=["POST"])
+    app.add_api_route("/v1/messages", serve_messages.route(state), methods=["POST"])
     app.add_api_route("/v1/models", api("models", models), methods=["GET"])
     app.add_api_route("/tokenize", api("tokenize", tokenize), methods=["POST"])
     app.add_api_route("/detokenize", api("detokenize", detokenize), methods=["POST"])
@@ -746,13 +825,20 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
 
 
 def front_tokenizer(settings: ServeSettings) -> Any:
-    """The checkpoint's tokenizer, loaded in the server's own process (the engine core needs none); None for random
-    weights."""
-    if settings.checkpoint_path is None:
-        return None
+    """The checkpoint's tokenizer, loaded in the server's own process (the engine core needs none unless a request
+    has a grammar); for random weights, --tokenizer's, else None."""
     from redline.checkpoint import read_checkpoint_info
     from redline.tokenizer import load_tokenizer
 
+    if settings.checkpoint_path is None:
+        if settings.tokenizer is None:
+            return None
+        tokenizer = load_tokenizer(settings.tokenizer)
+        vocab = ModelArgs.from_name(settings.random_weights).vocab_size
+        if tokenizer.vocab_size > vocab:
+            raise ValueError(f"--tokenizer has {tokenizer.vocab_size} tokens, more than {settings.random_weights}'s "
+                             f"{vocab}; pick a smaller tokenizer")
+        return tokenizer
     return load_tokenizer(read_checkpoint_info(settings.checkpoint_path).path)
 
 
@@ -853,6 +939,8 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
                    help="a Redline checkpoint (file or folder); `make demo-model` writes the demo's")
     p.add_argument("--random-weights", default=None, metavar="MODEL",
                    help="serve a registry model (e.g. Llama-3-8B) with random weights and no tokenizer, to benchmark")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="with --random-weights: serve them with this tokenizer (a folder or file), for grammars")
     p.add_argument("--host", default="127.0.0.1", help="bind address; 127.0.0.1 is this machine only")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", default=None,
@@ -892,6 +980,10 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--allowed-host", action="append", default=None, dest="allowed_hosts", metavar="NAME",
                    help="a host name requests may use besides 127.0.0.1/localhost (Host header) and a web site "
                         "whose pages may call the API (Origin); repeatable; * allows any")
+    p.add_argument("--tool-parser", default=None, choices=PARSERS,
+                   help="the tool-call format replies are parsed in (default: the one the chat template writes)")
+    p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                   help="split <think> reasoning from the answer: auto (when the chat template thinks), think, none")
     ns = p.parse_args(argv)
     if ns.api_key is None:
         ns.api_key = os.environ.get("REDLINE_API_KEY")

@@ -58,12 +58,42 @@ class TextPart(Strict):
     text: str
 
 
+class Echoed(BaseModel):
+    # Calls sent back from an earlier reply carry what the client library added (index, parsed_arguments).
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class FunctionCall(Echoed):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(Echoed):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
     name: str | None = Field(None, min_length=1, max_length=64)  # a participant's name, passed to the template
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message answers this call
+    reasoning_content: str | None = None  # an assistant's earlier reasoning; not shown to the model again
+
+    @model_validator(mode="after")
+    def _check_message(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise invalid("a message needs content (only an assistant message with tool_calls may omit it)",
+                          "messages.content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise invalid("a tool message needs the tool_call_id of the call it answers", "messages.tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def template_dict(self) -> dict[str, str]:
@@ -73,6 +103,54 @@ class ChatMessage(Strict):
         if self.name is not None:
             out["name"] = self.name
         return out
+
+
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise invalid("response_format json_schema needs (only with that type) a json_schema object",
+                          "response_format")
+        return self
+
+    def spec(self) -> tuple[str, Any] | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return ("json_object", None)
+        return ("json_schema", self.json_schema.schema_ if self.json_schema.schema_ is not None else {})
 
 
 class SamplingRequest(Strict):
@@ -149,9 +227,16 @@ class ChatRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatRequest:
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise invalid("tool_choice needs tools", "tool_choice")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
         if self.top_logprobs and not self.logprobs:
@@ -165,6 +250,41 @@ class ChatRequest(SamplingRequest):
     def message_dicts(self) -> list[dict[str, str]]:
         return [m.template_dict() for m in self.messages]
 
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them: tool calls with their arguments parsed, tool results with
+        the name of the function that made them."""
+        from redline.replies import history_arguments
+
+        names: dict[str, str] = {}
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {
+                        "name": c.function.name,
+                        "arguments": history_arguments(c.function.arguments,
+                                                       f"messages[{i}].tool_calls[{j}].function.arguments")}}
+                    for j, c in enumerate(m.tool_calls)]
+                names.update((c.id, c.function.name) for c in m.tool_calls)
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
+                if m.tool_call_id in names or m.name:
+                    message["name"] = m.name or names[m.tool_call_id]
+            out.append(message)
+        return out
+
+    def reply_spec(self) -> Any:
+        from redline.replies import ReplySpec
+
+        choice: Any = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            choice = {"name": choice.function.name}
+        return ReplySpec(self.template_messages(), [t.model_dump(exclude_none=True) for t in self.tools or []] or None,
+                         choice, self.parallel_tool_calls,
+                         self.response_format.spec() if self.response_format is not None else None,
+                         dict(self.chat_template_kwargs or {}))
+
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
@@ -174,6 +294,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int = Field(DEFAULT_COMPLETION_TOKENS, ge=0)  # null too means the default; 0 only with echo
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool = False
+    response_format: ResponseFormat | None = None  # extra: the completion matches a JSON schema
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -236,6 +357,8 @@ def parse_request(model: type[BaseModel], body: bytes) -> Any:
 def validation_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     param = ".".join(str(p) for p in err["loc"]) or None
+    if err["type"] == "json_invalid" and "recursion limit" in err["msg"]:
+        return invalid("the request body nests deeper than this server parses; flatten it")
     if err["type"] == "json_invalid":
         return invalid(f"the request body is not valid JSON: {err['msg']}")
     if err["type"] == "model_type" and param is None:

@@ -139,23 +139,35 @@ class Tokenizer:
             ids.append(self.eos_ids[0])
         return ids
 
-    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The checkpoint's chat template rendered for `messages`, as transformers renders it; a message's content
-        may be a list of parts ({"type": "text", "text": ...}, {"type": "image"}), which multimodal templates take."""
+    def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                             tools: list[dict[str, Any]] | None = None,
+                             template_kwargs: dict[str, Any] | None = None) -> str:
+        """The checkpoint's chat template rendered for `messages`, as transformers renders it: a message's content
+        may be a list of parts ({"type": "text", "text": ...}, {"type": "image"}), which multimodal templates take;
+        `tools` (OpenAI-style function tools) go in as `tools=`, and `template_kwargs` (such as enable_thinking) as
+        extra variables."""
         _check_messages(messages, parts=True)
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; add chat_template.jinja beside the checkpoint")
         from redline.templates import render_chat_template
 
-        return render_chat_template(self.chat_template, messages=messages, tools=None, documents=None,
-                                    add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        return render_chat_template(self.chat_template, **{
+            **(template_kwargs or {}), **self.special_tokens, "messages": messages, "tools": tools,
+            "documents": None, "add_generation_prompt": add_generation_prompt})
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Prompt ids for a conversation: the checkpoint's chat template rendered and encoded without adding
         BOS/EOS again (the template writes them), or the family's hand-written layout when there is no
-        template. With `add_generation_prompt` the prompt ends where the assistant's reply starts."""
+        template. With `add_generation_prompt` the prompt ends where the assistant's reply starts. Tools and
+        template_kwargs need a template."""
         if self.chat_template is not None:
-            return self._encode_with_specials(self.render_chat_template(messages, add_generation_prompt))
+            return self.encode_rendered(self.render_chat_template(messages, add_generation_prompt, tools,
+                                                                  template_kwargs))
+        if tools or template_kwargs:
+            raise ValueError("this checkpoint has no chat template, so tools and chat_template_kwargs cannot be "
+                             "rendered; add chat_template.jinja beside the checkpoint")
         _check_messages(messages)
         if self.fallback_chat_format == "llama2":
             return self._encode_llama2_chat(messages)
@@ -165,6 +177,10 @@ class Tokenizer:
             "this checkpoint has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja) "
             "and its tokenizer has no known chat layout; add a template or send a plain prompt"
         )
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of a rendered chat prompt: special-token text is special, no BOS/EOS added (the template wrote them)."""
+        return self._encode_with_specials(text)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The older name of `apply_chat_template(messages)`."""
@@ -212,7 +228,9 @@ def _check_messages(messages: list[dict[str, Any]], parts: bool = False) -> None
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         typed = parts and isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content)
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not (isinstance(content, str) or typed):
+        calls = isinstance(m, dict) and m.get("role") == "assistant" and m.get("tool_calls")
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
+                isinstance(content, str) or typed or calls and content is None):
             raise ValueError(
                 f"Message {i} must be a dict with 'role' in {ROLES} and a str 'content'; got {m!r}."
             )

@@ -6,6 +6,9 @@ all at once or at a fixed rate with Poisson arrivals, timed on the client.
     python benchmarks/bench_serve.py --request-rate 2,8,32 --num-prompts 1000 --input-len 100:1024 \\
         --output-len 256 --json sweep.json --plot sweep.png
 
+With --json-schema every request carries a response_format (the server then masks every output token with its
+grammar), to compare with the same run without it.
+
 Reports request throughput, output tok/s, TTFT, time per output token (TPOT) and inter-token latency (ITL) at
 p50/p90/p99 for each rate. `--offline` runs the same requests through redline.engine.Engine in this process instead
 (no HTTP), to see what the server adds.
@@ -25,6 +28,13 @@ from pathlib import Path
 from typing import Any
 
 PERCENTILES = (50, 90, 99)
+# --json-schema list: a list of records too long to finish in the output length, so that every request still writes
+# --output-len tokens, each of them masked by the grammar (keys, numbers and short strings; not one free string).
+BENCH_SCHEMA = {"type": "array", "minItems": 10000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
+                                     "score": {"type": "number"}, "tags": {"type": "array", "maxItems": 3, "items": {
+                                         "enum": ["red", "green", "blue"]}}},
+    "required": ["id", "name", "score", "tags"], "additionalProperties": False}}
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,7 @@ class BenchServeConfig:
     shard: tuple[int, int] | None = None  # (k, n): this process sends requests k, k + n, ... (set by --clients)
     start_at: float | None = None  # with shard: the perf_counter time at which every client process starts
     timings_path: Path | None = None  # with shard: where this process writes its requests' raw timings
+    json_schema: str | None = None  # every request's output must match a JSON schema: "list" (BENCH_SCHEMA) or a file
 
     def __post_init__(self) -> None:
         lo, hi = self.input_len
@@ -69,6 +80,17 @@ class BenchServeConfig:
             raise ValueError("--request-rate takes positive numbers or inf, comma-separated")
         if self.offline and (self.random_weights is None) == (self.checkpoint_path is None):
             raise ValueError("--offline needs exactly one of --random-weights and --checkpoint_path")
+        if self.json_schema is not None and self.offline:
+            raise ValueError("--json-schema measures the server (its grammars compile per request); drop --offline")
+        if self.json_schema not in (None, "list") and not Path(self.json_schema).is_file():
+            raise FileNotFoundError(f"--json-schema {self.json_schema}: no such file; give 'list' or a JSON file")
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The response_format every request sends, or None."""
+        if self.json_schema is None:
+            return None
+        schema = BENCH_SCHEMA if self.json_schema == "list" else json.loads(Path(self.json_schema).read_text())
+        return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema, "strict": True}}
 
 
 @dataclass
@@ -165,6 +187,8 @@ async def one_request(client: Any, cfg: BenchServeConfig, model: str, prompt: li
                       timing: RequestTiming) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.json_schema is not None:
+        body["response_format"] = cfg.response_format()
     timing.start = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -444,6 +468,9 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--timings", dest="timings_path", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json-schema", default=None, metavar="list|FILE",
+                   help="every request's output matches this JSON schema ('list': a long list of records; the "
+                        "server needs a tokenizer: serve.py --tokenizer with --random-weights)")
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", dest="plot_path", type=Path, default=None, help="write a PNG of a rate sweep here")
     p.add_argument("--offline", action="store_true", help="run the requests through the engine in this process")

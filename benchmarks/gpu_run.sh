@@ -19,6 +19,7 @@
 #   bash benchmarks/gpu_run.sh hf-int4    # a random Llama-3-8B GPTQ g128 folder converted, batch 1 beside Redline's int4
 #   bash benchmarks/gpu_run.sh vision     # the image tests, then time to first token of one 896 x 896 image on random
 #                                         # Gemma-3-12B and Qwen2.5-VL-7B weights (preprocess, encoder, prefill apart)
+#   bash benchmarks/gpu_run.sh serve-json # 64 streams of 512/256 without, then with, a JSON schema on every request
 #
 # SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
 # SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
@@ -26,7 +27,7 @@
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|hf-int4|vision}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|serve-json|frontdoor|frontdoor-pair|frontdoor-offline|hf-int4|vision}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
@@ -108,6 +109,30 @@ serve)
     run serve-sweep python3 benchmarks/bench_serve.py $url --request-rate 2,8,32 --num-prompts 300 \
         --input-len 100:1024 --output-len 256 --vocab-size "$vocab" --json "$RESULTS/serve-sweep.json" \
         --plot "$RESULTS/serve-sweep.png"
+    kill -TERM $server && wait $server
+    ;;
+serve-json)
+    # Random weights need a tokenizer for grammars: one trained on this repository's text (no download).
+    run bench-tokenizer python3 benchmarks/bench_tokenizer.py --out "$RESULTS/bench-tokenizer" --vocab-size 32000
+    port=8321
+    python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port --tokenizer "$RESULTS/bench-tokenizer" \
+        $extra >"$RESULTS/server-json.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null' EXIT
+    for _ in $(seq 300); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/server-json.log"; exit 1; }
+        sleep 2
+    done
+    url="--base-url http://127.0.0.1:$port"
+    # Prompt ids stay inside the trained tokenizer's vocabulary. A first run of the same shape compiles the schema's
+    # grammar and captures the masked decode graphs its steps need (they are made on first use, not at start-up).
+    run serve-json-warm python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 --output-len 256 \
+        --vocab-size 16000 --json-schema list
+    run serve-json-plain python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 --output-len 256 \
+        --vocab-size 16000 --json "$RESULTS/serve-json-plain.json"
+    run serve-json-schema python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 --output-len 256 \
+        --vocab-size 16000 --json-schema list --json "$RESULTS/serve-json-schema.json"
     kill -TERM $server && wait $server
     ;;
 frontdoor)

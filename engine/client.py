@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from redline.engine.core import EngineCore, EngineSettings
+from redline.grammar import GrammarCompiler
 from redline.engine.messages import CoreOutput, CoreRequest
 from redline.engine.requests import (EngineFull, EngineStats, Limits, RequestHandle, RequestOutput, Waiter,
                                      check_request, wake)
@@ -100,7 +101,8 @@ class EngineClient:
             self._live[request_id] = Live(handle, RequestText(self.tokenizer, list(options.stop)), options)
         self.link.add(CoreRequest(request_id, ids, min(options.max_new_tokens, self.limits.block_size - len(ids)),
                                   float(s.temperature), s.top_k, s.top_p, options.seed, eos, bool(options.logprobs),
-                                  int(options.top_logprobs), bool(options.prompt_logprobs)))
+                                  int(options.top_logprobs), bool(options.prompt_logprobs),
+                                  options.grammar.text if options.grammar is not None else None))
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -191,7 +193,8 @@ class Engine(EngineClient):
 
     def __init__(self, llm: Any, settings: EngineSettings | None = None, **fields: Any) -> None:
         settings = settings if settings is not None else EngineSettings(**fields)
-        self.core = EngineCore(llm.runner, settings, self._receive_later)
+        grammars = GrammarCompiler(llm.tokenizer, llm.runner.model.args.vocab_size) if llm.tokenizer else None
+        self.core = EngineCore(llm.runner, settings, self._receive_later, grammars)
         super().__init__(LocalLink(self.core), self.core.limits, llm.tokenizer, text_prompts(llm), settings.max_queue)
 
     @classmethod

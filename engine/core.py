@@ -28,7 +28,8 @@ from redline.engine.messages import CoreOutput, CoreRequest
 from redline.engine.requests import EngineStats, Limits
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
 from redline.options import GenerationStats
-from redline.runner.paged import PagedModel, RowSettings, chosen_logprobs, compile_prefill_default, sample_tokens
+from redline.runner.paged import (GrammarMasks, PagedModel, RowSettings, chosen_logprobs, compile_prefill_default,
+                                  sample_tokens)
 from redline.sampling import SEED_LIMIT, TOP_P_DISABLED
 
 PREFILL_GRAPHS_HELP = ("replay steps that prefill one chunk of under 512 tokens and nothing else (a chat's next turn) "
@@ -84,7 +85,7 @@ class Flight:
 class RequestState:
     """The core's bookkeeping of one request: its sampling settings, EOS ids, timings."""
 
-    def __init__(self, request: CoreRequest, max_new_tokens: int, seed: int, top_k: int) -> None:
+    def __init__(self, request: CoreRequest, max_new_tokens: int, seed: int, top_k: int, matcher: Any = None) -> None:
         self.request, self.max_new_tokens, self.eos = request, max_new_tokens, set(request.eos)
         self.settings = (float(request.temperature), top_k if request.top_k is None else request.top_k,
                          TOP_P_DISABLED if request.top_p is None else float(request.top_p), seed)
@@ -95,13 +96,18 @@ class RequestState:
         self.prompt_logprobs: list[float | None] | None = [None] if request.prompt_logprobs else None
         self.prompt_top: list[dict[int, float] | None] | None = (
             [None] if request.prompt_logprobs and request.top_logprobs else None)
+        self.matcher = matcher  # the request's grammar state: which tokens its next step may sample (None: any)
 
     def take(self, token: int) -> str | None:
         """Account one sampled token; returns the finish reason when the request ends with it."""
         self.token_times.append(time.perf_counter())
+        if self.matcher is not None:
+            self.matcher.consume_token(token)
         if token in self.eos:
             return "eos"
         self.new_tokens += 1
+        if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return "stop"
         return "length" if self.new_tokens >= self.max_new_tokens else None
 
 
@@ -109,8 +115,14 @@ class EngineCore:
     """Continuous batching over `runner`'s model; see the module docstring. Outputs go to `sink(list of
     CoreOutput)`, called from the engine's thread (keep it short: hand them on)."""
 
-    def __init__(self, runner: Any, settings: EngineSettings, sink: Callable[[list[CoreOutput]], None]) -> None:
+    def __init__(self, runner: Any, settings: EngineSettings, sink: Callable[[list[CoreOutput]], None],
+                 grammars: Any = None) -> None:
+        """grammars: a grammar.GrammarCompiler over the model's tokenizer, for requests with a grammar (None: they
+        are refused)."""
         self.runner, self.settings, self.sink = runner, settings, sink
+        self.grammars = grammars
+        if grammars is not None:
+            grammars.warm()  # its llguidance tokenizer, built off this thread before the first grammar request
         self.min_step_s = settings.min_step_s  # may be changed while it runs (a test catching a stream)
         model = runner.model
         args = model.args
@@ -138,6 +150,7 @@ class EngineCore:
         self._seqs: dict[str, Seq] = {}  # request id -> its sequence, for the engine thread
         # Outputs of the last step, sent once the next step is on the GPU (the host work overlaps the device's)
         self._pending: list[CoreOutput] = []
+        self.masks = GrammarMasks(self.vocab_size, self.device)  # grammar rows' token bitmasks, filled each step
         self.prompt_tokens_total = self.generation_tokens_total = self.requests_finished = 0
 
     # -- the API -------------------------------------------------------------------------------------------------------
@@ -213,7 +226,13 @@ class EngineCore:
             return
         max_new = min(request.max_new_tokens, self.block_size - len(request.prompt))
         seed = request.seed if request.seed is not None else int(torch.randint(0, SEED_LIMIT - 1, ()).item())
-        state = RequestState(request, max_new, seed, self.vocab_size)
+        try:
+            matcher = self._matcher(request)
+        except ValueError as exc:
+            self.sink([CoreOutput(request.request_id, [], finish_reason="error", error=str(exc),
+                                  prompt_tokens=len(request.prompt))])
+            return
+        state = RequestState(request, max_new, seed, self.vocab_size, matcher)
         seq = Seq(request.request_id, list(request.prompt), len(request.prompt), max_new,
                   use_prefix_cache=not request.prompt_logprobs, state=state)
         with self._lock:
@@ -224,6 +243,15 @@ class EngineCore:
             self._inbox.append(seq)
             self._start()
             self._lock.notify_all()
+
+    def _matcher(self, request: CoreRequest) -> Any:
+        """A fresh matcher of the request's grammar, or None. The front end compiled the same grammar to check it;
+        here it is compiled once more (cached by its text) in this caller's thread, not the engine's."""
+        if request.grammar is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("this engine has no tokenizer, so it cannot follow a grammar")
+        return self.grammars.compile_now(request.grammar).matcher()
 
     def _refusal(self, request: CoreRequest) -> str | None:
         """Why the core cannot run request (the front end checks first: this guards the core itself)."""
@@ -374,8 +402,10 @@ class EngineCore:
         """Replay the decode graph of chunks (their input tokens: tokens (B,) on the device, else each sequence's
         own) and start copying its tokens to the host."""
         inputs = tokens if tokens is not None else [c.seq.tokens[c.start] for c in chunks]
+        matchers = [c.seq.state.matcher for c in chunks]  # all None in a followed step (see _follow)
+        masks = (lambda: self.masks.fill(matchers)) if any(m is not None for m in matchers) else None
         out, host, ready = self.paged.launch_decode(inputs, [c.start for c in chunks], [c.seq.pages for c in chunks],
-                                                    [c.seq.state.settings for c in chunks])
+                                                    [c.seq.state.settings for c in chunks], masks)
         return Flight(chunks, out, host, ready, started)
 
     def _follow(self, flight: Flight) -> Flight | None:
@@ -391,6 +421,8 @@ class EngineCore:
         if sched.waiting and len(sched.running) < sched.max_running:
             return None
         if any(c.seq.finish_reason is not None or c.seq.num_new + 1 >= c.seq.max_new_tokens for c in chunks):
+            return None
+        if any(c.seq.state.matcher is not None for c in chunks):  # its mask needs the token this step samples
             return None
         if not sched.reserve_next(chunks):
             return None
@@ -434,7 +466,9 @@ class EngineCore:
             return [], []
         rows = logits[sample_rows]  # (B, V)
         settings = RowSettings.of([(*c.seq.state.settings, c.seq.num_tokens) for c in sampling], self.device)
-        tokens = sample_tokens(rows, settings, all(c.seq.state.settings[0] == 0 for c in sampling))  # (B,)
+        masks = self.masks.fill([c.seq.state.matcher for c in sampling])
+        allowed = rows if masks is None else self.masks.apply(rows, masks)  # (B, V)
+        tokens = sample_tokens(allowed, settings, all(c.seq.state.settings[0] == 0 for c in sampling))  # (B,)
         extras: list[dict[str, Any]] = [{} for _ in sampling]
         top = max(c.seq.state.request.top_logprobs for c in sampling)
         if any(c.seq.state.request.logprobs or c.seq.state.request.top_logprobs for c in sampling):

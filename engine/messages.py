@@ -24,6 +24,7 @@ class CoreRequest(msgspec.Struct, tag=True, frozen=True):
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    grammar: str | None = None  # a lark grammar (grammar.py) the sampled tokens must follow; None: any tokens
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):

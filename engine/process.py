@@ -48,6 +48,7 @@ class ModelSource(msgspec.Struct, frozen=True):
     quantize: str | None = None
     compile: bool | None = None
     tokenizer_vocab: int | None = None  # ids past the tokenizer's are never sampled
+    tokenizer_path: str | None = None  # the tokenizer grammars are compiled for (requests with a grammar need one)
 
 
 class CoreConfig(msgspec.Struct, frozen=True):
@@ -133,7 +134,7 @@ def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> 
     runner = load_runner(config.model, log)
     startup["load_s"] = time.perf_counter() - begin
     begin = time.perf_counter()
-    core = EngineCore(runner, EngineSettings(**config.engine), sink)
+    core = EngineCore(runner, EngineSettings(**config.engine), sink, grammar_compiler(config.model, runner))
     log(f"KV cache: {core.pool.num_pages} pages of {core.pool.page_size} tokens ({core.pool.capacity_tokens} tokens)")
     if config.capture_graphs and core.paged.graphs is not None:
         log("capturing decode graphs")
@@ -145,6 +146,17 @@ def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> 
     startup["warm_up_s"] = time.perf_counter() - begin
     log(f"warmed up in {startup['warm_up_s']:.1f} s; ready")
     return core, startup
+
+
+def grammar_compiler(source: ModelSource, runner: Any) -> Any:
+    """The core's grammar compiler over the model's tokenizer (loaded here: the core otherwise needs none), or None
+    without a tokenizer."""
+    if source.tokenizer_path is None:
+        return None
+    from redline.grammar import GrammarCompiler
+    from redline.tokenizer import load_tokenizer
+
+    return GrammarCompiler(load_tokenizer(source.tokenizer_path), runner.model.args.vocab_size)
 
 
 def graph_progress() -> Callable[[int, int], None]:

@@ -9,11 +9,13 @@ holds, with temperature 0, and their tokens are dropped.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from redline.grammar import apply_masks, mask_words
 from redline.model import PagedContext, PagedKVCache, Transformer
 from redline.sampling import argmax_rows, sample_rows
 
@@ -45,8 +47,11 @@ def decode_logits(model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | Non
 
 
 def pick_tokens(logits: Tensor, greedy: bool, positions: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                seed: Tensor) -> Tensor:
-    """tokens (B,) from logits (B, V) with per-row settings (B,); the new token's position is positions + 1."""
+                seed: Tensor, masks: Tensor | None = None) -> Tensor:
+    """tokens (B,) from logits (B, V) with per-row settings (B,); the new token's position is positions + 1. With
+    masks (B, ceil(V / 32)) int32, a row samples only the tokens whose bits are set."""
+    if masks is not None:
+        logits = apply_masks(logits, masks)
     if greedy:
         return argmax_rows(logits)
     return sample_rows(logits, temperature, top_k, top_p, seed, positions + 1)
@@ -80,7 +85,9 @@ class DecodeGraphs:
         self.longs = torch.zeros(5 * n, dtype=torch.long, device=device)  # ids, positions, slots, top_k, seed
         self.ints = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)  # seq_lens, tables
         self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # temperature, top_p
-        self.graphs: dict[tuple[int, int, bool], tuple[Any, Tensor]] = {}
+        # Grammar rows' token bitmasks, read by the graphs of steps that have such rows (all ones elsewhere).
+        self.masks = torch.full((n, mask_words(model.args.vocab_size)), -1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, int, bool, bool], tuple[Any, Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # The sampler runs eagerly (on the CPU inductor's code for it crashed or drew other tokens under torch 2.13;
         # on a GPU the graph holds it anyway).
@@ -91,10 +98,13 @@ class DecodeGraphs:
         return rows <= self.largest
 
     def run(self, tokens: list[int] | Tensor, positions: list[int], pages: list[list[int]],
-            settings: list[tuple[float, int, float, int]]) -> Tensor:
+            settings: list[tuple[float, int, float, int]], masks: Callable[[], Tensor] | None = None) -> Tensor:
         """The next token (B,) of each decoding row (its last token, its position, its pages and sampling
         settings), on the device: the step is launched, not awaited. tokens may be a device tensor (B,), the
-        previous step's output, which the step then reads without the host ever seeing it."""
+        previous step's output, which the step then reads without the host ever seeing it. masks: for a step with
+        grammar rows, what returns the rows' allowed tokens (B, W) int32 on the device (grammar.fill_masks); it is
+        called once the step's forward is launched, so the host computes the masks while the device computes the
+        logits, and a second graph then masks and samples."""
         rows = len(positions)
         bucket = batch_bucket(rows, self.largest)
         width = max(self.min_width, pages_bucket(max(len(p) for p in pages), self.max_pages))
@@ -104,18 +114,36 @@ class DecodeGraphs:
         if on_device:
             self.longs[:rows].copy_(tokens)  # after the fill's copy on the same stream: it overwrites the zeros
         args = self._inputs(bucket, width)
+        if masks is None:
+            if self.device.type != "cuda":
+                return self._step(greedy, args)[:rows]
+            key = (bucket, width, greedy, False)
+            if key not in self.graphs:
+                self.graphs[key] = self._capture(greedy, args)
+            graph, out = self.graphs[key]
+            graph.replay()
+            return out[:rows]
         if self.device.type != "cuda":
-            return self._step(greedy, args)[:rows]
-        key = (bucket, width, greedy)
+            logits = self._logits(args)
+            self._put_masks(masks(), rows, bucket)
+            return pick_tokens(logits, greedy, args[1], *args[5:], self.masks[:bucket])[:rows]
+        key = (bucket, width, greedy, True)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(greedy, args)
-        graph, out = self.graphs[key]
-        graph.replay()
+            self.graphs[key] = self._capture_masked(greedy, args)
+        (forward, _), (sampler, out) = self.graphs[key]
+        forward.replay()
+        self._put_masks(masks(), rows, bucket)
+        sampler.replay()
         return out[:rows]
+
+    def _put_masks(self, masks: Tensor, rows: int, bucket: int) -> None:
+        self.masks[:rows].copy_(masks)
+        self.masks[rows:bucket].fill_(-1)  # padding rows: anything
 
     def capture(self, max_tokens: int, progress: Any = None) -> int:
         """Capture the greedy step of every bucket at every page width that sequences of up to max_tokens tokens
-        reach, before serving (a shape met later is captured then, in a step of its own). Returns the graphs made;
+        reach, before serving (a shape met later is captured then, in a step of its own; the two graphs of a step
+        with grammar rows are captured when one first runs). Returns the graphs made;
         progress(done, total), if given, is called after each."""
         if self.device.type != "cuda":
             return 0
@@ -123,10 +151,10 @@ class DecodeGraphs:
         widths = [2 ** i for i in range(1, top.bit_length()) if self.min_width <= 2 ** i <= top]
         widths += [top] if top not in widths else []  # the context's page count need not be a power of two
         todo = [(bucket, width) for width in widths for bucket in BATCH_BUCKETS
-                if bucket <= self.largest and (bucket, width, True) not in self.graphs]
+                if bucket <= self.largest and (bucket, width, True, False) not in self.graphs]
         for done, (bucket, width) in enumerate(todo, 1):
             self._fill(bucket, width, [], [], [], [])  # padding rows only: they write the scratch page
-            self.graphs[(bucket, width, True)] = self._capture(True, self._inputs(bucket, width))
+            self.graphs[(bucket, width, True, False)] = self._capture(True, self._inputs(bucket, width))
             if progress is not None:
                 progress(done, len(todo))
         return len(todo)
@@ -158,11 +186,21 @@ class DecodeGraphs:
         put(self.ints, ints)
         put(self.floats, temperature + [0.0] * pad + top_p + [1.0] * pad)
 
-    def _step(self, greedy: bool, args: tuple[Tensor, ...]) -> Tensor:
+    def _logits(self, args: tuple[Tensor, ...]) -> Tensor:
         if self.device.type == "cuda":
             mark_sizes_dynamic(*args[:5])
-        logits = self.compiled(self.step_model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
-        return pick_tokens(logits, greedy, args[1], *args[5:])
+        return self.compiled(self.step_model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
+
+    def _step(self, greedy: bool, args: tuple[Tensor, ...]) -> Tensor:
+        return pick_tokens(self._logits(args), greedy, args[1], *args[5:])
+
+    def _capture_masked(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[tuple[Any, Tensor], ...]:
+        """A grammar step as two graphs: the forward (its logits stay in the pool), then masking and sampling."""
+        forward = captured(lambda: self._logits(args), self.device, self.pool)
+        masks = self.masks[:args[0].shape[1]]
+        sampler = captured(lambda: pick_tokens(forward[1], greedy, args[1], *args[5:], masks), self.device,
+                           self.pool)
+        return forward, sampler
 
     def _capture(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:
         """The step captured (its real rows warm up first: decode is idempotent for them, it rewrites the same k

@@ -161,6 +161,47 @@ class RowSettings:
                    on_device(list(position), torch.long, device))
 
 
+class GrammarMasks:
+    """The token bitmasks (B, ceil(V / 32)) int32 of a step's rows, filled on the host from each row's grammar
+    matcher (all ones for a row without one) and copied to the device; llguidance's executor fills many rows in
+    parallel threads."""
+
+    def __init__(self, vocab_size: int, device: torch.device, max_rows: int = 256) -> None:
+        from redline.grammar import mask_words
+
+        self.device, self.words = device, mask_words(vocab_size)
+        self.host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.executor: Any = None
+
+    def fill(self, matchers: list[Any]) -> Tensor | None:
+        """The rows' masks (B, W) on the device, or None when no row has a matcher. The host buffer is reused:
+        call it only after the step that read the last masks has landed (grammar rows are never launched ahead)."""
+        if all(m is None for m in matchers):
+            return None
+        import llguidance
+
+        rows = len(matchers)
+        if rows > self.host.shape[0]:
+            self.host = torch.full((rows, self.words), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        host = self.host[:rows]
+        host.fill_(-1)
+        grammar_rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
+        if len(grammar_rows) == 1:
+            row = host[grammar_rows[0][1]]
+            grammar_rows[0][0].unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        else:
+            if self.executor is None:
+                self.executor = llguidance.LLExecutor()
+            self.executor.unsafe_compute_mask_ptr(grammar_rows, host.data_ptr(), self.words * 4, rows)
+        return host.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def apply(logits: Tensor, masks: Tensor) -> Tensor:
+        from redline.grammar import apply_masks
+
+        return apply_masks(logits, masks)
+
+
 def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = False) -> Tensor:
     """logits (B, V) -> tokens (B,), each row with its own settings; all_greedy skips the sampler's sort."""
     if all_greedy:
@@ -232,10 +273,12 @@ class PagedModel:
         return self.graphs is not None and self.graphs.fits(rows)
 
     def launch_decode(self, tokens: list[int] | Tensor, positions: list[int], pages: list[list[int]],
-                      settings: list[tuple[float, int, float, int]]) -> tuple[Tensor, Tensor, Any]:
-        """Replay the decode graph of these rows; returns (tokens (B,) on the device, their pinned host copy, the
-        event after which the copy is valid, None on the CPU). Nothing waits for the device."""
-        out = self.graphs.run(tokens, positions, pages, settings)
+                      settings: list[tuple[float, int, float, int]],
+                      masks: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor, Any]:
+        """Replay the decode graph of these rows (masks: the grammar rows' masks, DecodeGraphs.run); returns (tokens
+        (B,) on the device, their pinned host copy, the event after which the copy is valid, None on the CPU).
+        Nothing waits for the device but the masks' host work."""
+        out = self.graphs.run(tokens, positions, pages, settings, masks)
         host, ready = self.reader.start(out)
         return out, host, ready
 

@@ -572,3 +572,42 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("missing here, so their tests skipped (CI installs them)")
         for line in missing:
             terminalreporter.line(f"- {line}")
+
+# --- agent API fixtures (owner: tools, reasoning and structured output) ---
+# A ChatML-style template that names the tools (briefly: the tiny model's context is short) and renders calls and
+# results in the Hermes format (<tool_call> tags),
+# and, with enable_thinking=false, an empty think block after the generation prompt (as Qwen3's template does).
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n"
+    "{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m['tool_calls'] %}<|assistant|>\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}\n{% elif m['role'] == 'tool' %}<|tool|>\n<tool_response>{{ m['content'] }}</tool_response>\n"
+    "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tools_chat_checkpoint(tmp_path_factory, tiny_llm_checkpoint):
+    """tiny_llm_checkpoint's folder with TOOLS_CHAT_TEMPLATE beside it: (checkpoint path, hf_model)."""
+    import shutil
+
+    path, hf_model = tiny_llm_checkpoint
+    folder = tmp_path_factory.mktemp("tools-chat") / "tools-chat"
+    shutil.copytree(path.parent, folder)
+    (folder / "chat_template.jinja").write_text(TOOLS_CHAT_TEMPLATE, encoding="utf-8")
+    return folder / path.name, hf_model
+
+
+@pytest.fixture(scope="session")
+def tools_grammar_compiler(sp_tokenizer_dir):
+    """A grammar.GrammarCompiler over the SentencePiece fixture tokenizer."""
+    from redline.grammar import GrammarCompiler
+    from redline.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(sp_tokenizer_dir)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    yield compiler
+    compiler.shutdown()

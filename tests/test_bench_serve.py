@@ -63,3 +63,41 @@ def test_one_client_at_a_time_never_overlaps(tiny_chat_checkpoint, tmp_path):
                                  "--vocab-size", "512", "--max-concurrency", "1", "--json", str(tmp_path / "o.json")])
     run = json.loads((tmp_path / "o.json").read_text())["runs"][0]
     assert code == 0 and run["completed"] == 4 and run["peak_concurrency"] == 1
+
+
+def test_json_schema_on_every_request(tiny_chat_checkpoint, tmp_path):
+    """--json-schema list: every streamed completion is masked by the grammar and still writes --output-len tokens
+    (the list is too long to finish); its text is the start of the list."""
+    llm = LLM.load(tiny_chat_checkpoint[0], device="cpu")
+    settings = ServeSettings(checkpoint_path=tiny_chat_checkpoint[0])
+    with ServerThread(create_app(PacedEngine(llm), llm, settings)) as url:
+        code = bench_serve.main(["--base-url", url, "--num-prompts", "4", "--input-len", "6", "--output-len", "12",
+                                 "--vocab-size", "512", "--json-schema", "list", "--json", str(tmp_path / "o.json")])
+        import httpx
+
+        body = {"prompt": [1, 5, 6], "max_tokens": 12, "temperature": 1.0, "ignore_eos": True,
+                "response_format": bench_serve.BenchServeConfig(json_schema="list").response_format()}
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    run = json.loads((tmp_path / "o.json").read_text())["runs"][0]
+    assert code == 0 and run["completed"] == 4 and run["output_tokens"] == 4 * 12
+    assert text.startswith('[{"id": ')
+
+
+def test_bench_tokenizer_serves_random_weights_with_grammars(tmp_path, tokenizer_sample_text):
+    """The benchmark tokenizer trains on local text and loads as a Redline tokenizer that grammars compile for."""
+    from redline.benchmarks.bench_tokenizer import train
+    from redline.grammar import GrammarCompiler, json_schema_lark, reply_grammar
+    from redline.tokenizer import load_tokenizer
+
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "sample.md").write_text(tokenizer_sample_text, encoding="utf-8")
+    size = train(tmp_path / "tok", 400, root=tmp_path / "text")
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    assert tokenizer.vocab_size == size and tokenizer.decode(tokenizer.encode("def f(x):")).endswith("def f(x):")
+    compiler = GrammarCompiler(tokenizer, 512)
+    try:
+        compiled = compiler.compile_now(reply_grammar(json_schema_lark(bench_serve.BENCH_SCHEMA), None))
+        matcher = compiled.matcher()
+        assert matcher.consume_tokens(tokenizer.encode('[{"id": 1, "name": "a"', add_special_tokens=False))
+    finally:
+        compiler.shutdown()

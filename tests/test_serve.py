@@ -174,7 +174,9 @@ BAD = {"model": "tiny", "messages": MESSAGES}
 
 @pytest.mark.parametrize("path, body, status, param, code", [
     ("/v1/chat/completions", {**BAD, "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter"),
-    ("/v1/chat/completions", {**BAD, "tools": []}, 400, "tools", "unsupported_parameter"),
+    ("/v1/chat/completions", {**BAD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     None),  # the tiny template names no tool-call format
+    ("/v1/chat/completions", {**BAD, "tool_choice": "required"}, 400, "tool_choice", None),
     ("/v1/chat/completions", {**BAD, "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
     ("/v1/chat/completions", {**BAD, "temperature": "hot"}, 400, "temperature", "invalid_value"),
     ("/v1/chat/completions", {**BAD, "max_tokens": True}, 400, "max_tokens", "invalid_value"),

@@ -186,3 +186,21 @@ def test_sigterm_drains_both_processes_and_exits_0(tiny_chat_checkpoint, tmp_pat
         assert not Path(f"/proc/{core}").exists()
     finally:
         srv.stop()
+
+
+def test_the_core_process_follows_a_grammar(server):
+    """A response_format's grammar travels to the engine core's process as its text; the core compiles it for the
+    checkpoint's tokenizer (which it loads for grammars only) and masks the request's tokens."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    assert server.core_config()["model"]["tokenizer_path"]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    for seed in range(3):
+        reply = client.completions.create(model="tiny", prompt="JSON:", max_tokens=60, temperature=1.0, seed=seed,
+                                          extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                              "name": "n", "schema": schema}}})
+        assert reply.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(reply.choices[0].text), schema)
