@@ -171,7 +171,8 @@ def save_checkpoint(path: str | os.PathLike, tensors: dict[str, torch.Tensor], i
 
 # Safetensors' names of the dtypes a checkpoint holds.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+                      torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL",
+                      torch.float8_e4m3fn: "F8_E4M3"}
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -343,7 +344,8 @@ def _check_tensor_dtypes(path: Path, tensor_dtypes: dict[str, str], scheme: str)
             continue
         prefix = name.removesuffix(".weight")
         scales = f"{prefix}.scales" if name.endswith(".weight") else f"{name}_scales"  # int8 experts: w13_scales
-        if scheme == "none" or not name.endswith((".weight", ".w13", ".w2")) or scales not in tensor_dtypes:
+        fp8_mismatch = (dtype == "F8_E4M3") != (scheme == "fp8")  # FP8 codes only in an fp8 checkpoint, and only they
+        if scheme == "none" or fp8_mismatch or not name.endswith((".weight", ".w13", ".w2")) or scales not in tensor_dtypes:
             raise ValueError(f"{path}: tensor {name} is {dtype}, which quantization scheme {scheme!r} does not allow; "
                              f"the file is damaged or mislabelled, re-convert it")
 

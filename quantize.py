@@ -1,9 +1,10 @@
-"""Weight-only quantization (int8, int4): a CLI that writes a new checkpoint, the module swap, the loader's structure.
+"""Quantization (int8 and int4 weight-only, fp8 weights and activations): a CLI that writes a new checkpoint, the
+module swap, the loader's structure.
 
-python quantize.py --checkpoint_path IN --mode int8|int4 [--groupsize 32|64|128|256] [--out FILE]
+python quantize.py --checkpoint_path IN --mode int8|int4|fp8 [--groupsize 32|64|128|256] [--out FILE]
 
 Quantizing on load (`LLM.load(path, quantize=...)`, generate.py's --quantize and --draft_quantize) takes "int8",
-"int4" or "int4-gG" (G the group size); plain "int4" picks the group size by auto_group_size.
+"int4", "int4-gG" (G the group size) or "fp8"; plain "int4" picks the group size by auto_group_size.
 
 Scheme "int8": every linear layer's weight becomes int8 with one fp32 scale per output channel
 (symmetric, scale = max|w| / 127).
@@ -38,8 +39,13 @@ from redline.model import ModelArgs, MoEFeedForward, Transformer
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 from redline.vision import check_vision_copy, copy_vision_file
 
-QUANT_MODES = ("int8", "int4")
+QUANT_MODES = ("int8", "int4", "fp8")
 INT8_MAX = 127
+# FP8 weights and activations: OCP e4m3 ("fn": no infinities, largest finite value 448); casting past it gives NaN,
+# so values are clamped first. Block-scaled weights use the Hub's 128 x 128 blocks (the only block size taken).
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_BLOCK = 128
 INT4_MAX = 15
 # The int4 group size when none is given and it divides every layer's inputs: the common choice of gpt-fast, torchao
 # and GPTQ checkpoints (auto_group_size goes down from it).
@@ -69,6 +75,77 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+def fp8_block_scales_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """The (ceil(N/128), ceil(K/128)) shape of a block-scaled FP8 weight's scales."""
+    return -(-out_features // FP8_BLOCK), -(-in_features // FP8_BLOCK)
+
+
+class Fp8Linear(nn.Module):
+    """W8A8 FP8: weight float8_e4m3fn (N, K), scales fp32 (N,) per output channel or (ceil(N/128), ceil(K/128)) per
+    128 x 128 block; the forward is fp8_linear_reference in plain PyTorch (kernels.use_kernels swaps in the GPU op)."""
+
+    def __init__(self, in_features: int, out_features: int, block_scales: bool = False,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.block_scales = block_scales
+        shape = fp8_block_scales_shape(out_features, in_features) if block_scales else (out_features,)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))  # (N, K)
+        self.register_buffer("scales", torch.empty(shape, dtype=torch.float32, device=device))  # (N,) or (N/128, K/128)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear_reference(x, self.weight, self.scales)
+
+    def extra_repr(self) -> str:
+        scales = "128x128 blocks" if self.block_scales else "per-channel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3 {scales}"
+
+
+def quantize_fp8(weight: Tensor, block_scales: bool = False) -> tuple[Tensor, Tensor]:
+    """weight (N, K) float -> (float8_e4m3fn (N, K), fp32 scales): scale = max|w| / 448 per output channel (N,), or per
+    128 x 128 block (ceil(N/128), ceil(K/128)) with block_scales; w / scale rounds to the nearest e4m3 value."""
+    w = weight.float()
+    n, k = w.shape
+    if not block_scales:
+        scales = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # (N,)
+        return (w / scales.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+    bn, bk = fp8_block_scales_shape(n, k)
+    padded = F.pad(w, (0, bk * FP8_BLOCK - k, 0, bn * FP8_BLOCK - n)).view(bn, FP8_BLOCK, bk, FP8_BLOCK)
+    scales = (padded.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # (N/128, K/128)
+    return (w / expand_block_scales(scales, n, k)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def expand_block_scales(scales: Tensor, n: int, k: int) -> Tensor:
+    """(ceil(N/128), ceil(K/128)) block scales -> the (N, K) fp32 scale of every weight."""
+    return scales.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+
+
+def dequantize_fp8(weight: Tensor, scales: Tensor) -> Tensor:
+    """float8_e4m3fn (N, K) and its scales ((N,) or 128 x 128 blocks) -> the fp32 (N, K) weight (exact products)."""
+    if scales.dim() == 1:
+        return weight.float() * scales.float().unsqueeze(1)
+    return weight.float() * expand_block_scales(scales, *weight.shape)
+
+
+def quantize_activations_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token dynamic quantization: x (..., K) float -> (float8_e4m3fn (..., K), fp32 scales (..., 1)), one
+    scale = max|x_row| / 448 per row (an all-zero row gets the smallest normal scale and stays zero)."""
+    xf = x.float()
+    scales = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # (..., 1)
+    return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def fp8_linear_reference(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """The W8A8 product in fp32, returned in x.dtype: x (..., K) quantized per token when it has two or more rows (a
+    single row is used as it is), times the dequantized FP8 weight (N, K)."""
+    xf = x.float()
+    if x.numel() != x.shape[-1]:
+        codes, row_scales = quantize_activations_fp8(x)
+        xf = codes.float() * row_scales
+    return F.linear(xf, dequantize_fp8(weight, scales)).to(x.dtype)
 
 
 class Int8MoEFeedForward(MoEFeedForward):
@@ -204,7 +281,7 @@ def parse_quant_spec(spec: str) -> tuple[str, int | None]:
     "int4-g64" -> ("int4", 64). Anything else is a one-line error."""
     mode, _, group = spec.partition("-g") if isinstance(spec, str) else ("", "", "")
     if mode not in QUANT_MODES or (group and (mode != "int4" or not group.isdigit())) or spec.endswith("-g"):
-        raise ValueError(f"unknown quantization {spec!r}; choose int8, int4 or int4-gG with G a group size "
+        raise ValueError(f"unknown quantization {spec!r}; choose int8, int4, fp8 or int4-gG with G a group size "
                          f"(int4-g32, int4-g64, int4-g128, int4-g256)")
     if not group:
         return mode, None
@@ -261,15 +338,27 @@ def quantization_metadata(mode: str, tie_word_embeddings: bool, group_size: int 
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
     kept = ["tok_embeddings"] + (["output (tied to tok_embeddings)"] if tie_word_embeddings else [])
+    if mode in ("int8", "fp8") and group_size is not None:
+        raise ValueError(f"{mode} is per output channel; --groupsize applies to int4 only")
     if mode == "int8":
-        if group_size is not None:
-            raise ValueError("int8 is per output channel; --groupsize applies to int4 only")
         return {"scheme": mode, "granularity": "per-output-channel", "scale_dtype": "float32", "not_quantized": kept}
+    if mode == "fp8":
+        return fp8_metadata(block_scales=False, not_quantized=kept)
     group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
     check_group_size(group_size, group_size)
     return {"scheme": mode, "granularity": "per-group", "group_size": group_size, "layout": INT4_LAYOUT,
             "zero_point": "offset (w = scale * q + offset, q in 0..15)", "scale_dtype": "float16",
             "not_quantized": kept}
+
+
+def fp8_metadata(block_scales: bool, not_quantized: list[str]) -> dict[str, Any]:
+    """The metadata of an FP8 checkpoint: per-output-channel (quantize.py) or 128 x 128 block weight scales (the
+    Hub's block-wise checkpoints, scripts/convert_hf_checkpoint.py)."""
+    granularity = {"granularity": "block", "block_size": [FP8_BLOCK, FP8_BLOCK]} if block_scales else {
+        "granularity": "per-output-channel"}
+    return {"scheme": "fp8", "format": "float8_e4m3fn", **granularity, "scale_dtype": "float32",
+            "activations": "dynamic per-token e4m3 for two or more rows; one row unquantized",
+            "not_quantized": not_quantized}
 
 
 def quantized_linear_names(n_layer: int, tie_word_embeddings: bool, sparse: tuple[bool, ...] = ()) -> list[str]:
@@ -296,13 +385,21 @@ def quantize_state_dict(tensors: dict[str, Tensor], n_layer: int, tie_word_embed
             out[name], out[f"{name}_scales"] = quantize_experts_int4(out.pop(name), group_size)
         else:
             out[name], out[f"{name}_scales"] = quantize_experts_int8(out.pop(name))
+    if mode == "fp8" and experts:
+        raise ValueError(FP8_EXPERTS_REFUSAL)
     for name in progress(names, len(names), "quantizing"):
         weight = out.pop(f"{name}.weight")
-        if mode == "int4":
+        if mode == "fp8":
+            out[f"{name}.weight"], out[f"{name}.scales"] = quantize_fp8(weight)
+        elif mode == "int4":
             out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int4(weight, group_size)
         else:
             out[f"{name}.weight"], out[f"{name}.scales"] = quantize_int8(weight)
     return out
+
+
+# Mixtures of experts have no FP8 path yet: their experts would need FP8 grouped kernels.
+FP8_EXPERTS_REFUSAL = "fp8 does not quantize mixture-of-experts models yet; use int8 or int4"
 
 
 def _swap_linears(model: nn.Module, build: Any, float_head: bool = False) -> None:
@@ -330,10 +427,27 @@ def prepare_quantized_structure(model: nn.Module, quantization: dict[str, Any]) 
         _swap_experts(model, lambda ffn: Int4MoEFeedForward(model.args, group_size, ffn.gate.weight.device,
                                                             ffn.gate.weight.dtype))
         return
+    if scheme == "fp8":
+        _prepare_fp8_structure(model, quantization)
+        return
     if scheme != "int8":
         raise ValueError(f"checkpoint uses quantization {scheme!r}, which this Redline cannot load; upgrade Redline")
     _swap_linears(model, lambda lin: Int8Linear(lin.in_features, lin.out_features, device=lin.weight.device))
     _swap_experts(model, lambda ffn: Int8MoEFeedForward(model.args, ffn.gate.weight.device, ffn.gate.weight.dtype))
+
+
+def _prepare_fp8_structure(model: nn.Module, quantization: dict[str, Any]) -> None:
+    """Fp8Linear modules of the checkpoint's granularity (an output head listed as not quantized stays float)."""
+    granularity = quantization.get("granularity")
+    if granularity not in ("per-output-channel", "block") or (
+            granularity == "block" and quantization.get("block_size") != [FP8_BLOCK, FP8_BLOCK]):
+        raise ValueError(f"checkpoint uses fp8 scales {granularity!r} {quantization.get('block_size', '')}, which this "
+                         f"Redline cannot load (per-output-channel, or block {[FP8_BLOCK, FP8_BLOCK]}); re-convert it")
+    if any(sparse_layers(model.args)):
+        raise ValueError(FP8_EXPERTS_REFUSAL)
+    float_head = any(kept.startswith("output") for kept in quantization.get("not_quantized", []))
+    _swap_linears(model, lambda lin: Fp8Linear(lin.in_features, lin.out_features, granularity == "block",
+                                               device=lin.weight.device), float_head)
 
 
 def _swap_experts(model: nn.Module, build: Any) -> None:
@@ -351,18 +465,22 @@ def model_quantization(model: nn.Module) -> str:
             return "int8"
         if isinstance(module, Int4Linear):
             return "int4"
+        if isinstance(module, Fp8Linear):
+            return "fp8"
     return "none"
 
 
 @torch.no_grad()
 def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.Module:
-    """Quantize a loaded model in place (used by `LLM.load(path, quantize="int8" | "int4" | "int4-gG")`);
+    """Quantize a loaded model in place (used by `LLM.load(path, quantize="int8" | "int4" | "int4-gG" | "fp8")`);
     group_size: int4 only, auto_group_size of the model's layers when None. Every layer is checked before any is
     changed."""
     quantization_metadata(mode, model.args.tie_word_embeddings, group_size)  # validates the mode and group size
     if model_quantization(model) != "none":
         raise ValueError("the model is already quantized; load the unquantized checkpoint to quantize it")
     names = quantized_linear_names(model.args.n_layer, model.args.tie_word_embeddings, sparse_layers(model.args))
+    if mode == "fp8" and model.args.n_experts:
+        raise ValueError(FP8_EXPERTS_REFUSAL)
     if mode == "int4":
         inputs = [model.get_submodule(name).in_features for name in names]
         inputs += [model.args.dim, model.args.moe_intermediate_size] if model.args.n_experts else []
@@ -371,6 +489,10 @@ def quantize_(model: nn.Module, mode: str, group_size: int | None = None) -> nn.
             check_group_size(group_size, k)
 
     def build(lin: nn.Linear) -> nn.Module:
+        if mode == "fp8":
+            q = Fp8Linear(lin.in_features, lin.out_features, device=lin.weight.device)
+            q.weight, q.scales = quantize_fp8(lin.weight)
+            return q
         if mode == "int4":
             q = Int4Linear(lin.in_features, lin.out_features, group_size, device=lin.weight.device)
             q.weight, q.scales = quantize_int4(lin.weight, group_size)
@@ -415,7 +537,7 @@ def load_model(info: CheckpointInfo, device: torch.device | str, dtype: torch.dt
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != tuple(own[name].shape):
             raise ValueError(f"{info.path}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
-        if tensor.is_floating_point() and not name.endswith((".scales", "_scales")):
+        if tensor.is_floating_point() and tensor.dtype != FP8_DTYPE and not name.endswith((".scales", "_scales")):
             tensors[name] = tensor.to(dtype)
     model.load_state_dict(tensors, strict=False, assign=True)
     if info.args.tie_word_embeddings:
@@ -457,12 +579,14 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
     if mode == "int4" and group_size is None:
         group_size = auto_group_size(model_input_features(info.args))
     quantization = quantization_metadata(mode, info.args.tie_word_embeddings, group_size)
+    if info.args.n_experts and mode == "fp8":
+        raise ValueError(FP8_EXPERTS_REFUSAL)
     if info.args.n_experts:
         quantization["experts"] = ("int8, one fp32 scale per expert and output row (w13_scales, w2_scales)"
                                    if mode == "int8" else "int4, each expert's rows in the int4 layout (w13_scales, "
                                    "w2_scales: (E, N, K/group_size, 2))")
         quantization["not_quantized"].append("feed_forward.gate (the expert routers)")
-    suffix = mode if mode == "int8" else f"int4-g{quantization['group_size']}"
+    suffix = f"int4-g{quantization['group_size']}" if mode == "int4" else mode
     out_path = Path(out) if out is not None else default_quantized_path(info.path, suffix)
     check_checkpoint_output(out_path, checkpoint_inputs(info.path), overwrite)
     tower = check_vision_copy(info.path, out_path, overwrite)  # a multimodal checkpoint's tower goes along
@@ -479,7 +603,8 @@ def quantize_checkpoint(checkpoint_path: str | Path, mode: str, out: str | Path 
 def parse_args(argv: list[str] | None) -> QuantizeArgs:
     from redline.checkpoint import OneLineArgumentParser
 
-    parser = OneLineArgumentParser(description="Write a weight-only quantized copy of a Redline checkpoint.")
+    parser = OneLineArgumentParser(description="Write a quantized copy of a Redline checkpoint (int8 and int4 weight-only, "
+                                               "fp8 weights and activations).")
     parser.add_argument("--checkpoint_path", type=Path, required=True, help="Redline checkpoint file or its folder")
     parser.add_argument("--mode", required=True, help=f"quantization mode: {', '.join(QUANT_MODES)}")
     parser.add_argument("--groupsize", type=int, default=None,

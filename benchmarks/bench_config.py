@@ -187,8 +187,9 @@ def _importable(module: str) -> bool:
 def parse_args(argv: Sequence[str]) -> BenchConfig:
     p = BenchArgumentParser(prog="benchmarks/bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="comma-separated registry names, e.g. Llama-2-7B,Llama-3-8B")
-    p.add_argument("--quant", default="none", help="comma-separated: none, int8, int4 (int4 also times torch's "
-                                                   "int4 kernel, tinygemm, on the model's GEMV shapes)")
+    p.add_argument("--quant", default="none", help="comma-separated: none, int8, int4, fp8 (int4 also times torch's "
+                                                   "int4 kernel, tinygemm, on the model's GEMV shapes; fp8 needs an "
+                                                   "sm89+ GPU)")
     p.add_argument("--groupsize", type=int, default=128, help="int4 group size: 32, 64, 128 or 256")
     p.add_argument("--batch-size", default="1", help="comma-separated batch sizes (aggregate tok/s is reported)")
     p.add_argument("--prompt-lengths", default="8", help="comma-separated prompt lengths; decode uses the shortest")

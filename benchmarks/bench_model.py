@@ -7,8 +7,9 @@ from torch import Tensor
 
 from redline.model import ModelArgs, Transformer
 
-# The weight formats a random model can be built in: the dense dtype, int8 per channel or int4 per group (quantize.py).
-QUANT_CHOICES = ("none", "int8", "int4")
+# The weight formats a random model can be built in: the dense dtype, int8 per channel, int4 per group or fp8 (e4m3,
+# per channel; W8A8) (quantize.py).
+QUANT_CHOICES = ("none", "int8", "int4", "fp8")
 WEIGHT_STD = 0.02  # the initializer scale of Llama-family checkpoints; norm gains are drawn around 1
 
 
@@ -83,10 +84,26 @@ def fill_random_int8_(model: torch.nn.Module, seed: int) -> None:
             getattr(module, scales).fill_(WEIGHT_STD * 3 ** 0.5 / INT8_MAX)
 
 
+@torch.no_grad()
+def fill_random_fp8_(model: torch.nn.Module, seed: int) -> None:
+    """Random e4m3 weights drawn directly: N(0, 1) values times 100 (so codes cover most of e4m3's binades up to 448),
+    rounded to e4m3, with per-channel scales WEIGHT_STD / 100: each row has the std of an N(0, 0.02) matrix; no
+    float copy of the model is made (one layer's draw at a time)."""
+    from redline.quantize import FP8_DTYPE, FP8_MAX, Fp8Linear
+
+    gen = torch.Generator(device=next(model.buffers()).device).manual_seed(seed + 3)
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            w = module.weight
+            draw = torch.randn(w.shape, generator=gen, device=w.device, dtype=torch.float32) * 100
+            w.copy_(draw.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+            module.scales.fill_(WEIGHT_STD / 100)
+
+
 def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype, quant: str,
                        seed: int = 0, group_size: int = 128) -> Transformer:
     """The registry model on `device` in `dtype` with random weights, built in its quantized structure when asked
-    (int8 and int4 weights drawn directly: a 70B model never needs a bf16 copy, on one GPU or per rank)."""
+    (int8, int4 and fp8 weights drawn directly: a 70B model never needs a bf16 copy, on one GPU or per rank)."""
     from redline.quantize import prepare_quantized_structure, quantization_metadata
 
     if quant not in QUANT_CHOICES:
@@ -105,6 +122,8 @@ def build_random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype
         fill_random_int4_(model, seed)
     elif quant == "int8":
         fill_random_int8_(model, seed)
+    elif quant == "fp8":
+        fill_random_fp8_(model, seed)
     return model.eval()
 
 

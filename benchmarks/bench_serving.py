@@ -4,6 +4,7 @@
     python benchmarks/bench_serving.py --model Llama-3-8B --workload fixed --num-requests 1024 [--compare hf]
     python benchmarks/bench_serving.py --model Llama-3-8B --workload mixed [--compare hf --hf-requests 64]
     python benchmarks/bench_serving.py --model debug-tiny --device cpu --dtype float32 --num-requests 16
+    python benchmarks/bench_serving.py --model Llama-3-8B --workload fixed --quant fp8
 
 Workloads (EOS ignored, so every request makes exactly its output length):
 - fixed: N requests of 128 prompt tokens and 128 output tokens each;
@@ -15,7 +16,9 @@ Workloads (EOS ignored, so every request makes exactly its output length):
 All requests are queued at once. Reported: output tok/s and total tok/s (prompt + output) over the wall time from
 the first add_request to the last result; the step time distribution; peak KV pages in use; preemptions; and the
 roofline of the run: the sum over its steps of max(bytes read / measured read bandwidth, FLOPs / measured bf16
-matmul peak), over the measured time of those steps. A step's bytes: the weights once, the keys and values its
+matmul peak), over the measured time of those steps. With --quant fp8 (W8A8) the compute ceiling is the measured FP8
+peak instead (torch._scaled_mm with row-wise scales, about twice bf16's on Hopper), applied to every FLOP of the step
+(attention's included, which stays bf16: a ceiling that is if anything too high, so the % is not flattered). A step's bytes: the weights once, the keys and values its
 attention reads and writes; its FLOPs: 2 x block matmul params x tokens, 2 x head params x logits rows, and
 attention (4 x n_layer x n_head x head_dim x visible keys per query). --compare hf times transformers'
 continuous batching (generate_batch's manager, per-request max_new_tokens) on the first --hf-requests requests,
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from redline.benchmarks.bench_env import environment
-from redline.benchmarks.bench_model import build_random_model, param_counts
+from redline.benchmarks.bench_model import QUANT_CHOICES, build_random_model, param_counts
 from redline.checkpoint import dtype_from_name, write_atomically
 from redline.engine import Engine
 from redline.engine.core import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
@@ -236,6 +239,30 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
+def fp8_matmul_peak_flops(device: torch.device) -> float:
+    """FLOP/s of a large e4m3 x e4m3 matmul with row-wise fp32 scales and bf16 output (torch._scaled_mm, cuBLAS), median
+    of 10: the compute ceiling of an FP8 (W8A8) model's roofline."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+
+    def product() -> torch.Tensor:
+        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        product()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        product()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n ** 3 / statistics.median(times)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Serving throughput of Redline's batching engine on random weights.")
     p.add_argument("--model", default="Llama-3-8B", help="a registry name (model.MODEL_REGISTRY)")
@@ -243,6 +270,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="default: 1024 (fixed), 256 (mixed)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default="none",
+                   help="weights: none (the --dtype), int8, int4 or fp8 (W8A8 e4m3; an sm89+ GPU)")
     p.add_argument("--max-kv-tokens", type=int, default=None, help="default: from free GPU memory")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
@@ -313,7 +342,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype_from_name(ns.dtype)
     args = ModelArgs.from_name(ns.model)
-    model = build_random_model(args, device, dtype, "none", seed=ns.seed)
+    model = build_random_model(args, device, dtype, ns.quant, seed=ns.seed)
     llm = LLM(model, None, device, compile=ns.compile if ns.compile is not None else device.type == "cuda",
               kernels=ns.kernels)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
@@ -324,8 +353,9 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         from redline.profiling import read_bandwidth_gb_s
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
+        peak = fp8_matmul_peak_flops(device) if ns.quant == "fp8" else matmul_peak_flops(device, dtype)
         engine.costs = StepCosts(args, llm.bytes_per_token, model.cache_dtype.itemsize, bandwidth,
-                                 matmul_peak_flops(device, dtype), sum(b for _, b in expert_bytes(model)))
+                                 peak, sum(b for _, b in expert_bytes(model)))
     report: dict[str, Any] = {"env": environment(device, argv), "model": ns.model, "workload": ns.workload,
                               "settings": {k: v for k, v in vars(ns).items() if k != "json"}}
     report["env"]["command"] = "python benchmarks/bench_serving.py " + " ".join(argv)
@@ -377,8 +407,10 @@ def format_report(report: dict[str, Any]) -> str:
     r = report["redline"]
     s = r["step_ms"]
     roof = f", {r['roofline_pct']:.1f}% of the run's roofline" if r["roofline_pct"] is not None else ""
-    lines = [f"{report['model']} {report['workload']}: {r['requests']} requests, {r['output_tokens']} output tokens "
-             f"in {r['wall_s']:.2f} s",
+    quant = report["settings"].get("quant", "none")
+    weights = f" {quant}" if quant != "none" else ""
+    lines = [f"{report['model']}{weights} {report['workload']}: {r['requests']} requests, {r['output_tokens']} output "
+             f"tokens in {r['wall_s']:.2f} s",
              f"  output {r['output_tok_s']:.0f} tok/s, total {r['total_tok_s']:.0f} tok/s{roof}",
              f"  {r['steps']} steps, ms: mean {s['mean']:.2f}, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, "
              f"p99 {s['p99']:.2f}, max {s['max']:.2f}",
@@ -387,6 +419,10 @@ def format_report(report: dict[str, Any]) -> str:
     for kind, k in r["steps_by_kind"].items():
         roof_k = f", {k['roofline_pct']:.1f}% of roofline" if k["roofline_pct"] is not None else ""
         lines.append(f"  {kind.replace('_', ' ')} steps: {k['steps']}, {k['seconds']:.2f} s{roof_k}")
+    if "measured" in report:
+        m = report["measured"]
+        lines.append(f"  measured: read {m['read_gb_s']:.0f} GB/s, {'fp8' if quant == 'fp8' else 'dense'} matmul "
+                     f"{m['matmul_tflops']:.0f} TFLOP/s (the roofline's ceilings)")
     if "hf" in report:
         h = report["hf"]
         mine = report.get("redline_subset", r)

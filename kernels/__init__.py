@@ -14,8 +14,9 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
                        named targets such as "gfx90a", checked without the hardware)
     configs.py         the launch config tables (gemv_config, dot_config, attention_config), and the tensor-core
                        and attention choices fitted to the GPU's shared memory (fitted_dot_config, ...)
-    linear.py          redline::linear, int8_linear, int4_linear, fused_linear; KernelLinear, KernelInt8Linear,
-                       KernelInt4Linear; exact_head_linear, ExactInt8Head; use_cpu_kernels
+    linear.py          redline::linear, int8_linear, int4_linear, fp8_linear, fused_linear; KernelLinear,
+                       KernelInt8Linear, KernelInt4Linear, KernelFp8Linear; exact_head_linear, ExactInt8Head;
+                       use_cpu_kernels
     cpu_linear.py      the quantized ops on the CPU: cpu_gemv.cpp (int8 / int4 GEMV, built once per machine) for few
                        rows, dequantize-then-F.linear for more
     attention.py       redline::decode_attention, decode_attention_qkv, prefill_rope_cache; KernelAttention;
@@ -25,7 +26,7 @@ when a GPU kernel first runs, so the package imports on a machine without Triton
     moe.py             redline::moe_experts (a mixture-of-experts layer's chosen experts), redline::moe_route (its
                        router's softmax and top-k); KernelMoE, KernelInt8MoE, KernelInt4MoE
     fused_decode.py    FusedDecode
-    triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_attention.py, triton_paged_attention.py,
+    triton_linear.py, triton_int4.py, triton_int4_dot.py, triton_fp8.py, triton_attention.py, triton_paged_attention.py,
                        triton_moe.py, triton_common.py: the Triton sources and launchers
 """
 from __future__ import annotations
@@ -37,13 +38,13 @@ from redline.quantize import Int4MoEFeedForward, Int8MoEFeedForward
 
 from . import paged_attention  # noqa: F401  (registers torch.ops.redline.paged_*)
 from .attention import KernelAttention
-from .device import DeviceCaps, device_caps, triton_importable
+from .device import DeviceCaps, device_caps, fp8_refusal, triton_importable
 from .fused_decode import FusedDecode, fused_decode_refusal
-from .linear import KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears, use_cpu_kernels
+from .linear import KernelFp8Linear, KernelInt4Linear, KernelInt8Linear, KernelLinear, swap_linears, use_cpu_kernels
 from .moe import KernelInt4MoE, KernelInt8MoE, KernelMoE  # (importing it registers torch.ops.redline.moe_experts)
 
-__all__ = ["DeviceCaps", "FusedDecode", "fused_decode_refusal", "kernel_attention_fits", "KernelAttention",
-           "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
+__all__ = ["DeviceCaps", "FusedDecode", "fp8_refusal", "fused_decode_refusal", "kernel_attention_fits",
+           "KernelAttention", "KernelFp8Linear", "KernelInt4Linear", "KernelInt8Linear", "KernelLinear", "available",
            "device_caps", "KernelInt4MoE", "KernelInt8MoE", "KernelMoE", "use_cpu_kernels", "use_kernels"]
 
 
@@ -55,7 +56,7 @@ def available() -> bool:
 def use_kernels(model: Transformer) -> Transformer:
     """Swap the model's modules for the kernel ones, in place, and return it: float nn.Linear -> KernelLinear
     (redline::linear), quantize.Int8Linear -> KernelInt8Linear (redline::int8_linear), quantize.Int4Linear ->
-    KernelInt4Linear (redline::int4_linear), model.Attention -> KernelAttention (redline::decode_attention for
+    KernelInt4Linear (redline::int4_linear), quantize.Fp8Linear -> KernelFp8Linear (redline::fp8_linear), model.Attention -> KernelAttention (redline::decode_attention for
     one-token steps, redline::prefill_rope_cache for prefills from position 0, redline::paged_decode_attention_qkv
     for the engine's decode steps), model.MoEFeedForward -> KernelMoE, quantize.Int8MoEFeedForward -> KernelInt8MoE
     and quantize.Int4MoEFeedForward -> KernelInt4MoE (redline::moe_experts). Only classes change, so weights (and a tied output head) stay shared; applying it twice is a no-op. Where no kernel fits

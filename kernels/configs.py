@@ -581,3 +581,41 @@ def fitted_moe_dot_config(n_pairs: int, n_experts: int, elt_bytes: int, caps: De
         if moe_dot_smem_bytes(c, elt_bytes, 2, caps) <= caps.shared_memory_per_block:
             return c
     return None
+
+
+@dataclass(frozen=True)
+class Fp8DotConfig:
+    """Launch parameters of the FP8 W8A8 tensor-core kernel (triton_fp8.fp8_dot)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"Fp8DotConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
+        if self.block_k > 128:
+            raise ValueError(f"Fp8DotConfig.block_k must divide the 128-input weight blocks, got {self.block_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid num_warps {self.num_warps} or num_stages {self.num_stages}")
+
+
+def fp8_dot_smem(cfg: Fp8DotConfig) -> int:
+    """Shared memory of the FP8 kernel's pipeline: num_stages tiles of x and of w, one byte an element (the fp32
+    output tile is converted in registers)."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k
+
+
+def fp8_dot_config(m: int, n: int, k: int, caps: DeviceCaps) -> Fp8DotConfig:
+    """The FP8 kernel's config, from the shape alone: rows in tiles of 16-128 (a decode batch in one tile, so each
+    weight byte is read once; a prefill in 128-row tiles), 128 outputs and 128 inputs a step (the weight blocks'
+    size), as many pipeline stages as fit the GPU's shared memory (up to 4). Not yet tuned on a GPU."""
+    block_m = min(128, max(16, 1 << max(m - 1, 1).bit_length()))
+    cfg = Fp8DotConfig(block_m, 128, 128, 8 if block_m >= 64 else 4, 4)
+    while cfg.num_stages > 1 and caps.shared_memory_per_block and fp8_dot_smem(cfg) > caps.shared_memory_per_block:
+        cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+    return cfg

@@ -21,6 +21,9 @@ VENDORS = ("nvidia", "amd", "cpu")
 # Shared memory a block may use when torch does not report it: 48 KiB is the limit every CUDA GPU grants
 # without an opt-in, so nothing sized from it can fail to launch.
 DEFAULT_SHARED_MEMORY_BYTES = 48 * 1024
+# The first NVIDIA compute capability with e4m3 tensor-core dots (Ada, sm89; Hopper is sm90). AMD's MI300 FP8 is the
+# e4m3 "fnuz" variant, a different encoding from the e4m3fn weights Redline stores, so no AMD GPU claims FP8 here.
+FP8_MIN_CAPABILITY = (8, 9)
 
 
 @dataclass(frozen=True)
@@ -35,14 +38,16 @@ class DeviceCaps:
     supports_tf32: bool  # tensor-core tf32 dots (NVIDIA sm80+; on AMD only gfx942, where Triton accepts them)
     supports_pdl: bool  # programmatic dependent launch (NVIDIA sm90+)
     inline_ptx: bool  # Triton kernels may carry inline PTX (NVIDIA only)
+    supports_fp8: bool = False  # e4m3 tensor-core dots and conversions (NVIDIA sm89+: Ada, Hopper)
 
     def __post_init__(self) -> None:
         if self.vendor not in VENDORS:
             raise ValueError(f"DeviceCaps.vendor must be one of {VENDORS}, got {self.vendor!r}")
         if self.warp_size <= 0 or self.sm_count < 0 or self.shared_memory_per_block < 0:
             raise ValueError(f"DeviceCaps needs a positive warp size and non-negative counts, got {self}")
-        if self.vendor != "nvidia" and (self.supports_pdl or self.inline_ptx):
-            raise ValueError(f"PDL and inline PTX are NVIDIA features; {self.vendor} cannot claim them")
+        if self.vendor != "nvidia" and (self.supports_pdl or self.inline_ptx or self.supports_fp8):
+            raise ValueError(f"PDL, inline PTX and the e4m3 (OCP fn) FP8 path are NVIDIA features here; {self.vendor} "
+                             "cannot claim them")
 
 
 CPU_CAPS = DeviceCaps(vendor="cpu", arch="cpu", shared_memory_per_block=0, warp_size=1, sm_count=0,
@@ -58,8 +63,8 @@ AMD_TF32_ARCHS = ("gfx942",)
 TARGETS: dict[str, DeviceCaps] = {
     "sm80": DeviceCaps("nvidia", "sm80", 166912, 32, 108, True, False, True),  # A100
     "sm86": DeviceCaps("nvidia", "sm86", 101376, 32, 82, True, False, True),  # RTX 3090
-    "sm89": DeviceCaps("nvidia", "sm89", 101376, 32, 128, True, False, True),  # RTX 4090, L40S
-    "sm90": DeviceCaps("nvidia", "sm90", 232448, 32, 132, True, True, True),  # H100, H200
+    "sm89": DeviceCaps("nvidia", "sm89", 101376, 32, 128, True, False, True, True),  # RTX 4090, L40S
+    "sm90": DeviceCaps("nvidia", "sm90", 232448, 32, 132, True, True, True, True),  # H100, H200
     "gfx90a": DeviceCaps("amd", "gfx90a", 65536, 64, 104, False, False, False),  # MI210, MI250
     "gfx942": DeviceCaps("amd", "gfx942", 65536, 64, 304, True, False, False),  # MI300X
     "gfx1100": DeviceCaps("amd", "gfx1100", 65536, 32, 96, False, False, False),  # RX 7900 XTX (wave32 in Triton)
@@ -118,7 +123,19 @@ def _gpu_caps(index: int) -> DeviceCaps:
     return DeviceCaps(vendor="nvidia", arch=f"sm{props.major}{props.minor}",
                       shared_memory_per_block=shared or DEFAULT_SHARED_MEMORY_BYTES, warp_size=warp,
                       sm_count=props.multi_processor_count, supports_tf32=props.major >= 8,
-                      supports_pdl=props.major >= 9, inline_ptx=True)
+                      supports_pdl=props.major >= 9, inline_ptx=True,
+                      supports_fp8=(props.major, props.minor) >= FP8_MIN_CAPABILITY)
+
+
+def fp8_refusal(device: torch.device | str) -> str | None:
+    """Why FP8 (e4m3) weights cannot run on `device`, or None when they can: the CPU runs the dequantizing reference
+    and an NVIDIA GPU of compute capability 8.9 or newer the FP8 kernels; any other GPU is refused (never a slow
+    fallback)."""
+    caps = device_caps(device)
+    if caps.vendor == "cpu" or caps.supports_fp8:
+        return None
+    return (f"FP8 weights need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+            f"{caps.vendor} {caps.arch}. Load the unquantized checkpoint with quantize='int8' instead, or run on the CPU")
 
 
 @functools.cache

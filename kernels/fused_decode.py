@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from redline.model import ModelArgs, MoEFeedForward, PagedContext, RMSNorm, Transformer, TransformerBlock
-from redline.quantize import Int4Linear, Int8Linear
+from redline.quantize import Fp8Linear, Int4Linear, Int8Linear
 
 from .attention import head_norms, paged_attention
 
@@ -31,7 +31,8 @@ NORM_SUM_LANES = 32
 def fused_projection(linear: nn.Module, x: Tensor, sums: Tensor, norm: RMSNorm | None = None,
                      residual: Tensor | None = None, swiglu: bool = False, sum_in: int = -1, sum_out: int = -1,
                      gelu: bool = False) -> Tensor:
-    """redline::fused_linear on a kernel linear layer (KernelLinear, KernelInt8Linear or KernelInt4Linear):
+    """redline::fused_linear on a kernel linear layer (KernelLinear, KernelInt8Linear, KernelInt4Linear or
+    KernelFp8Linear):
     [norm(x) ->] linear [-> act(gate) * up: silu, or gelu for GeGLU] [+ residual], one GPU kernel for a single row
     of x. sums[sum_in] holds sum(x**2) for the norm when the kernel before computed it; sum(y**2) is added to
     sums[sum_out]; -1 for neither. sums is passed even then: inductor cannot lower the op with its mutable
@@ -154,7 +155,7 @@ class FusedDecode(nn.Module):
         if refusal is not None:
             raise ValueError(f"{refusal}; decode through the unfused kernels (fuse=False)")
         # (attention layers the kernels do not take keep model.Attention; the fused path runs them through its ops)
-        if any(type(m) in (nn.Linear, Int8Linear, Int4Linear) for m in model.modules()):
+        if any(type(m) in (nn.Linear, Int8Linear, Int4Linear, Fp8Linear) for m in model.modules()):
             raise ValueError("FusedDecode needs the model's layers swapped for the kernel ones first; "
                              "call kernels.use_kernels(model)")
         self.model = model

@@ -3,6 +3,7 @@
     torch.ops.redline.linear(x, weight)               == F.linear(x, weight)
     torch.ops.redline.int8_linear(x, weight, scales)  == (x @ weight.T.float()) * scales, in x.dtype
     torch.ops.redline.int4_linear(x, weight, scales)  == x @ quantize.dequantize_int4(weight, scales).T, in x.dtype
+    torch.ops.redline.fp8_linear(x, weight, scales)   == quantize.fp8_linear_reference(x, weight, scales)
 
 On a CUDA/HIP device with few rows of x (decode, batches, short prompts; `triton_row_limit`), the ops
 run the Triton kernels in triton_linear.py, which dequantize int8 weights in registers: one row (batch-1
@@ -12,6 +13,10 @@ weight dequantized in row blocks). int4: one row runs the int4 GEMV (triton_int4
 tensor-core kernel (triton_int4_dot.py, which dequantizes in registers too), more rows (or a GPU whose shared
 memory fits no config) dequantize the weight in row blocks for cuBLAS. On the CPU the float op is F.linear and the
 quantized ops run a C++ matrix-vector kernel on the int8 / packed int4 weights for few rows (cpu_linear.py).
+fp8 (W8A8, e4m3 weights with per-channel or 128 x 128 block scales): one row runs the int8 GEMV's kernel on the FP8
+bytes (the row itself unquantized); more rows are quantized per token (triton_fp8.quantize_rows) and multiplied on
+the FP8 tensor cores: torch._scaled_mm (cuBLAS, row-wise scales) for per-channel weights and bf16 x on Hopper,
+triton_fp8.fp8_dot otherwise. A GPU without FP8 is refused (device.fp8_refusal); the CPU runs the fp32 reference.
 
 The ops are opaque to torch.compile (custom_op + register_fake), so `fullgraph=True` traces
 through them and `mode="reduce-overhead"` captures their kernels in the model's CUDA graph.
@@ -27,11 +32,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from redline.model import rms_norm
-from redline.quantize import Int4Linear, Int8Linear, dequantize_int4
+from redline.quantize import FP8_DTYPE, Fp8Linear, Int4Linear, Int8Linear, dequantize_int4, fp8_block_scales_shape
+from redline.quantize import fp8_linear_reference as fp8_reference
 
 from .cpu_linear import cpu_ops, exact_head_linear_cpu, exact_int8_groups, int4_linear_cpu, int8_linear_cpu
 from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
-from .device import device_caps, triton_importable
+from .device import device_caps, fp8_refusal, triton_importable
 
 # Rows of x up to which the Triton kernels run (1 row: GEMV; 2..SMALL_M: the tensor-core kernel, in one
 # tile of up to 64 rows, so each weight byte is read once, or in several); above it cuBLAS's matrix product
@@ -54,6 +60,14 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def triton_linear():
     """kernels.triton_linear, imported on first use (it imports triton)."""
     from . import triton_linear as module
+
+    return module
+
+
+@functools.cache
+def triton_fp8():
+    """kernels.triton_fp8, imported on first use (it imports triton)."""
+    from . import triton_fp8 as module
 
     return module
 
@@ -157,9 +171,25 @@ def _check_int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
         raise ValueError(f"{name}: scales give {groups} groups for K={k}; the group size must be a power of two >= 32")
 
 
+def _check_fp8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> None:
+    name = "redline.fp8_linear"
+    if weight.dim() == 2 and weight.dtype != FP8_DTYPE:
+        raise ValueError(f"{name}: weight must be float8_e4m3fn, got {weight.dtype}; quantize it first")
+    _check_x_and_weight(name, x, weight)
+    n, k = weight.shape
+    if scales.dtype != torch.float32 or tuple(scales.shape) not in ((n,), fp8_block_scales_shape(n, k)):
+        raise ValueError(f"{name}: scales must be fp32 ({n},) (per output row) or {fp8_block_scales_shape(n, k)} (per "
+                         f"128 x 128 block), got {tuple(scales.shape)} of {scales.dtype}")
+    if x.is_cuda and (refusal := fp8_refusal(x.device)) is not None:
+        raise ValueError(f"{name}: {refusal}")
+
+
 def _check_quantized(x: Tensor, weight: Tensor, scales: Tensor) -> None:
-    """int8 (weight int8, scales (N,)) or int4 (weight uint8 packed, scales (N, K/G, 2)), told apart by the weight."""
-    if weight.dtype == torch.uint8:
+    """int8 (weight int8, scales (N,)), int4 (weight uint8 packed, scales (N, K/G, 2)) or fp8 (weight float8_e4m3fn,
+    scales (N,) or per 128 x 128 block), told apart by the weight."""
+    if weight.dtype == FP8_DTYPE:
+        _check_fp8_linear(x, weight, scales)
+    elif weight.dtype == torch.uint8:
         _check_int4_linear(x, weight, scales)
     else:
         _check_int8_linear(x, weight, scales)
@@ -380,9 +410,66 @@ def _int4_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
 
 
 def _quantized_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    if weight.dtype == FP8_DTYPE:
+        return torch.ops.redline.fp8_linear(x, weight, scales)
     if weight.dtype == torch.uint8:
         return torch.ops.redline.int4_linear(x, weight, scales)
     return torch.ops.redline.int8_linear(x, weight, scales)
+
+
+# Where cuBLAS's row-wise FP8 GEMM (torch._scaled_mm with an (M, 1) and a (1, N) scale) runs: Hopper. It takes bf16
+# output only, and K and N multiples of 16; every other FP8 product runs triton_fp8.fp8_dot.
+SCALED_MM_ARCHS = ("sm90",)
+
+
+def fp8_gemm_backend(x: Tensor, weight: Tensor, scales: Tensor) -> str:
+    """Which kernel multiplies two or more rows of x by an FP8 weight on this GPU: "scaled_mm" (cuBLAS) or "triton"."""
+    n, k = weight.shape
+    cublas = (scales.dim() == 1 and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+              and device_caps(x.device).arch in SCALED_MM_ARCHS)
+    return "scaled_mm" if cublas else "triton"
+
+
+def fp8_matmul(x: Tensor, weight: Tensor, scales: Tensor, backend: str | None = None) -> Tensor:
+    """Two or more rows of x (..., K) on a GPU with FP8: quantized per token, multiplied on the FP8 tensor cores by
+    the e4m3 weight (N, K), scaled, in x.dtype (..., N). backend: fp8_gemm_backend's choice unless given (the
+    benchmarks compare both)."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    codes, row_scales = triton_fp8().quantize_rows(x2)  # (M, K) e4m3, (M,) fp32
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    if (backend or fp8_gemm_backend(x, weight, scales)) == "scaled_mm":
+        out = torch._scaled_mm(codes, weight.t(), scale_a=row_scales.unsqueeze(1), scale_b=scales.view(1, n),
+                               out_dtype=x.dtype)
+    else:
+        out = torch.empty((x2.shape[0], n), device=x.device, dtype=x.dtype)
+        triton_fp8().fp8_dot(codes, row_scales, weight, scales.contiguous(), out)
+    return out.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("redline::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """quantize.fp8_linear_reference: x (..., K) times the float8_e4m3fn weight (N, K) with scales (N,) or per 128 x 128
+    block, x quantized per token when it has two or more rows; (..., N) in x.dtype. On a GPU with FP8: one row runs
+    the GEMV on the FP8 bytes, more rows fp8_matmul; a GPU without FP8 is refused; the CPU runs the reference."""
+    _check_fp8_linear(x, weight, scales)
+    if x.is_cuda and x.numel() == x.shape[-1] and gemv_supported(x, quantized=True):
+        out = torch.empty((1, weight.shape[0]), device=x.device, dtype=x.dtype)
+        triton_linear().gemv(x.reshape(1, -1).contiguous(), weight.contiguous(), scales.contiguous(), out)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if x.is_cuda and x.numel() and triton_importable():
+        return fp8_matmul(x, weight, scales)
+    if x.is_cuda:
+        raise ValueError("redline.fp8_linear: FP8 on a GPU needs Triton installed (pip install triton)")
+    return fp8_reference(x, weight, scales)
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    _check_fp8_linear(x, weight, scales)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("redline::fused_linear", mutates_args=("sums",))
@@ -407,7 +494,7 @@ def fused_linear(x: Tensor, weight: Tensor, scales: Tensor | None, norm_weight: 
     x1 = x.reshape(1, k).contiguous()
     weight = weight.contiguous()
     out = torch.empty((1, weight.shape[0] // 2 if swiglu else weight.shape[0]), device=x.device, dtype=x.dtype)
-    gemv = triton_linear().gemv if weight.dtype != torch.uint8 else triton_int4().gemv_int4
+    gemv = triton_linear().gemv if weight.dtype != torch.uint8 else triton_int4().gemv_int4  # (fp8 too: gemv)
     gemv(
         x1, weight, scales.contiguous() if scales is not None else None, out,
         norm_weight=norm_weight.contiguous() if norm_weight is not None else None, eps=eps,
@@ -446,6 +533,14 @@ class KernelInt8Linear(Int8Linear):
         return torch.ops.redline.int8_linear(x, self.weight, self.scales)
 
 
+class KernelFp8Linear(Fp8Linear):
+    """quantize.Fp8Linear whose forward runs torch.ops.redline.fp8_linear: the GEMV on the FP8 bytes for one row, the
+    FP8 tensor cores (x quantized per token) for more."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline.fp8_linear(x, self.weight, self.scales)
+
+
 class KernelInt4Linear(Int4Linear):
     """quantize.Int4Linear whose forward runs torch.ops.redline.int4_linear: the int4 weight is dequantized in the
     Triton kernels' registers for up to SMALL_M rows, in row blocks for cuBLAS for more."""
@@ -455,8 +550,8 @@ class KernelInt4Linear(Int4Linear):
 
 
 def swap_linears(model: nn.Module) -> None:
-    """Make every bias-free float nn.Linear a KernelLinear, every Int8Linear a KernelInt8Linear and every
-    Int4Linear a KernelInt4Linear, in place.
+    """Make every bias-free float nn.Linear a KernelLinear, every Int8Linear a KernelInt8Linear, every Int4Linear a
+    KernelInt4Linear and every Fp8Linear a KernelFp8Linear, in place.
 
     Only the class changes, so weights (and a tied output head) stay shared."""
     for module in model.modules():
@@ -466,6 +561,8 @@ def swap_linears(model: nn.Module) -> None:
             module.__class__ = KernelInt8Linear
         elif type(module) is Int4Linear:
             module.__class__ = KernelInt4Linear
+        elif type(module) is Fp8Linear:
+            module.__class__ = KernelFp8Linear
 
 
 @torch.library.custom_op("redline::exact_head_linear", mutates_args=())

@@ -12,7 +12,9 @@ for one multiply-add, so the kernel is bound by memory bandwidth. `gemv` (one ro
 - software-pipelines the K loop DEPTH blocks deep: the raw weight block kb is loaded while block
   kb - DEPTH is converted and multiplied (raw bf16/int8 is compact in registers);
 - dequantizes int8 weights in registers (no bf16 copy of the weight), with a bit trick instead of
-  the slow int->float conversion, and applies the per-row scale once per output;
+  the slow int->float conversion, and applies the per-row scale once per output; FP8 (e4m3) weights
+  the same way (one byte a weight, the hardware's e4m3 conversion), their scales per output row or per
+  128 x 128 block (W_FP8, SCALE_BLOCK: each weight block is multiplied by its rows' scales of that K block);
 - uses programmatic dependent launch (PDL, sm_90+): each program loads its first weight blocks
   before `griddepcontrol.wait`, so the kernel streams its constant weights while the kernel before
   it drains; x is read and y written only after the wait;
@@ -89,8 +91,10 @@ def _int8_words_to_f32(wq, INT8_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
 
 @triton.jit
 def _weight_to_f32(w, W_INT8: tl.constexpr, WORDS: tl.constexpr, INT8_MODE: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    if W_INT8 and WORDS:
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr = False):
+    if W_FP8:  # e4m3 bytes, loaded as uint8 (masked lanes read 0): the hardware's e4m3 conversion (sm89+)
+        return w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    elif W_INT8 and WORDS:
         return _int8_words_to_f32(w, INT8_MODE, BLOCK_N, BLOCK_K)
     elif W_INT8:  # single bytes (K or the row stride not a multiple of 4): same trick, one per byte
         wi = w.to(tl.int32) + 0x4B000080
@@ -131,32 +135,45 @@ def _load(ptrs, k0, K, offs_k, MASK: tl.constexpr, WEIGHT: tl.constexpr, BYPASS_
 @triton.jit
 def _step(acc, ss, w, x_ptrs, g_ptrs, k0, K, offs_k, MASK: tl.constexpr, W_INT8: tl.constexpr,
           WORDS: tl.constexpr, INT8_MODE: tl.constexpr, RED: tl.constexpr, NORM: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, sb_ptrs=None, SCALE_BLOCK: tl.constexpr = False,
+          W_FP8: tl.constexpr = False):
     """acc += (weight block w, converted to fp32) * x[k0 : k0 + BLOCK_K].
 
     NORM (1 or 2): x is the RMSNorm input: the block is multiplied by the norm weight g (fp32, unrounded)
     and, with NORM == 1, its squares are added to ss; the kernel applies 1/rms to the finished dot products.
+    SCALE_BLOCK: the weights are scaled per 128 x 128 block: sb_ptrs (BLOCK_N, 1) point at each row's block
+    row of scales, and every weight is multiplied by the scale of its K block (k // 128) before the dot.
     """
     x = _load(x_ptrs, k0, K, offs_k, MASK, False).to(tl.float32)
     if NORM == 1:
         ss += x * x
     if NORM > 0:
         x = x * _load(g_ptrs, k0, K, offs_k, MASK, False).to(tl.float32)
-    acc = _dot_part(acc, _weight_to_f32(w, W_INT8, WORDS, INT8_MODE, BLOCK_N, BLOCK_K), x, RED, BLOCK_N, BLOCK_K)
+    wf = _weight_to_f32(w, W_INT8, WORDS, INT8_MODE, BLOCK_N, BLOCK_K, W_FP8)
+    if SCALE_BLOCK:
+        kb = (k0 + offs_k)[None, :]  # (1, BLOCK_K)
+        if MASK:
+            wf = wf * tl.load(sb_ptrs + kb // 128, mask=kb < K, other=0)
+        else:
+            wf = wf * tl.load(sb_ptrs + kb // 128)
+    acc = _dot_part(acc, wf, x, RED, BLOCK_N, BLOCK_K)
     return acc, ss
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, g_ptr, r_ptr, sq_in_ptr, sq_out_ptr,
-    N, K, stride_wn, eps,
+    N, K, stride_wn, eps, stride_sn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, RED: tl.constexpr,
     EVEN_K: tl.constexpr, NO_MASK: tl.constexpr,
     W_INT8: tl.constexpr, WORDS: tl.constexpr, INT8_MODE: tl.constexpr, USE_PDL: tl.constexpr,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, GELU: tl.constexpr, SQ_OUT: tl.constexpr,
-    SQ_LANES: tl.constexpr,
+    SQ_LANES: tl.constexpr, W_FP8: tl.constexpr = False, SCALE_BLOCK: tl.constexpr = False,
 ):
-    """y[n] = sum_k x[k] * w[n, k] (times s[n] when W_INT8), fp32 accumulation, with optional fusions:
+    """y[n] = sum_k x[k] * w[n, k] (times s[n] when W_INT8 or W_FP8), fp32 accumulation, with optional fusions:
+
+    W_FP8: w is float8_e4m3fn (passed as its uint8 bytes), scaled per row (s: (N,)) or, with SCALE_BLOCK, per 128 x 128 block (s: (ceil(N/128),
+    ceil(K/128)) fp32, row stride stride_sn; each weight times its block's scale inside the K loop).
 
     NORM: x is replaced by RMSNorm(x) * g (g: (K,) norm weight, eps): 1: the sum of x**2 is computed in the
     same K loop; 2: it is the sum of the SQ_LANES floats at sq_in_ptr (the kernel that wrote x made it);
@@ -187,7 +204,7 @@ def _gemv_kernel(
         rows = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kw = tl.arange(0, BLOCK_K // PACK)
-    if W_INT8:
+    if W_INT8 or W_FP8:
         # Show the compiler a contiguity of 8 bytes, not the whole block: each thread then loads
         # 8 weights (one 8-byte load), the register layout of the 16-bit x (8 per 16-byte load),
         # so the loop needs no layout conversion through shared memory.
@@ -199,6 +216,9 @@ def _gemv_kernel(
     w_ptrs = w_base + rows.to(tl.int64)[:, None] * (stride_wn // PACK) + offs_kw[None, :]  # (BLOCK_N, BLOCK_K/PACK)
     x_ptrs = x_ptr + offs_k[None, :]  # (1, BLOCK_K)
     g_ptrs = g_ptr + offs_k[None, :]  # (1, BLOCK_K), read only with NORM
+    sb_ptrs = s_ptr + (rows // 128)[:, None] * stride_sn  # (BLOCK_N, 1), read only with SCALE_BLOCK
+    ROW_SCALE: tl.constexpr = W_INT8 or (W_FP8 and not SCALE_BLOCK)
+    ONE_BYTE: tl.constexpr = W_INT8 or W_FP8
     KW = K // PACK
     BKW: tl.constexpr = BLOCK_K // PACK
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8 if RED else BLOCK_K), dtype=tl.float32)
@@ -207,10 +227,10 @@ def _gemv_kernel(
 
     # Prologue: the first DEPTH weight blocks. They do not depend on the previous kernel, so with
     # PDL they stream in while it drains; x (and r) are read only after the wait.
-    wa = _load(w_ptrs, 0, KW, offs_kw, not NO_MASK, True, W_INT8)
+    wa = _load(w_ptrs, 0, KW, offs_kw, not NO_MASK, True, ONE_BYTE)
     if DEPTH == 2:
-        wb = _load(w_ptrs, BKW, KW, offs_kw, not NO_MASK, True, W_INT8)
-    if W_INT8:  # constant, like the weights
+        wb = _load(w_ptrs, BKW, KW, offs_kw, not NO_MASK, True, ONE_BYTE)
+    if ROW_SCALE:  # constant, like the weights
         scale = tl.load(s_ptr + rows).to(tl.float32)  # (BLOCK_N,)
     if USE_PDL:
         gdc_launch_dependents()
@@ -224,33 +244,33 @@ def _gemv_kernel(
 
     if DEPTH == 2:
         for kb in range(2, nb):
-            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True, W_INT8)
+            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True, ONE_BYTE)
             # block kb - 2 < nb - 1 is a full block: no mask on x
             acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (kb - 2) * BLOCK_K, K, offs_k, False,
-                            W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
+                            W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K, sb_ptrs, SCALE_BLOCK, W_FP8)
             wa = wb
             wb = wc
         ka = tl.maximum(nb - 2, 0) * BLOCK_K  # wa holds block max(nb-2, 0), wb the one after
         acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, ka, K, offs_k, not NO_MASK,
-                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
+                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K, sb_ptrs, SCALE_BLOCK, W_FP8)
         # (with one block, wb and x past K are masked to zeros, so this step adds nothing)
         acc, ss = _step(acc, ss, wb, x_ptrs, g_ptrs, ka + BLOCK_K, K, offs_k, not NO_MASK,
-                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
+                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K, sb_ptrs, SCALE_BLOCK, W_FP8)
     else:
         for kb in range(1, nb):
-            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True, W_INT8)
+            wc = _load(w_ptrs, kb * BKW, KW, offs_kw, not EVEN_K, True, ONE_BYTE)
             acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (kb - 1) * BLOCK_K, K, offs_k, False,
-                            W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
+                            W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K, sb_ptrs, SCALE_BLOCK, W_FP8)
             wa = wc
         acc, ss = _step(acc, ss, wa, x_ptrs, g_ptrs, (nb - 1) * BLOCK_K, K, offs_k, not NO_MASK,
-                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K)
+                        W_INT8, WORDS, INT8_MODE, RED, NORM, BLOCK_N, BLOCK_K, sb_ptrs, SCALE_BLOCK, W_FP8)
 
     out = tl.sum(acc, axis=1)  # (BLOCK_N,)
     if NORM == 1:
         out = out * tl.rsqrt(tl.sum(ss) / K + eps)
     if NORM == 2:
         out = out * tl.rsqrt(sq_in / K + eps)
-    if W_INT8:
+    if ROW_SCALE:
         out = out * scale
     out_ty = y_ptr.dtype.element_ty
     if SWIGLU:
@@ -322,7 +342,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, swiglu: bool = False,
          sq_in: torch.Tensor | None = None, sq_out: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
-    """y = x @ w.T (times scales[n] for int8 w) for one row of x, with the decode fusions:
+    """y = x @ w.T (times scales[n] for int8 or float8_e4m3fn w; a float8 w's scales may instead be 2-D, one per
+    128 x 128 block) for one row of x, with the decode fusions:
 
     norm_weight: x is replaced by RMSNorm(x, norm_weight, eps) first, its sum of squares computed here or, when
     sq_in is given, the sum of sq_in; swiglu: w stacks the gate and up projections (2N rows) and
@@ -350,6 +371,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
         return out.add_(residual.view_as(out)) if residual is not None else out
     cfg = config or gemv_config(w.shape[0], k, w.element_size(), fused_input=norm_weight is not None, swiglu=swiglu,
                                 residual=residual is not None)
+    w_fp8 = w.dtype == torch.float8_e4m3fn
+    scale_block = w_fp8 and scales is not None and scales.dim() == 2
     if swiglu and cfg.block_n % 2:
         raise ValueError(f"a SwiGLU GEMV needs an even block_n (gate and up rows), got {cfg.block_n}")
     if pdl is None:
@@ -362,16 +385,17 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     extra = {"launch_pdl": True} if pdl else {}
     rows_per_program = cfg.block_n // 2 if swiglu else cfg.block_n
     _gemv_kernel[(triton.cdiv(n, rows_per_program),)](
-        x, w, scales if w_int8 else w, out,
+        x, w.view(torch.uint8) if w_fp8 else w, scales if w_int8 or w_fp8 else w, out,
         norm_weight if norm_weight is not None else x, residual if residual is not None else x,
         sq_in if sq_in is not None else out, sq_out if sq_out is not None else out,
-        n, k, w.stride(0), eps,
+        n, k, w.stride(0), eps, scales.stride(0) if scale_block else 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DEPTH=cfg.depth, RED=cfg.red,
         EVEN_K=even_k, NO_MASK=even_k and k >= cfg.depth * cfg.block_k,
         W_INT8=w_int8, WORDS=words, INT8_MODE=int8_mode, USE_PDL=pdl,
         NORM=0 if norm_weight is None else (2 if sq_in is not None else 1), RESIDUAL=residual is not None,
         SWIGLU=swiglu, GELU=gelu, SQ_OUT=sq_out is not None,
         SQ_LANES=(sq_in if sq_in is not None else sq_out).numel() if sq_in is not None or sq_out is not None else 1,
+        W_FP8=w_fp8, SCALE_BLOCK=scale_block,
         num_warps=cfg.num_warps, num_stages=1, **extra,
     )
     return out

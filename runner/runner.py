@@ -168,6 +168,19 @@ class HostTokens:
         return self.host.tolist()
 
 
+def check_fp8_device(model: Transformer, device: torch.device, kernels: bool) -> None:
+    """FP8 weights on a GPU run through the kernels, on a GPU with FP8 (never a silent dequantizing path)."""
+    from redline.kernels.device import fp8_refusal
+    from redline.quantize import model_quantization
+
+    if device.type == "cpu" or model_quantization(model) != "fp8":
+        return
+    if (refusal := fp8_refusal(device)) is not None:
+        raise ValueError(refusal)
+    if not kernels:
+        raise ValueError("FP8 weights on a GPU run on Redline's FP8 kernels; drop kernels=False (or --kernels off)")
+
+
 class Runner:
     """Owns a model on its device: its kernels (applied once, in place), its static cache, and every compiled step.
 
@@ -188,6 +201,7 @@ class Runner:
             raise ValueError("kernels=True needs a CUDA/ROCm GPU with Triton installed; use kernels=False")
         if self.fuse and not self.kernels:
             raise ValueError("fuse=True needs the GPU kernels (kernels=True)")
+        check_fp8_device(model, device, self.kernels)
         self.step_model: torch.nn.Module = model  # what decode steps call
         if self.kernels:
             use_kernels(model)

@@ -5,7 +5,9 @@
 For each target (kernels.device.TARGETS: sm80, sm86, sm89, sm90, gfx90a, gfx942, gfx1100 by default) the
 project's own launchers run on meta tensors under that target's capability description
 (kernels.device.simulated(target_caps(name))) and a Triton driver that reports the target's GPU: every op, dtype
-(bf16, fp16, fp32; int8 weights, and int4 weights in every group size the quantizer offers), row count 1-256,
+(bf16, fp16, fp32; int8 weights, int4 weights in every group size the quantizer offers, and on targets with FP8 the
+e4m3 weights with per-channel and 128 x 128 block scales, with the per-token quantizer and the FP8 tensor-core
+kernel at every tile height it takes), row count 1-256,
 decode batch, cache length and prompt length up to 2048, paged-attention page size and prefill layout
 (scripts/attention_target_calls.py), for the shapes of the demo model (SmolLM2-135M), Llama-2-7B, Llama-3-8B and
 Llama-3-70B, and the MoE op on three MoE models (scripts/moe_target_calls.py) (--kernels limits the check to some
@@ -110,7 +112,7 @@ SCALAR_CONSTEXPRS = {"N_KV_HEADS", "GROUP", "N_HEADS", "PAGE_SIZE"}
 # vectorize along K): their variants have the same TTGIR (tiles, layouts, pipelining) and shared memory and differ
 # in a few predicates. tests/test_check_targets.py checks both on an NVIDIA and an AMD target; compiling every
 # variant would add about 5 minutes on 2 cores.
-ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_split_kernel": {"num_splits"},
+ONE_DIVISIBILITY_ARGS = {"_small_m_dot_kernel": {"M"}, "_fp8_dot_kernel": {"M"}, "_split_kernel": {"num_splits"},
                          "_combine_kernel": {"num_splits"},
                          "_grouped_gate_up_kernel": {"n_pairs"}, "_grouped_down_kernel": {"n_pairs"},
                          "_grouped_gate_up_int4_kernel": {"n_pairs"}, "_grouped_down_int4_kernel": {"n_pairs"}}
@@ -293,7 +295,34 @@ def _linear_calls(record: _Recorder, caps: DeviceCaps, models: tuple[ModelShape,
             label = f"{model.name} {proj} {_dtype_name(x_dtype)}x{kind}"
             _gemv_calls(record, label, n, k, x_dtype, kind, proj)
             fallbacks += _dot_calls(record, caps, label, n, k, x_dtype, kind)
+    if caps.supports_fp8:
+        for model, block, x_dtype in itertools.product(models, (False, True), FLOAT_DTYPES):
+            for proj, (n, k) in model.projections().items():
+                _fp8_calls(record, caps, f"{model.name} {proj} {_dtype_name(x_dtype)}xfp8{'-block' if block else ''}",
+                           n, k, x_dtype, block, proj)
     return fallbacks
+
+
+# Rows of x that give the FP8 tensor-core kernel each of its tile heights (16, 32, 64, 128; more rows tile by 128).
+FP8_DOT_ROWS = (2, 17, 33, 65, 129)
+
+
+def _fp8_calls(record: _Recorder, caps: DeviceCaps, label: str, n: int, k: int, x_dtype: torch.dtype, block: bool,
+               projection: str) -> None:
+    """FP8 weights (kernels.linear.fp8_linear): one row through triton_linear.gemv (plain and fused), more rows through
+    triton_fp8.quantize_rows and triton_fp8.fp8_dot at each tile height."""
+    from redline.kernels import triton_fp8, triton_linear
+    from redline.quantize import fp8_block_scales_shape
+
+    w = _meta(n, k, dtype=torch.float8_e4m3fn)
+    scales = _meta(*fp8_block_scales_shape(n, k), dtype=torch.float32) if block else _meta(n, dtype=torch.float32)
+    record.call = f"{label} rows=1"
+    triton_linear.gemv(_meta(1, k, dtype=x_dtype), w, scales, _meta(1, n, dtype=x_dtype))
+    fused_gemv_calls(record, label, triton_linear.gemv, w, scales, n, k, x_dtype, projection)
+    for m in FP8_DOT_ROWS:
+        record.call = f"{label} rows={m}"
+        codes, row_scales = triton_fp8.quantize_rows(_meta(m, k, dtype=x_dtype))
+        triton_fp8.fp8_dot(codes, row_scales, w, scales, _meta(m, n, dtype=x_dtype))
 
 
 def _gemv_calls(record: _Recorder, label: str, n: int, k: int, x_dtype: torch.dtype, kind: str,
@@ -492,6 +521,9 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
         w_bytes = _pointer_bytes(signature["w_ptr"])
         return configs.dot_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["BLOCK_K"], options["num_stages"],
                                       x_bytes, w_bytes, caps)
+    if kernel == "_fp8_dot_kernel":
+        return configs.fp8_dot_smem(configs.Fp8DotConfig(named["BLOCK_M"], named["BLOCK_N"], named["BLOCK_K"],
+                                                         options["num_warps"], options["num_stages"]))
     if kernel == "_int4_dot_kernel":
         return configs.int4_dot_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["BLOCK_K"], options["num_stages"],
                                            _pointer_bytes(signature["x_ptr"]), named["G"], named["SWAP"], caps)

@@ -7,6 +7,11 @@ python scripts/convert_hf_checkpoint.py --checkpoint_dir checkpoints/ORG/NAME [-
 A 4-bit checkpoint (quantization_config: AWQ, GPTQ or compressed-tensors pack-quantized) becomes an int4 Redline
 checkpoint, its codes and scales repacked as they are (scripts/hf_int4.py says what is kept exactly); --dtype is then
 the dtype of the tensors that stay float (embedding, norms, routers, a float output head).
+FP8 checkpoints convert as stored, never dequantized: transformers' `quant_method: "fp8"` with `weight_block_size`
+[128, 128] (e4m3 weights and their `weight_scale_inv` per 128 x 128 block, as Qwen3-8B-FP8) and compressed-tensors'
+`float-quantized` format (e4m3 weights and a `weight_scale` per output channel, per tensor, or per 128 x 128 block, as
+the *-FP8-dynamic checkpoints). They become Redline's fp8 scheme (quantize.py): q/k/v and gate/up fuse with their
+scales; a static `input_scale` is dropped (Redline quantizes activations per token on the fly).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,6 +32,7 @@ from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, check_che
                                 save_checkpoint, write_atomically, write_safetensors)
 from redline.model import ModelArgs
 from redline.outputs import check_inside, check_output
+from redline.quantize import FP8_BLOCK, FP8_DTYPE, fp8_block_scales_shape, fp8_metadata, quantized_linear_names
 from redline.scripts.hf_config import (MULTIMODAL_TEXT_FAMILIES, args_from_hf_config, hf_family,
                                       vision_args_from_hf_config)
 from redline.scripts.hf_int4 import (Int4Source, fold_act_order, int4_source, read_int4_modules, redline_group_size,
@@ -336,8 +343,10 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
     inputs = [check_inside(p, checkpoint_dir) for p in [checkpoint_dir / "config.json", *files]]  # no symlink out
     check_checkpoint_output(out_path, inputs, overwrite)
     tokenizer_files_to_copy(checkpoint_dir, out_path.parent, overwrite, inputs)
+    fp8 = hf_fp8_format(config)  # FP8 (below), else a 4-bit source, else unquantized
     side = side_quantization_config(checkpoint_dir) if "quantization_config" not in config else None
-    source = int4_source({**config, "quantization_config": side} if side is not None else config)  # before reading
+    source = None if fp8 is not None else int4_source(
+        {**config, "quantization_config": side} if side is not None else config)  # before reading
     vision = read_vision_config(checkpoint_dir, config)
     if vision is not None:
         check_output(vision_path(out_path), inputs, "--out", overwrite=overwrite, replaceable=is_vision_file,
@@ -357,10 +366,15 @@ def convert_hf_checkpoint(checkpoint_dir: str | Path, out: str | Path | None = N
         if tower is not None:  # the tower of a 4-bit multimodal checkpoint stays float
             write_vision_file(vision_path(out_path), vision, tower, dtype)
         return path
+    hf, fp8_scales = split_fp8_scales(hf) if fp8 is not None else (hf, {})
     tensors = map_hf_tensors(hf, args)
     check_shapes(tensors, args)
-    tensors = {name: t.to(dtype) for name, t in progress(tensors.items(), len(tensors), "converting")}
-    info = CheckpointInfo(path=out_path, args=args, dtype=dtype)
+    tensors = {name: t if t.dtype == FP8_DTYPE else t.to(dtype)
+               for name, t in progress(tensors.items(), len(tensors), "converting")}
+    quantization = {"scheme": "none"}
+    if fp8 is not None:
+        quantization = add_fp8_scales(tensors, fp8_scales, fp8, args)
+    info = CheckpointInfo(path=out_path, args=args, dtype=dtype, quantization=quantization)
     path = save_checkpoint(out_path, tensors, info)
     if tower is not None:
         write_vision_file(vision_path(out_path), vision, tower, dtype)
@@ -550,6 +564,135 @@ def write_vision_file(path: Path, args: VisionArgs, tower: dict[str, torch.Tenso
     meta = {"redline_vision": json.dumps(args.to_dict()), "dtype": str(dtype).removeprefix("torch.")}
     write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, meta))
     return path
+
+
+# --- FP8 checkpoints: e4m3 weights and their scales, kept as they are ---
+
+# An FP8 weight's scale tensor beside it: transformers' block-wise fp8 ("weight_scale_inv": despite the name, the
+# weight is codes * scale) and compressed-tensors ("weight_scale").
+FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+# Static activation scales, not used: activations are quantized per token on the fly.
+FP8_DROPPED_SUFFIXES = (".input_scale",)
+
+
+@dataclass(frozen=True)
+class HfFp8Format:
+    """An FP8 checkpoint's layout: where it comes from and whether its weight scales are 128 x 128 blocks (else one
+    per output channel, or one per tensor, which becomes one per output channel)."""
+
+    source: str  # "fp8" (transformers) or "compressed-tensors"
+    block_scales: bool
+
+
+def hf_fp8_format(config: dict) -> HfFp8Format | None:
+    """The FP8 layout config.json's quantization_config declares, or None for an unquantized (or non-FP8) checkpoint.
+    An FP8 variant Redline cannot hold as it is (other block sizes, other bit widths) is a one-line error."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("weight_block_size") != [FP8_BLOCK, FP8_BLOCK]:
+            raise ValueError(f"this fp8 checkpoint has weight_block_size {q.get('weight_block_size')!r}; Redline "
+                             f"converts block-wise fp8 with [{FP8_BLOCK}, {FP8_BLOCK}] blocks only")
+        return HfFp8Format("fp8", block_scales=True)
+    if method != "compressed-tensors" or q.get("format") != "float-quantized":
+        return None
+    kinds = {compressed_fp8_kind(name, group) for name, group in (q.get("config_groups") or {}).items()}
+    if len(kinds) != 1:
+        raise ValueError(f"this compressed-tensors checkpoint mixes FP8 weight strategies ({sorted(kinds)}) or has "
+                         f"no config_groups; Redline converts one strategy for every linear layer")
+    return HfFp8Format("compressed-tensors", block_scales=kinds.pop() == "block")
+
+
+def compressed_fp8_kind(name: str, group: dict) -> str:
+    """"block" or "channel" for one compressed-tensors config group's FP8 weights (a per-tensor scale counts as
+    per-channel); anything else is refused."""
+    weights = group.get("weights") or {} if isinstance(group, dict) else {}
+    strategy = weights.get("strategy")
+    if weights.get("num_bits") != 8 or weights.get("type") != "float" or not weights.get("symmetric", True):
+        raise ValueError(f"compressed-tensors group {name!r} holds {weights.get('num_bits')}-bit "
+                         f"{weights.get('type')} weights; Redline converts symmetric 8-bit float (FP8) weights")
+    if strategy == "block" and weights.get("block_structure") == [FP8_BLOCK, FP8_BLOCK]:
+        return "block"
+    if strategy in ("channel", "tensor"):
+        return "channel"
+    raise ValueError(f"compressed-tensors group {name!r} scales its FP8 weights by {strategy!r} "
+                     f"{weights.get('block_structure') or ''}; Redline converts per-channel, per-tensor or "
+                     f"[{FP8_BLOCK}, {FP8_BLOCK}] block scales")
+
+
+def split_fp8_scales(hf: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the weights and other tensors, {FP8 weight name: its scale tensor}); input scales are dropped. Every e4m3
+    weight needs its scale and every scale its e4m3 weight."""
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in hf.items():
+        if name.endswith(FP8_DROPPED_SUFFIXES):
+            continue
+        suffix = next((s for s in FP8_SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            weights[name] = tensor
+        else:
+            scales[name.removesuffix(suffix) + ".weight"] = tensor
+    for name, tensor in weights.items():
+        if tensor.dtype == FP8_DTYPE and name not in scales:
+            raise ValueError(f"FP8 tensor {name} has no weight_scale beside it; the files are incomplete")
+        if tensor.dtype not in (FP8_DTYPE, torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"tensor {name} is {tensor.dtype}; an FP8 checkpoint holds e4m3 weights and float tensors")
+    for name in scales:
+        if name not in weights or weights[name].dtype != FP8_DTYPE:
+            raise ValueError(f"{name}'s scale has no float8_e4m3fn weight beside it; the files do not belong together")
+    return weights, scales
+
+
+def fp8_scales_of(name: str, weight_shape: tuple[int, int], scale: torch.Tensor, block_scales: bool) -> torch.Tensor:
+    """One HF weight's scale as Redline holds it: fp32 (N,) per output channel (a per-tensor scale repeated), or the
+    (ceil(N/128), ceil(K/128)) blocks; any other shape is a one-line error."""
+    n, k = weight_shape
+    scale = scale.float()
+    if block_scales and tuple(scale.shape) == fp8_block_scales_shape(n, k):
+        return scale
+    if not block_scales and scale.numel() == n and scale.shape[0] == n:
+        return scale.reshape(n)
+    if not block_scales and scale.numel() == 1:
+        return scale.reshape(1).expand(n).clone()
+    want = fp8_block_scales_shape(n, k) if block_scales else (n, 1)
+    raise ValueError(f"{name}'s scale has shape {tuple(scale.shape)}, expected {want} for its {(n, k)} weight; the "
+                     f"files do not belong to their config")
+
+
+def add_fp8_scales(tensors: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], fmt: HfFp8Format,
+                   args: ModelArgs) -> dict[str, Any]:
+    """Put each Redline FP8 weight's scales beside it (fused as q/k/v and gate/up are) and return the checkpoint's
+    quantization metadata. Every projection Redline quantizes must be FP8 (an untied output head may stay float)."""
+    if args.n_experts:
+        raise ValueError("Redline does not run FP8 mixture-of-experts models yet; convert an unquantized checkpoint")
+    parts: dict[str, list[tuple[int, str, torch.Tensor]]] = {}  # Redline weight -> (fused index, HF name, scale)
+    for name, scale in scales.items():
+        target, index = hf_target(name, args)
+        parts.setdefault(target, []).append((index or 0, name, scale))
+    float_head = args.tie_word_embeddings or "output.weight" not in parts
+    for name in quantized_linear_names(args.n_layer, float_head):
+        target = f"{name}.weight"
+        pieces = sorted(parts.pop(target, []), key=lambda piece: piece[0])
+        if tensors[target].dtype != FP8_DTYPE or len(pieces) != FUSED_PARTS.get(target.split(".", 2)[-1], 1):
+            raise ValueError(f"{hf_names(target)[0]} is not stored in FP8 in this checkpoint (not every part of "
+                             f"{target} has e4m3 weights and scales); Redline's fp8 needs every projection in FP8")
+        fused = []
+        for i, (_, hf_name, scale) in enumerate(pieces):
+            rows = hf_shape(hf_name, args)[0]
+            if fmt.block_scales and rows % FP8_BLOCK and i < len(pieces) - 1:
+                raise ValueError(f"{hf_name} has {rows} rows, not a multiple of {FP8_BLOCK}: its blocks cannot be "
+                                 f"fused into {target}")
+            fused.append(fp8_scales_of(hf_name, (rows, tensors[target].shape[1]), scale, fmt.block_scales))
+        tensors[target.removesuffix(".weight") + ".scales"] = torch.cat(fused).contiguous()
+    if parts:
+        raise ValueError(f"{hf_names(next(iter(parts)))[0]} is stored in FP8, which Redline keeps float here; "
+                         f"convert an unquantized checkpoint")
+    kept = ["tok_embeddings"] + (["output (tied to tok_embeddings)"] if args.tie_word_embeddings else
+                                 ["output"] if float_head else [])
+    return fp8_metadata(fmt.block_scales, kept)
 
 
 def parse_args(argv: list[str] | None) -> ConvertArgs:

@@ -201,3 +201,13 @@ def test_cuda_without_a_gpu_is_a_one_line_error(capsys):
     assert bench.main(TINY + ["--device", "cuda"]) == 2
     assert capsys.readouterr().err.strip() == (
         "error: --device cuda was asked for, but no CUDA/ROCm GPU is visible; use --device cpu")
+
+
+def test_fp8_weights_are_benchmarked(tmp_path):
+    """--quant fp8 builds the model with random e4m3 weights and reports a row for it."""
+    path = tmp_path / "fp8.json"
+    rc, out = run_main(TINY + ["--new-tokens", "4", "--runs", "1", "--quant", "fp8", "--batch-size", "1",
+                               "--json", str(path)])
+    assert rc == 0, out
+    records = json.loads(path.read_text())["records"]
+    assert [(r["model"], r["quant"], r["batch_size"]) for r in records] == [("debug-tiny", "fp8", 1)]

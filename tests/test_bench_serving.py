@@ -71,3 +71,11 @@ def test_a_mixture_of_experts_runs_the_fixed_workload(tmp_path, capsys):
                                "3", "--max-kv-tokens", "1024", "--json", str(path)])
     assert code == 0 and "debug-tiny-moe fixed: 3 requests, 384 output tokens" in capsys.readouterr().out
     assert json.loads(path.read_text())["redline"]["output_tokens"] == 384
+
+
+def test_fixed_workload_runs_fp8_weights(capsys):
+    """--quant fp8: the model is built with random e4m3 weights (W8A8) and the report names the weights."""
+    code = bench_serving.main(["--model", "debug-tiny", "--device", "cpu", "--dtype", "float32", "--num-requests",
+                               "2", "--max-kv-tokens", "512", "--quant", "fp8"])
+    out = capsys.readouterr().out
+    assert code == 0 and "debug-tiny fp8 fixed: 2 requests, 256 output tokens" in out

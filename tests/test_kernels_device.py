@@ -43,7 +43,7 @@ def test_hopper_supports_pdl_tf32_and_ptx(fake_gpu):
                              warp_size=32))
     caps = device_caps()
     assert caps == DeviceCaps(vendor="nvidia", arch="sm90", shared_memory_per_block=232448, warp_size=32,
-                              sm_count=132, supports_tf32=True, supports_pdl=True, inline_ptx=True)
+                              sm_count=132, supports_tf32=True, supports_pdl=True, inline_ptx=True, supports_fp8=True)
     assert device_caps(0) is caps and device_caps("cuda:0") is caps  # read once per device
 
 
@@ -51,6 +51,7 @@ def test_ampere_has_tf32_but_no_pdl_and_defaults_for_missing_fields(fake_gpu):
     fake_gpu(SimpleNamespace(major=8, minor=0, multi_processor_count=108))  # an older torch: no optin, no warp_size
     caps = device_caps()
     assert (caps.arch, caps.supports_tf32, caps.supports_pdl, caps.warp_size) == ("sm80", True, False, 32)
+    assert not caps.supports_fp8  # FP8 tensor cores start at sm89
     assert caps.shared_memory_per_block == device.DEFAULT_SHARED_MEMORY_BYTES
 
 

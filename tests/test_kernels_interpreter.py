@@ -38,6 +38,11 @@ CASES = [
     *[(f"attention_{v}", d) for v in ("split", "single", "mha", "qkv", "qkv7", "qkvpartial", "qkvnorm", "qkvwindow",
                                        "window", "windowsingle") for d in ("float32", "float16")],
     ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"), ("rope_partial", "float32"),
+    # FP8 weights: the GEMV (per-channel and 128 x 128 block scales, fused SwiGLU), the per-token quantizer (exact
+    # codes: 0 error) and the W8A8 tensor-core kernel (fp8 x fp8 dots; fp16 / fp32 outputs)
+    *[(f"fp8gemv_{v}", d) for v in ("channel", "block", "block_odd_k", "block_swiglu") for d in ("float32", "bfloat16")],
+    *[(f"fp8quant_{m}", d) for m in (2, 70) for d in ("float32", "float16")],
+    *[(f"fp8dot_{s}{m}", d) for s in ("channel", "block") for m in (2, 17, 70) for d in ("float32", "float16")],
 ]
 
 
@@ -175,6 +180,46 @@ def _rope_case(variant: str, dtype: torch.dtype) -> float:
     return max(_rel_err(got, want), _rel_err(caches[0], caches[2]), _rel_err(caches[1], caches[3]))
 
 
+def _fp8_gemv_case(variant: str, dtype: torch.dtype) -> float:
+    from redline.kernels import configs, linear
+    from redline.kernels import triton_linear as tk
+    from redline.quantize import quantize_fp8
+
+    k = 300 if variant.endswith("odd_k") else 256
+    swiglu = variant.endswith("swiglu")
+    weight, scales = quantize_fp8(torch.randn(256 if swiglu else 136, k) / k ** 0.5, block_scales=variant != "channel")
+    x = torch.randn(1, k, dtype=dtype)
+    norm = torch.rand(k, dtype=dtype) + 0.5 if swiglu else None
+    got = tk.gemv(x, weight, scales, pdl=False, int8_mode=1, norm_weight=norm, eps=1e-5, swiglu=swiglu,
+                  config=configs.GemvConfig(4, 64, 2, 2, True) if swiglu else configs.GemvConfig(2, 128, 2, 2, True))
+    return _rel_err(got, linear.fused_linear_reference(x, weight, scales, norm, 1e-5, None, swiglu))
+
+
+def _fp8_quant_case(m: int, dtype: torch.dtype) -> float:
+    from redline.kernels import triton_fp8
+    from redline.quantize import quantize_activations_fp8
+
+    x = torch.randn(m, 1100, dtype=dtype) * torch.rand(m, 1, dtype=dtype) * 10  # K past one 1024-input block
+    x[0, :5] = torch.tensor([0.0, 1e-9, -3e4, 2e-3, 7.0], dtype=dtype)
+    codes, scales = triton_fp8.quantize_rows(x)
+    want_codes, want_scales = quantize_activations_fp8(x)
+    return max(_rel_err(codes.float(), want_codes.float()), _rel_err(scales, want_scales.squeeze(1)))
+
+
+def _fp8_dot_case(variant: str, dtype: torch.dtype) -> float:
+    from redline.kernels import configs, triton_fp8
+    from redline.quantize import fp8_linear_reference, quantize_fp8
+
+    block, m = variant.startswith("block"), int(variant.removeprefix("block").removeprefix("channel"))
+    k, n = (300, 136) if m == 17 else (256, 200)  # K and N not multiples of the tiles or the 128-input blocks
+    weight, scales = quantize_fp8(torch.randn(n, k) / k ** 0.5, block_scales=block)
+    x = torch.randn(m, k, dtype=dtype)
+    codes, row_scales = triton_fp8.quantize_rows(x)
+    out = torch.empty(m, n, dtype=dtype)
+    triton_fp8.fp8_dot(codes, row_scales, weight, scales, out, config=configs.Fp8DotConfig(16, 32, 64, 4, 2))
+    return _rel_err(out, fp8_linear_reference(x, weight, scales))
+
+
 def run_case(name: str, dtype_name: str) -> float:
     """The largest relative error of one case against its reference."""
     torch.manual_seed(0)
@@ -188,6 +233,12 @@ def run_case(name: str, dtype_name: str) -> float:
         return _int4_dot_case(int(variant), dtype)
     if kind == "attention":
         return _attention_case(variant, dtype)
+    if kind == "fp8gemv":
+        return _fp8_gemv_case(variant, dtype)
+    if kind == "fp8quant":
+        return _fp8_quant_case(int(variant), dtype)
+    if kind == "fp8dot":
+        return _fp8_dot_case(variant, dtype)
     return _rope_case(variant, dtype)
 
 
