@@ -94,7 +94,7 @@ class EngineConfig:
     fuse: bool | None = None  # the fused batch-1 decode step (needs kernels); None: follows kernels
     name: str | None = None  # for stats and traces; None: the checkpoint's folder name
     max_kv_tokens: int | None = None  # the batching engine's page pool in tokens; None: from free GPU memory
-    threads: int | None = None  # torch's CPU threads, set process-wide on load; None: the physical cores (on the CPU)
+    threads: int | None = None  # CPU threads (the kernels' pool), set process-wide on load; None: the physical cores
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):

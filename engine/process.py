@@ -48,6 +48,7 @@ class ModelSource(msgspec.Struct, frozen=True):
     quantize: str | None = None
     compile: bool | None = None
     tokenizer_vocab: int | None = None  # ids past the tokenizer's are never sampled
+    threads: int | None = None  # CPU threads of the kernels (serve.py --threads); None: the physical cores
 
 
 class CoreConfig(msgspec.Struct, frozen=True):

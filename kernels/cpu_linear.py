@@ -1,11 +1,13 @@
-"""The CPU side of redline::int8_linear and redline::int4_linear.
+"""The CPU side of Redline's linears: cpu_gemv.cpp's ops (torch.ops.redline_cpu.*), their build, threads and
+instruction-set controls, and the CPU branch of redline::int8_linear / int4_linear / exact_head_linear.
 
-Up to GEMV_ROWS rows of x (decode, speculative verify steps) run cpu_gemv.cpp: a matrix-vector kernel that reads
-the checkpoint's own int8 / packed int4 weight once and turns each byte into fp32 in registers, with fp32
-accumulation (the references' arithmetic, to fp32 rounding). Its layout is quantize.py's, so nothing is repacked.
-More rows (prefills) are a matrix product: the references' own dequantize-then-F.linear, whose cost is spread over
-the rows. A float output head whose table is exactly int8 codes times fp16 scales per 32 inputs (GGUF's Q8_0) runs
-the same way on that int8 form (exact_int8_groups, exact_head_linear_cpu).
+cpu_gemv.cpp reads the checkpoint's own int8 / packed int4 weight (or an fp32 one) once per block of up to 4 rows of
+x and turns each byte into fp32 in registers, with fp32 accumulation (the references' arithmetic, to fp32 rounding);
+its layout is quantize.py's, so nothing is repacked. One row (decode) is a matrix-vector product, a prompt a blocked
+matrix product. Its loops (cpu_gemv_simd.h) are compiled for AVX-512, AVX2 and portable C++ and picked at run time
+(simd, detected_simd, forced_simd). It runs on its own thread pool (use_threads says why). A float output head whose
+table is exactly int8 codes times fp16 scales per 32 inputs (GGUF's Q8_0) runs on that int8 form
+(exact_int8_groups, redline_cpu::int8_group_linear).
 
 Why not torch's kernels: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (torch 2.6-2.13) are
 fast only in bf16 (their fp32 paths are scalar loops, 6-30x slower than an fp32 F.linear on this AVX-512 machine),
