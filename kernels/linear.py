@@ -276,7 +276,7 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 @torch.library.custom_op("redline::int8_linear", mutates_args=())
 def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,).
-    On the CPU: up to cpu_linear.GEMV_ROWS rows run its C++ GEMV on the int8 weight."""
+    On the CPU: cpu_gemv.cpp on the int8 weight (cpu_linear.py)."""
     _check_int8_linear(x, weight, scales)
     if _takes_triton(x, weight, quantized=True):
         return _small_m(x, weight, scales)
@@ -356,7 +356,7 @@ def int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """x @ W.T in x.dtype, W = scale * q + offset per group (quantize.py's int4 layout): weight uint8 (N, K/2),
     scales fp16 (N, K/G, 2). On a GPU: one row runs the int4 GEMV, 2..SMALL_M rows the int4 tensor-core kernel (both
     dequantize in registers, fp32 accumulation); more rows, or no config that fits the GPU, cuBLAS on row blocks.
-    On the CPU: up to cpu_linear.GEMV_ROWS rows run its C++ GEMV on the packed weight."""
+    On the CPU: cpu_gemv.cpp on the packed weight (cpu_linear.py)."""
     _check_int4_linear(x, weight, scales)
     if gemv_supported(x, quantized=True):
         if x.numel() == x.shape[-1]:
@@ -496,7 +496,7 @@ def swap_linears(model: nn.Module) -> None:
 @torch.library.custom_op("redline::exact_head_linear", mutates_args=())
 def exact_head_linear(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
     """F.linear(x, weight) where weight == codes * scales exactly (int8 (N, K), fp16 (N, K/32): a Q8_0 table); on the
-    CPU up to cpu_linear.GEMV_ROWS rows read the int8 form."""
+    CPU the int8 form is read (cpu_gemv.cpp)."""
     return exact_head_linear_cpu(x, weight, codes, scales)
 
 
