@@ -30,6 +30,7 @@ from redline.checkpoint import (CheckpointInfo, OneLineArgumentParser, checkpoin
                                 read_checkpoint_info)
 from redline.checkpoint import run_cli as cli_main
 from redline.images import open_image, read_image_file
+from redline.kernels.cpu_linear import kernel_threads
 from redline.model import PromptImages, Transformer
 from redline.options import (DEFAULT_MAX_NEW_TOKENS, DTYPE_FOLDERS, EngineConfig, GenerationOptions,  # noqa: F401
                              GenerationResult, GenerationStats, check_text, default_device, prompt_token_ids,
@@ -278,7 +279,7 @@ class LLM:
             decode_tok_s=decode_rate * batch, model_bytes_per_token=self.bytes_per_token,
             bandwidth_gb_s=steps * self.bytes_per_token / 1e9, peak_memory_gb=peak,
             compile_s=compile_s, batch_size=batch, **(speculation or {}),
-            threads=torch.get_num_threads() if self.device.type == "cpu" else None,
+            threads=kernel_threads() if self.device.type == "cpu" else None,
         )
 
     # -- profiling -----------------------------------------------------------------------------------------------------

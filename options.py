@@ -94,7 +94,7 @@ class EngineConfig:
     fuse: bool | None = None  # the fused batch-1 decode step (needs kernels); None: follows kernels
     name: str | None = None  # for stats and traces; None: the checkpoint's folder name
     max_kv_tokens: int | None = None  # the batching engine's page pool in tokens; None: from free GPU memory
-    threads: int | None = None  # torch's CPU threads, set process-wide on load; None: the physical cores (on the CPU)
+    threads: int | None = None  # CPU threads (the kernels' pool), set process-wide on load; None: the physical cores
 
     def __post_init__(self) -> None:
         if isinstance(self.device, torch.device):
@@ -123,16 +123,24 @@ class EngineConfig:
             raise ValueError(f"threads must be a positive integer (the CPU threads to use), got {self.threads!r}")
 
     def cpu_threads(self, device: torch.device) -> int | None:
-        """The torch threads to set for this engine: `threads` when given, the physical cores for a CPU device,
+        """The CPU threads to set for this engine: `threads` when given, the physical cores for a CPU device,
         else None (a GPU engine leaves torch's setting alone)."""
         if self.threads is not None:
             return int(self.threads)
         return physical_cores() if device.type == "cpu" else None
 
     def set_threads(self, device: torch.device) -> None:
-        """torch.set_num_threads(cpu_threads(device)) (process-wide), unless that is None."""
+        """Process-wide thread counts from cpu_threads(device), unless that is None. On a CPU device the count goes
+        to Redline's kernels (their own pool, cpu_linear.use_threads) and torch's intra-op threads become 1; else
+        to torch.set_num_threads."""
         threads = self.cpu_threads(device)
-        if threads is not None:
+        if threads is None:
+            return
+        if device.type == "cpu":
+            from redline.kernels.cpu_linear import use_threads
+
+            use_threads(threads)
+        else:
             torch.set_num_threads(threads)
 
     def torch_device(self) -> torch.device:

@@ -77,6 +77,7 @@ class ServeSettings:
     dtype: str | None = None
     quantize: str | None = None
     compile: bool | None = None
+    threads: int | None = None  # CPU threads of the kernels; None: the physical cores (on the CPU)
     engine: EngineSettings = SERVE_ENGINE  # how the engine core batches (its flags are its fields)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests get this long to finish
@@ -110,7 +111,7 @@ class ServeSettings:
     @property
     def engine_config(self) -> EngineConfig:
         return EngineConfig(device=self.device, dtype=self.dtype, compile=self.compile, quantize=self.quantize,
-                            name=self.served_model_name)
+                            name=self.served_model_name, threads=self.threads)
 
     @property
     def agent_settings(self) -> AgentSettings:
@@ -127,7 +128,7 @@ class ServeSettings:
     def model_source(self, tokenizer_vocab: int | None) -> ModelSource:
         return ModelSource(str(self.checkpoint_path) if self.checkpoint_path is not None else None,
                            self.random_weights, self.device, self.dtype, self.quantize, self.compile, tokenizer_vocab,
-                           self.tokenizer_path())
+                           self.tokenizer_path(), self.threads)
 
     def tokenizer_path(self) -> str | None:
         """Where the engine core loads the tokenizer its grammars are compiled for."""
@@ -951,6 +952,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--quantize", default=None, help="quantize on load: int8, int4 or int4-gG; None keeps the weights")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="CUDA-graph decode steps; None means on for a GPU")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads; None means the physical cores")
     engine = p.add_argument_group("engine", "how the engine core batches (defaults: EngineSettings')")
     engine.add_argument("--max-kv-tokens", type=int, default=SERVE_ENGINE.max_kv_tokens,
                         help="KV cache size in tokens; None means from free GPU memory, or a few contexts on the "

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from redline.generate import LLM
+from redline.kernels.cpu_linear import kernel_threads
 
 DEMO_PROMPT = "The capital of France is"
 DEMO_CONFIGS = ("float32", "bfloat16", "int8", "int4-g32", "int4-g64", "q4_1-native")
@@ -121,7 +122,9 @@ def prompt_for(llm: LLM, prompt_tokens: int | None = None) -> Any:
 
 def run(model: str, configs: tuple[str, ...], rounds: int, tokens: int, read_mb: int, threads: int,
         layers: int | None = None, prompt_tokens: int | None = None) -> dict[str, Any]:
-    torch.set_num_threads(threads)
+    from redline.kernels.cpu_linear import use_threads
+
+    use_threads(threads)
     makers = demo_engines(configs, threads) if model == "demo" else registry_engines(model, configs, layers)
     engines = {config: make() for config, make in makers.items()}
     for llm in engines.values():  # warm-up: caches sized, kernels built, pages touched
@@ -153,7 +156,7 @@ def run(model: str, configs: tuple[str, ...], rounds: int, tokens: int, read_mb:
     out: dict[str, Any] = {
         "model": model if layers is None else f"{model} (first {layers} layers)", "rounds": rounds,
         "prompt_tokens": len(prompt_for(next(iter(engines.values())), prompt_tokens))
-        if model != "demo" else None, "new_tokens": tokens, "threads": torch.get_num_threads(),
+        if model != "demo" else None, "new_tokens": tokens, "threads": kernel_threads(),
         "cpu": cpu_name(), "logical_cpus": len(_affinity()), "cpu_flags": cpu_flags(),
         "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "read_bandwidth_gb_s": bw, "read_bandwidth_all": bandwidth, "rows": rows,

@@ -186,8 +186,12 @@ class EngineCore:
         (a CPU server warms up on short prompts). Last, the objects alive now (compiled code, graphs, the model) are
         moved out of the garbage collector's reach: full collections over them took 0.7-1.6 s each in the middle
         of serving an 8B model."""
+        # An eager CPU core compiles nothing (its kernels were built at load): a short request alone and two
+        # together walk the paths; the full set prefilled ~4,600 tokens, tens of seconds on two cores.
+        eager_cpu = self.device.type == "cpu" and not self.runner.compile
         top = self.scheduler.prefill_chunk + 37 if longest is None else longest
-        longest = max(1, min(top, self.block_size - 4, self.pool.capacity_tokens // 8))
+        longest = max(1, min(top, 16 if eager_cpu else top, self.block_size - 4, self.pool.capacity_tokens // 8))
+        groups = ((longest,), (7, longest)) if eager_cpu else ((128,), (longest,), (7, 48, 301, longest))
         done = threading.Semaphore(0)
         sink, waiting = self.sink, set()
 
@@ -199,7 +203,7 @@ class EngineCore:
 
         self.sink = catch
         try:
-            for g, group in enumerate(((128,), (longest,), (7, 48, 301, longest))):
+            for g, group in enumerate(groups):
                 for i, length in enumerate(min(n, longest) for n in group):
                     ids = [(j * 7919 + 131 * i + length) % self.vocab_size for j in range(length)]  # distinct
                     sampled = {"temperature": 0.8, "top_p": 0.9, "seed": i} if i % 2 else {}

@@ -49,6 +49,7 @@ class ModelSource(msgspec.Struct, frozen=True):
     compile: bool | None = None
     tokenizer_vocab: int | None = None  # ids past the tokenizer's are never sampled
     tokenizer_path: str | None = None  # the tokenizer grammars are compiled for (requests with a grammar need one)
+    threads: int | None = None  # CPU threads of the kernels (serve.py --threads); None: the physical cores
 
 
 class CoreConfig(msgspec.Struct, frozen=True):

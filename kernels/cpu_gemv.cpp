@@ -1,165 +1,366 @@
-// Redline's CPU matrix-vector kernels for int8 and int4 weights: each weight byte is read once and turned into
-// fp32 in registers (no float copy of the weight), products accumulate in fp32 like the references in linear.py.
+// Redline's CPU kernels for int8 and int4 weights: each weight byte is read once per block of up to 4 rows of x and
+// turned into fp32 in registers (no float copy of the weight); products accumulate in fp32 like the references in
+// linear.py. One row of x (decode) is a matrix-vector product, many rows (prefill) a blocked matrix product.
 //
-//   redline_cpu::int8_gemv(x fp32 (M, K), weight int8 (N, K), scales fp32 (N,)) -> fp32 (M, N)
+//   redline_cpu::int8_linear(x (..., K), weight int8 (N, K), scales fp32 (N,)) -> (..., N) in x's dtype
 //       y[m, n] = (sum_k x[m, k] * weight[n, k]) * scales[n]
-//   redline_cpu::int4_gemv(x fp32 (M, K), weight uint8 (N, K/2), scales fp16 (N, K/G, 2)) -> fp32 (M, N)
+//   redline_cpu::int4_linear(x (..., K), weight uint8 (N, K/2), scales fp16 (N, K/G, 2)) -> (..., N)
 //       quantize.py's layout: input k of row n in byte k / 2 (even k in the low nibble), w = scale * q + offset
-//       per (row, group of G inputs); y[m, n] = sum_g scale * (sum_{k in g} x[m, k] q[n, k]) + offset * sum_{k in g} x[m, k]
-//   redline_cpu::int8_group_gemv(x fp32 (M, K), weight int8 (N, K), scales fp16 (N, K/G)) -> fp32 (M, N)
+//       per (row, group of G inputs); y[m, n] = sum_g sum_{k in g} x[m, k] (scale q[n, k]) + offset * sum_{k in g} x
+//   redline_cpu::int8_group_linear(x (..., K), weight int8 (N, K), scales fp16 (N, K/G)) -> (..., N)
 //       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k]   (the exact form of a Q8_0 table)
+//   redline_cpu::simd() -> int            the instruction set the kernels run now: 0 portable, 1 AVX2, 2 AVX-512
+//   redline_cpu::detected_simd() -> int   the best one this CPU has
+//   redline_cpu::force_simd(int level) -> int   run `level` (-1: the detected one again); returns the previous setting
 //
-// Rows of the weight are split over torch's intra-op threads (at::parallel_for, so torch.set_num_threads sets
-// them). The inner loops are written in GCC/Clang vector types, LANES independent fp32 accumulators each.
+// The loops are in cpu_gemv_simd.h, compiled here once per instruction set (GCC/Clang target pragmas) and chosen at
+// run time from the CPU's own report, so one build runs on any x86-64 CPU; elsewhere only the portable path exists.
+//
+//   redline_cpu::float_linear(x (..., K), weight fp32 (N, K)) -> (..., N)   F.linear on the same loops and threads
+//   redline_cpu::set_threads(int count) -> int   the kernels' threads (0: torch's intra-op count); returns the previous
+//
+// Threads: the kernels' own pool (class Pool): the calling thread and its helpers claim blocks of output rows from a
+// shared counter until none are left, so a thread that the OS parks (other work on its core) holds up at most the
+// block it has claimed, not a fixed share of the matrix. Small products run on the calling thread alone.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define REDLINE_X86 1
+#else
+#define REDLINE_X86 0
+#endif
+
+namespace portable {
+#define REDLINE_SIMD 0
+#include "cpu_gemv_simd.h"
+#undef REDLINE_SIMD
+}  // namespace portable
+
+#if REDLINE_X86
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+#define REDLINE_SIMD 1
+#include "cpu_gemv_simd.h"
+#undef REDLINE_SIMD
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+namespace avx512 {
+#define REDLINE_SIMD 2
+#include "cpu_gemv_simd.h"
+#undef REDLINE_SIMD
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
 
 namespace {
 
-constexpr int64_t LANES = 16;
-// Rows of the weight per parallel task: small enough to spread a 576-row matrix over the threads.
-constexpr int64_t ROW_GRAIN = 16;
+enum Simd : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
 
-// GCC/Clang vector types: LANES floats, and LANES bytes converted to them lane by lane (one zmm on AVX-512,
-// two ymm on AVX2). Bytes go to floats through int32 (to_floats): a direct conversion is scalarized by GCC 12.
-typedef float floats __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t ints __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint8_t ubytes __attribute__((vector_size(LANES)));
-
-template <typename V, typename T>
-V load(const T* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
+int64_t detected_simd() {
+#if REDLINE_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // F16C has no __builtin_cpu_supports name in every GCC: every CPU with AVX2 and FMA that shipped has it.
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    return AVX512;
+  }
+  if (avx2) return AVX2;
+#endif
+  return PORTABLE;
 }
 
-// fp16 -> fp32 with the hardware's conversion (vcvtph2ps with F16C) where the compiler has _Float16; at::Half's own
-// conversion is a sequence of integer operations, which cost more than a group's products.
-float half_to_float(const at::Half* p) {
-#if defined(__FLT16_MAX__)
-  _Float16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return static_cast<float>(h);
+// -1: the detected instruction set; else the forced one (never above the detected one).
+std::atomic<int64_t> forced_simd{-1};
+
+int64_t simd() {
+  const int64_t forced = forced_simd.load(std::memory_order_relaxed);
+  return forced >= 0 ? forced : detected_simd();
+}
+
+int64_t force_simd(int64_t level) {
+  TORCH_CHECK(level >= -1 && level <= AVX512, "force_simd takes -1 (detected), 0 (portable), 1 (AVX2) or 2 (AVX-512)");
+  TORCH_CHECK(level <= detected_simd(), "this CPU lacks instruction set level ", level, " (it has up to ",
+              detected_simd(), ")");
+  return forced_simd.exchange(level);
+}
+
+// Multiply-adds below which a product runs on the calling thread alone (waking helpers costs more).
+constexpr int64_t SERIAL_MACS = 1 << 16;
+// Weight bytes per claimed block of output rows.
+constexpr int64_t BLOCK_BYTES = 16 << 10;
+// Pause instructions a helper spins for a new product before it sleeps (tens of microseconds: the gap between two
+// products of one decode step), and the caller before it yields its core while a helper finishes a block.
+constexpr int SPIN_PAUSES = 2000;
+
+void cpu_pause() {
+#if REDLINE_X86
+  _mm_pause();
 #else
-  return static_cast<float>(*p);
+  std::this_thread::yield();
 #endif
 }
 
-ints to_ints(ubytes bytes) {
-  return __builtin_convertvector(bytes, ints);
-}
-
-floats to_floats(ubytes bytes) {
-  return __builtin_convertvector(to_ints(bytes), floats);
-}
-
-float lane_sum(floats acc) {
-  float total = 0.f;
-  for (int64_t l = 0; l < LANES; ++l) total += acc[l];
-  return total;
-}
-
-float int8_row_dot(const float* x, const int8_t* w, int64_t k) {
-  // The bytes are read unsigned with the sign bit flipped (b ^ 128 = b + 128 in 0..255) and 128 taken off in fp32
-  // (exact): GCC 12 scalarizes a signed byte vector's conversion.
-  const uint8_t* u = reinterpret_cast<const uint8_t*>(w);
-  floats acc = {};
-  int64_t i = 0;
-  for (; i + LANES <= k; i += LANES) {
-    acc += load<floats>(x + i) * (to_floats(load<ubytes>(u + i) ^ 128) - 128.f);
+// The kernels' own threads: the caller and threads - 1 helpers claim blocks of a product from one counter, and the
+// caller waits only for blocks a helper has claimed, never for a helper to wake. A helper the OS keeps off its core
+// (another process on it) so costs nothing; with OpenMP's fork-join every parallel region waits for every thread
+// to be scheduled, which on shared cores made each small product cost a time slice. Helpers sleep on a condition
+// variable after a short spin. One product runs at a time (callers from several threads take turns).
+class Pool {
+ public:
+  // fn(b) for every b in [0, blocks), on `threads` threads (the caller one of them).
+  void run(int64_t threads, int64_t blocks, const std::function<void(int64_t)>& fn) {
+    if (threads <= 1 || blocks <= 1) {
+      for (int64_t b = 0; b < blocks; ++b) fn(b);
+      return;
+    }
+    std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
+    ensure_helpers(threads - 1);
+    const uint64_t gen = (generation_ + 1) & 0xffffffffu;
+    generation_ = gen;
+    fn_.store(&fn, std::memory_order_relaxed);
+    blocks_.store(blocks, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    claim_.store(gen << 32, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      published_.store(gen, std::memory_order_release);
+    }
+    wake_.notify_all();
+    work(gen);
+    for (int spins = 0; done_.load(std::memory_order_acquire) < blocks; ++spins) {
+      if (spins < SPIN_PAUSES) cpu_pause(); else std::this_thread::yield();
+    }
   }
-  float total = lane_sum(acc);
-  for (; i < k; ++i) total += x[i] * static_cast<float>(w[i]);
-  return total;
-}
 
-// One group's products, lane by lane: even[j] * low_nibble(w[j]) + odd[j] * high_nibble(w[j]) over half_group bytes
-// (a multiple of LANES), summed into LANES lanes (the caller scales them and sums the lanes once per row).
-floats int4_group_lanes(const float* even, const float* odd, const uint8_t* w, int64_t half_group) {
-  floats acc = {};
-  for (int64_t j = 0; j < half_group; j += LANES) {
-    const ubytes b = load<ubytes>(w + j);
-    acc += load<floats>(even + j) * to_floats(b & 15) + load<floats>(odd + j) * to_floats(b >> 4);
+ private:
+  // Claims and runs blocks of product `gen` until none is left (or a newer product replaced it).
+  void work(uint64_t gen) {
+    for (;;) {
+      uint64_t v = claim_.load(std::memory_order_acquire);
+      if ((v >> 32) != gen || static_cast<int64_t>(v & 0xffffffffu) >= blocks_.load(std::memory_order_relaxed)) return;
+      if (!claim_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      (*fn_.load(std::memory_order_relaxed))(static_cast<int64_t>(v & 0xffffffffu));
+      done_.fetch_add(1, std::memory_order_release);
+    }
   }
-  return acc;
+
+  void helper() {
+    uint64_t seen = published_.load(std::memory_order_acquire);
+    for (;;) {
+      uint64_t now = seen;
+      for (int i = 0; i < SPIN_PAUSES && now == seen; ++i) {
+        cpu_pause();
+        now = published_.load(std::memory_order_acquire);
+      }
+      if (now == seen) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || published_.load(std::memory_order_acquire) != seen; });
+        if (stop_) return;
+        now = published_.load(std::memory_order_acquire);
+      }
+      seen = now;
+      work(seen);
+    }
+  }
+
+  void ensure_helpers(int64_t count) {
+    if (pid_ != getpid()) {  // a forked child: its parent's helpers do not exist here (left unjoined, never used)
+      new std::vector<std::thread>(std::move(helpers_));
+      helpers_.clear();
+      pid_ = getpid();
+    }
+    if (static_cast<int64_t>(helpers_.size()) == count) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : helpers_) t.join();
+    helpers_.clear();
+    stop_ = false;
+    for (int64_t i = 0; i < count; ++i) helpers_.emplace_back([this] { helper(); });
+  }
+
+  std::mutex run_mutex_, mutex_;
+  std::condition_variable wake_;
+  std::vector<std::thread> helpers_;
+  pid_t pid_ = getpid();
+  bool stop_ = false;  // guarded by mutex_
+  uint64_t generation_ = 0;  // guarded by run_mutex_
+  std::atomic<uint64_t> published_{0}, claim_{0};
+  std::atomic<int64_t> blocks_{0}, done_{0};
+  std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
+};
+
+// The kernels' thread count: set by set_threads (Redline sets it from --threads), else torch's intra-op threads.
+std::atomic<int64_t> kernel_threads{0};
+
+int64_t threads() {
+  const int64_t set = kernel_threads.load(std::memory_order_relaxed);
+  return set > 0 ? set : at::get_num_threads();
 }
 
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
-  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && scales.is_cpu(), "redline_cpu ops take CPU tensors");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() &&
-              weight.size(1) == x.size(1), "weight must be contiguous int8 (N, K)");
+int64_t set_threads(int64_t count) {
+  TORCH_CHECK(count >= 0, "set_threads takes a positive thread count (0: torch's intra-op threads)");
+  return kernel_threads.exchange(count);
+}
+
+Pool& pool() {
+  static Pool* shared = new Pool();  // never destroyed: its helpers may outlive static destruction at exit
+  return *shared;
+}
+
+// fn(r0, r1) over [0, n) in blocks of rows claimed by the kernels' threads.
+template <typename Fn>
+void claimed_rows(int64_t n, int64_t m, int64_t k, int64_t row_bytes, const Fn& fn) {
+  const int64_t count = threads();
+  if (count <= 1 || n * m * k < SERIAL_MACS) {
+    fn(0, n);
+    return;
+  }
+  int64_t block = BLOCK_BYTES / (row_bytes > 0 ? row_bytes : 1);
+  block = std::max<int64_t>(4, std::min<int64_t>(block, (n + 2 * count - 1) / (2 * count)));
+  const int64_t blocks = (n + block - 1) / block;
+  pool().run(count, blocks, [&](int64_t b) { fn(b * block, std::min((b + 1) * block, n)); });
+}
+
+void check_x(const at::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, op, ": x must be (..., ", k, "), got ", x.sizes());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), op, ": x must be a floating tensor");
+  TORCH_CHECK(x.is_cpu(), op, " takes CPU tensors");
+}
+
+// x as contiguous fp32 (M, K), and the output's shape (..., N).
+std::pair<at::Tensor, std::vector<int64_t>> rows_of(const at::Tensor& x, int64_t k, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return {x.reshape({-1, k}).to(at::kFloat).contiguous(), shape};
+}
+
+at::Tensor finish(const at::Tensor& out, const at::Tensor& x, const std::vector<int64_t>& shape) {
+  return out.view(shape).to(x.scalar_type());
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.is_cpu(),
+              "int8_linear: weight must be contiguous int8 (N, K) on the CPU");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  check_x(x, k, "int8_linear");
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-              scales.size(0) == weight.size(0), "scales must be contiguous fp32 (N,)");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
+              scales.size(0) == n && scales.is_cpu(), "int8_linear: scales must be contiguous fp32 (N,)");
+  auto [x2, shape] = rows_of(x, k, n);
+  const int64_t m = x2.size(0);
+  at::Tensor out = at::empty({m, n}, x2.options());
+  const float* xp = x2.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = out.data_ptr<float>();
-  at::parallel_for(0, n, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r) {
-      for (int64_t i = 0; i < m; ++i) yp[i * n + r] = int8_row_dot(xp + i * k, wp + r * k, k) * sp[r];
-    }
-  });
-  return out;
+  const int64_t level = simd();
+  if (m > 0 && k > 0) {
+    claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+      if (level == AVX512) return avx512::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
+      if (level == AVX2) return avx2::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
+#endif
+      portable::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
+    });
+  } else {
+    out.zero_();
+  }
+  return finish(out, x, shape);
 }
 
-// int8 codes in groups of `group` inputs, each with its own fp16 scale (GGUF's Q8_0 blocks, for an output head).
-at::Tensor int8_group_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
-  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && scales.is_cpu(), "redline_cpu ops take CPU tensors");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.size(1) == k,
-              "weight must be contiguous int8 (N, K)");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.is_cpu(),
+              "float_linear: weight must be contiguous fp32 (N, K) on the CPU");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  check_x(x, k, "float_linear");
+  auto [x2, shape] = rows_of(x, k, n);
+  const int64_t m = x2.size(0);
+  at::Tensor out = at::empty({m, n}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t level = simd();
+  if (m > 0 && k > 0) {
+    claimed_rows(n, m, k, 4 * k, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+      if (level == AVX512) return avx512::float_rows(xp, m, k, wp, yp, n, r0, r1);
+      if (level == AVX2) return avx2::float_rows(xp, m, k, wp, yp, n, r0, r1);
+#endif
+      portable::float_rows(xp, m, k, wp, yp, n, r0, r1);
+    });
+  } else {
+    out.zero_();
+  }
+  return finish(out, x, shape);
+}
+
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.is_cpu(),
+              "int8_group_linear: weight must be contiguous int8 (N, K) on the CPU");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  check_x(x, k, "int8_group_linear");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.is_cpu() &&
               scales.size(0) == n && scales.size(1) > 0 && k % scales.size(1) == 0 &&
-              (k / scales.size(1)) % LANES == 0, "scales must be contiguous fp16 (N, K/G), G a multiple of 16");
-  const int64_t groups = scales.size(1), group = k / groups;
-  at::Tensor out = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = reinterpret_cast<const uint8_t*>(weight.data_ptr<int8_t>());
+              (k / scales.size(1)) % 16 == 0, "int8_group_linear: scales must be contiguous fp16 (N, K/G), G a "
+              "multiple of 16");
+  const int64_t group = k / scales.size(1);
+  auto [x2, shape] = rows_of(x, k, n);
+  const int64_t m = x2.size(0);
+  at::Tensor out = at::empty({m, n}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  const int8_t* wp = weight.data_ptr<int8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = out.data_ptr<float>();
-  at::parallel_for(0, n, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r) {
-      for (int64_t i = 0; i < m; ++i) {
-        floats lanes = {};
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* xg = xp + i * k + g * group;
-          const uint8_t* wg = wp + r * k + g * group;
-          floats acc = {};
-          for (int64_t j = 0; j < group; j += LANES) {
-            acc += load<floats>(xg + j) * (to_floats(load<ubytes>(wg + j) ^ 128) - 128.f);
-          }
-          lanes += half_to_float(sp + r * groups + g) * acc;
-        }
-        yp[i * n + r] = lane_sum(lanes);
-      }
-    }
-  });
-  return out;
+  const int64_t level = simd();
+  if (m > 0) {
+    claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+      if (level == AVX512) return avx512::int8_group_rows(xp, m, k, wp, sp, group, yp, n, r0, r1);
+      if (level == AVX2) return avx2::int8_group_rows(xp, m, k, wp, sp, group, yp, n, r0, r1);
+#endif
+      portable::int8_group_rows(xp, m, k, wp, sp, group, yp, n, r0, r1);
+    });
+  }
+  return finish(out, x, shape);
 }
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 (M, K)");
-  TORCH_CHECK(x.is_cpu() && weight.is_cpu() && scales.is_cpu(), "redline_cpu ops take CPU tensors");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
-              weight.size(1) * 2 == k, "weight must be contiguous packed uint8 (N, K/2)");
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
-              scales.size(0) == n && scales.size(2) == 2 && scales.size(1) > 0 && k % scales.size(1) == 0,
-              "scales must be contiguous fp16 (N, K/G, 2)");
-  const int64_t groups = scales.size(1), group = k / groups, half_group = group / 2, half = k / 2;
-  TORCH_CHECK(half_group % LANES == 0, "the group size must be a multiple of ", 2 * LANES);
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() && weight.is_cpu(),
+              "int4_linear: weight must be contiguous packed uint8 (N, K/2) on the CPU");
+  const int64_t n = weight.size(0), half = weight.size(1), k = 2 * half;
+  check_x(x, k, "int4_linear");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.is_cpu() &&
+              scales.size(0) == n && scales.size(2) == 2 && scales.size(1) > 0 && k % scales.size(1) == 0 &&
+              (k / scales.size(1)) % 32 == 0, "int4_linear: scales must be contiguous fp16 (N, K/G, 2), G a "
+              "multiple of 32");
+  const int64_t groups = scales.size(1), group = k / groups;
+  auto [x2, shape] = rows_of(x, k, n);
+  const int64_t m = x2.size(0);
   // x split into its even and odd inputs (one per nibble), and each group's sum of x (for the offsets).
-  std::vector<float> even(m * half), odd(m * half), group_sums(m * groups, 0.f);
-  const float* xp = x.data_ptr<float>();
+  std::vector<float> even(m * half), odd(m * half), xsum(m * groups);
+  const float* xp = x2.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < half; ++j) {
       even[i * half + j] = xp[i * k + 2 * j];
@@ -168,37 +369,64 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
     for (int64_t g = 0; g < groups; ++g) {
       float total = 0.f;
       for (int64_t j = g * group; j < (g + 1) * group; ++j) total += xp[i * k + j];
-      group_sums[i * groups + g] = total;
+      xsum[i * groups + g] = total;
     }
   }
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, x2.options());
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = out.data_ptr<float>();
-  at::parallel_for(0, n, ROW_GRAIN, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r) {
-      const uint8_t* row = wp + r * half;
-      const at::Half* row_scales = sp + r * groups * 2;
-      for (int64_t i = 0; i < m; ++i) {
-        floats lanes = {};
-        float offsets = 0.f;
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t base = i * half + g * half_group;
-          lanes += half_to_float(row_scales + 2 * g) *
-                   int4_group_lanes(even.data() + base, odd.data() + base, row + g * half_group, half_group);
-          offsets += half_to_float(row_scales + 2 * g + 1) * group_sums[i * groups + g];
-        }
-        yp[i * n + r] = lane_sum(lanes) + offsets;
-      }
-    }
-  });
-  return out;
+  const float *ep = even.data(), *op = odd.data(), *gp = xsum.data();
+  const int64_t level = simd();
+  if (m > 0) {
+    claimed_rows(n, m, k, half, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+      if (level == AVX512) return avx512::int4_rows(ep, op, gp, m, half, groups, wp, sp, yp, n, r0, r1);
+      if (level == AVX2) return avx2::int4_rows(ep, op, gp, m, half, groups, wp, sp, yp, n, r0, r1);
+#endif
+      portable::int4_rows(ep, op, gp, m, half, groups, wp, sp, yp, n, r0, r1);
+    });
+  }
+  return finish(out, x, shape);
+}
+
+// Shapes only, for torch.compile's tracing.
+at::Tensor float_linear_meta(const at::Tensor& x, const at::Tensor& weight) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = weight.size(0);
+  return at::empty(shape, x.options());
+}
+
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = weight.size(0);
+  return at::empty(shape, x.options());
 }
 
 }  // namespace
 
 TORCH_LIBRARY(redline_cpu, m) {
-  m.def("int8_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor", int8_gemv);
-  m.def("int4_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor", int4_gemv);
-  m.def("int8_group_gemv(Tensor x, Tensor weight, Tensor scales) -> Tensor", int8_group_gemv);
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("int8_group_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+  m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("set_threads(int count) -> int", set_threads);
+  m.def("threads() -> int", threads);
+  m.def("simd() -> int", simd);
+  m.def("detected_simd() -> int", detected_simd);
+  m.def("force_simd(int level) -> int", force_simd);
+}
+
+TORCH_LIBRARY_IMPL(redline_cpu, CPU, m) {
+  m.impl("int8_linear", int8_linear);
+  m.impl("int4_linear", int4_linear);
+  m.impl("int8_group_linear", int8_group_linear);
+  m.impl("float_linear", float_linear);
+}
+
+TORCH_LIBRARY_IMPL(redline_cpu, Meta, m) {
+  m.impl("int8_linear", linear_meta);
+  m.impl("int4_linear", linear_meta);
+  m.impl("int8_group_linear", linear_meta);
+  m.impl("float_linear", float_linear_meta);
 }

@@ -1,11 +1,13 @@
-"""The CPU side of redline::int8_linear and redline::int4_linear.
+"""The CPU side of Redline's linears: cpu_gemv.cpp's ops (torch.ops.redline_cpu.*), their build, threads and
+instruction-set controls, and the CPU branch of redline::int8_linear / int4_linear / exact_head_linear.
 
-Up to GEMV_ROWS rows of x (decode, speculative verify steps) run cpu_gemv.cpp: a matrix-vector kernel that reads
-the checkpoint's own int8 / packed int4 weight once and turns each byte into fp32 in registers, with fp32
-accumulation (the references' arithmetic, to fp32 rounding). Its layout is quantize.py's, so nothing is repacked.
-More rows (prefills) are a matrix product: the references' own dequantize-then-F.linear, whose cost is spread over
-the rows. A float output head whose table is exactly int8 codes times fp16 scales per 32 inputs (GGUF's Q8_0) runs
-the same way on that int8 form (exact_int8_groups, exact_head_linear_cpu).
+cpu_gemv.cpp reads the checkpoint's own int8 / packed int4 weight (or an fp32 one) once per block of up to 4 rows of
+x and turns each byte into fp32 in registers, with fp32 accumulation (the references' arithmetic, to fp32 rounding);
+its layout is quantize.py's, so nothing is repacked. One row (decode) is a matrix-vector product, a prompt a blocked
+matrix product. Its loops (cpu_gemv_simd.h) are compiled for AVX-512, AVX2 and portable C++ and picked at run time
+(simd, detected_simd, forced_simd). It runs on its own thread pool (use_threads says why). A float output head whose
+table is exactly int8 codes times fp16 scales per 32 inputs (GGUF's Q8_0) runs on that int8 form
+(exact_int8_groups, redline_cpu::int8_group_linear).
 
 Why not torch's kernels: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (torch 2.6-2.13) are
 fast only in bf16 (their fp32 paths are scalar loops, 6-30x slower than an fp32 F.linear on this AVX-512 machine),
@@ -18,63 +20,113 @@ are needed; the build lands in torch's extension cache, ~/.cache/torch_extension
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from redline.quantize import dequantize_int4
-
-# Rows of x up to which the GEMV kernel runs (it reads the weight once and runs each row against it; more rows are
-# a matrix product, where BLAS on the dequantized weight is faster).
-GEMV_ROWS = 8
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+# The loops, included by SOURCE once per instruction set.
+SIMD_SOURCE = Path(__file__).with_name("cpu_gemv_simd.h")
 EXTENSION_NAME = "redline_cpu_gemv"
-# -march=native: the build is for the machine that compiles it (the cache is per machine).
-CFLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp"]
+# No -march=native: the AVX2 and AVX-512 loops carry their own target pragmas and are picked at run time, so one
+# build runs on any x86-64 CPU (and a cache shared between machines holds no instruction a CPU lacks).
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+# Instruction sets of redline_cpu::simd(), by level.
+SIMD_LEVELS = ("portable", "avx2", "avx512")
+# The builds this process has loaded, by name.
+LOADED: set[str] = set()
 
 
 @functools.cache
 def cpu_ops() -> None:
-    """Build (once per machine) and load cpu_gemv.cpp, which registers torch.ops.redline_cpu.int8_gemv / int4_gemv."""
+    """Build (once per machine) and load cpu_gemv.cpp, which registers torch.ops.redline_cpu.int8_linear,
+    int4_linear, int8_group_linear and the instruction-set controls."""
     from torch.utils.cpp_extension import load
 
     try:
-        load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False,
-             verbose=bool(os.environ.get("REDLINE_VERBOSE_BUILD")))
+        # The sources' hash names the build: two checkouts of different versions on one machine share torch's
+        # extension cache without rebuilding over each other.
+        digest = hashlib.sha256(SOURCE.read_bytes() + SIMD_SOURCE.read_bytes()).hexdigest()[:12]
+        name = f"{EXTENSION_NAME}_{digest}"
+        if name in LOADED:  # loaded already (a second load would register the ops twice)
+            return
+        # Resolved paths: the package imported through a link and through its real path builds one library.
+        source = SOURCE.resolve()
+        load(name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_include_paths=[str(source.parent)],
+             is_python_module=False, verbose=bool(os.environ.get("REDLINE_VERBOSE_BUILD")))
+        LOADED.add(name)
     except (RuntimeError, OSError, ImportError) as exc:
         last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
         raise RuntimeError(f"could not build Redline's CPU int8/int4 kernel ({SOURCE.name}): {last[0]}; install a "
                            f"C++ compiler and ninja (or REDLINE_VERBOSE_BUILD=1 to see the build)") from None
 
 
+def simd() -> str:
+    """The instruction set the CPU kernels run now: "avx512", "avx2" or "portable"."""
+    cpu_ops()
+    return SIMD_LEVELS[torch.ops.redline_cpu.simd()]
+
+
+def detected_simd() -> str:
+    """The best instruction set of this CPU that the kernels have a path for."""
+    cpu_ops()
+    return SIMD_LEVELS[torch.ops.redline_cpu.detected_simd()]
+
+
+@contextlib.contextmanager
+def forced_simd(name: str) -> Iterator[None]:
+    """Run the CPU kernels on instruction set `name` (one of SIMD_LEVELS, at most detected_simd()) inside the block:
+    the tests compare every path with the references this way. Process-wide, not per thread."""
+    if name not in SIMD_LEVELS:
+        raise ValueError(f"unknown instruction set {name!r}; choose from {', '.join(SIMD_LEVELS)}")
+    cpu_ops()
+    if SIMD_LEVELS.index(name) > torch.ops.redline_cpu.detected_simd():
+        raise ValueError(f"this CPU lacks {name} (it has up to {detected_simd()})")
+    previous = torch.ops.redline_cpu.force_simd(SIMD_LEVELS.index(name))
+    try:
+        yield
+    finally:
+        torch.ops.redline_cpu.force_simd(previous)
+
+
+def use_threads(count: int) -> None:
+    """Run the CPU kernels on `count` threads (their own pool: the caller and count - 1 helpers) and torch's own
+    ops on one (torch.set_num_threads(1)), process-wide.
+
+    Why one torch thread: torch's OpenMP ops (attention, elementwise, F.linear) end each parallel region when every
+    thread has finished its fixed share, so on cores that other processes also use each region waits for a thread
+    the OS has parked. Measured on the 2-core machine with other jobs on it (load average 13-16): the demo model's
+    Q4_1 decode ran at 0.7-0.8 tok/s with 2 torch threads and 7.0-9.5 tok/s with 1 torch thread and the kernels on
+    2 threads; float32 0.6 and 2.1-2.3. A decode step's other ops are small, so one thread costs them little."""
+    cpu_ops()
+    torch.ops.redline_cpu.set_threads(count)
+    torch.set_num_threads(1)
+
+
+def kernel_threads() -> int:
+    """The CPU kernels' thread count (use_threads; before it, torch's intra-op thread count)."""
+    cpu_ops()
+    return torch.ops.redline_cpu.threads()
+
+
 def int8_linear_cpu(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """(x @ weight.T) * scales on the CPU in x.dtype, fp32 accumulation; x (..., K), weight int8 (N, K), scales (N,)."""
-    n, k = weight.shape
-    x2 = x.reshape(-1, k)  # (M, K)
-    if x2.shape[0] > GEMV_ROWS or x2.shape[0] == 0 or k == 0:
-        out = F.linear(x2.float(), weight.float()) * scales.float()
-    else:
-        cpu_ops()
-        out = torch.ops.redline_cpu.int8_gemv(x2.float().contiguous(), weight.contiguous(),
-                                              scales.float().contiguous())  # (M, N)
-    return out.to(x.dtype).view(*x.shape[:-1], n)
+    cpu_ops()
+    return torch.ops.redline_cpu.int8_linear(x, weight.contiguous(), scales.float().contiguous())
 
 
 def int4_linear_cpu(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """x @ dequantize_int4(weight, scales).T on the CPU in x.dtype, fp32 accumulation; weight uint8 (N, K/2), scales
     fp16 (N, K/G, 2)."""
-    n = weight.shape[0]
-    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-    if x2.shape[0] > GEMV_ROWS or x2.shape[0] == 0:
-        out = F.linear(x2.float(), dequantize_int4(weight, scales))
-    else:
-        cpu_ops()
-        out = torch.ops.redline_cpu.int4_gemv(x2.float().contiguous(), weight.contiguous(), scales.contiguous())
-    return out.to(x.dtype).view(*x.shape[:-1], n)
+    cpu_ops()
+    return torch.ops.redline_cpu.int4_linear(x, weight.contiguous(), scales.contiguous())
 
 
 # The group of an exact int8 form of a float output head: GGUF's Q8_0 block (32 codes under one fp16 scale).
@@ -105,12 +157,9 @@ def exact_int8_groups(weight: Tensor, group: int = HEAD_GROUP) -> tuple[Tensor, 
 
 
 def exact_head_linear_cpu(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
-    """F.linear(x, weight) for a weight that equals codes * scales exactly (exact_int8_groups): up to GEMV_ROWS rows
-    read the int8 form (a quarter of the fp32 bytes), more rows run F.linear on the float weight."""
-    n, k = weight.shape
-    x2 = x.reshape(-1, k)  # (M, K)
-    if x2.shape[0] > GEMV_ROWS or x2.shape[0] == 0 or x.device.type != "cpu":  # a model moved to a GPU: F.linear
-        return F.linear(x2, weight).view(*x.shape[:-1], n)
+    """F.linear(x, weight) for a weight that equals codes * scales exactly (exact_int8_groups), read in its int8 form
+    (a quarter of the fp32 bytes) on the CPU; F.linear elsewhere (a model moved to a GPU)."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight)
     cpu_ops()
-    out = torch.ops.redline_cpu.int8_group_gemv(x2.float().contiguous(), codes, scales)  # (M, N)
-    return out.to(x.dtype).view(*x.shape[:-1], n)
+    return torch.ops.redline_cpu.int8_group_linear(x, codes, scales)

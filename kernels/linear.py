@@ -306,7 +306,7 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 @torch.library.custom_op("redline::int8_linear", mutates_args=())
 def int8_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """(x @ weight.T) * scales in x.dtype, fp32 accumulation; weight (N, K) int8, scales (N,).
-    On the CPU: up to cpu_linear.GEMV_ROWS rows run its C++ GEMV on the int8 weight."""
+    On the CPU: cpu_gemv.cpp on the int8 weight (cpu_linear.py)."""
     _check_int8_linear(x, weight, scales)
     if _takes_triton(x, weight, quantized=True):
         return _small_m(x, weight, scales)
@@ -386,7 +386,7 @@ def int4_linear(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """x @ W.T in x.dtype, W = scale * q + offset per group (quantize.py's int4 layout): weight uint8 (N, K/2),
     scales fp16 (N, K/G, 2). On a GPU: one row runs the int4 GEMV, 2..SMALL_M rows the int4 tensor-core kernel (both
     dequantize in registers, fp32 accumulation); more rows, or no config that fits the GPU, cuBLAS on row blocks.
-    On the CPU: up to cpu_linear.GEMV_ROWS rows run its C++ GEMV on the packed weight."""
+    On the CPU: cpu_gemv.cpp on the packed weight (cpu_linear.py)."""
     _check_int4_linear(x, weight, scales)
     if gemv_supported(x, quantized=True):
         if x.numel() == x.shape[-1]:
@@ -541,12 +541,37 @@ class KernelFp8Linear(Fp8Linear):
         return torch.ops.redline.fp8_linear(x, self.weight, self.scales)
 
 
+# The CPU modules (use_cpu_kernels) call cpu_gemv.cpp's ops straight from the model, with no Python between: a 135M
+# model's decode step makes 211 of these calls, and a Python op wrapper's few microseconds each add up.
+
+
+class CpuLinear(nn.Linear):
+    """An fp32 nn.Linear (no bias) on redline_cpu::float_linear: the kernels' own threads and loops (cpu_gemv.cpp)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline_cpu.float_linear(x, self.weight)
+
+
+class CpuInt8Linear(KernelInt8Linear):
+    """quantize.Int8Linear on redline_cpu::int8_linear (the int8 weight read once, fp32 accumulation)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline_cpu.int8_linear(x, self.weight, self.scales)
+
+
 class KernelInt4Linear(Int4Linear):
     """quantize.Int4Linear whose forward runs torch.ops.redline.int4_linear: the int4 weight is dequantized in the
     Triton kernels' registers for up to SMALL_M rows, in row blocks for cuBLAS for more."""
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.redline.int4_linear(x, self.weight, self.scales)
+
+
+class CpuInt4Linear(KernelInt4Linear):
+    """quantize.Int4Linear on redline_cpu::int4_linear (the packed weight read once, fp32 accumulation)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline_cpu.int4_linear(x, self.weight, self.scales)
 
 
 def swap_linears(model: nn.Module) -> None:
@@ -568,7 +593,7 @@ def swap_linears(model: nn.Module) -> None:
 @torch.library.custom_op("redline::exact_head_linear", mutates_args=())
 def exact_head_linear(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
     """F.linear(x, weight) where weight == codes * scales exactly (int8 (N, K), fp16 (N, K/32): a Q8_0 table); on the
-    CPU up to cpu_linear.GEMV_ROWS rows read the int8 form."""
+    CPU the int8 form is read (cpu_gemv.cpp)."""
     return exact_head_linear_cpu(x, weight, codes, scales)
 
 
@@ -586,6 +611,8 @@ class ExactInt8Head(nn.Linear):
     group_scales: Tensor  # fp16 (N, K/32)
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu":  # the C++ op straight from the model (see CpuLinear)
+            return torch.ops.redline_cpu.int8_group_linear(x, self.codes, self.group_scales)
         return torch.ops.redline.exact_head_linear(x, self.weight, self.codes, self.group_scales)
 
     def read_bytes(self) -> int:
@@ -594,27 +621,30 @@ class ExactInt8Head(nn.Linear):
 
 
 def use_cpu_kernels(model: nn.Module) -> nn.Module:
-    """Run a model's int8 and int4 linears through the ops' CPU kernels (cpu_linear.py): Int8Linear ->
-    KernelInt8Linear and Int4Linear -> KernelInt4Linear in place (weights shared, nothing repacked), the C++ kernel
-    built or loaded now rather than on the first token; a mixture's experts become moe.CpuMoE, CpuInt8MoE or
-    CpuInt4MoE (a decode step's chosen experts on their stored weights). In a quantized model a float output head tied to the
-    embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked element by
-    element, else it stays as it is). Other float linears stay as they are; applying it twice is a no-op."""
+    """Run a model's linears on the CPU kernels (cpu_linear.py) in place, weights shared and nothing repacked:
+    Int8Linear -> CpuInt8Linear, Int4Linear -> CpuInt4Linear, a bias-free fp32 nn.Linear -> CpuLinear; a mixture's
+    experts become moe.CpuMoE, CpuInt8MoE or CpuInt4MoE (a decode step's chosen experts on their stored weights).
+    The C++ kernel is built or loaded now rather than on the first token. In a quantized model a float output head
+    tied to the embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked
+    element by element, else it stays a float head). Other linears stay as they are; applying it twice is a no-op."""
     from .moe import cpu_moe_class
 
+    cpu_ops()
     quantized = False
     for module in model.modules():
-        if type(module) is Int8Linear:
-            module.__class__ = KernelInt8Linear
-        elif type(module) is Int4Linear:
-            module.__class__ = KernelInt4Linear
+        if type(module) in (Int8Linear, KernelInt8Linear):
+            module.__class__ = CpuInt8Linear
+        elif type(module) in (Int4Linear, KernelInt4Linear):
+            module.__class__ = CpuInt4Linear
+        elif type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32:
+            module.__class__ = CpuLinear
         module.__class__ = cpu_moe_class(module)
         quantized = quantized or isinstance(module, (Int8Linear, Int4Linear))
     if not quantized:
         return model
-    cpu_ops()
     head = getattr(model, "output", None)
-    if type(head) is nn.Linear and head.bias is None and getattr(model.args, "tie_word_embeddings", False):
+    if isinstance(head, nn.Linear) and type(head) is not ExactInt8Head and head.bias is None \
+            and getattr(model.args, "tie_word_embeddings", False):
         form = exact_int8_groups(head.weight.detach())
         if form is not None:
             head.__class__ = ExactInt8Head

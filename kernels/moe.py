@@ -58,7 +58,7 @@ REFERENCE_CHUNK_ELEMENTS = 1 << 24
 # lane over triton_moe.ROUTE_MAX_WARPS warps at this size), and no released MoE model has more experts.
 ROUTE_MAX_EXPERTS = 1024
 # Tokens up to which the CPU runs each (token, chosen expert) pair on its own (cpu_linear's int8 / int4 GEMVs, or
-# F.linear on a float expert's rows), as cpu_linear.GEMV_ROWS does; more are grouped by expert.
+# F.linear on a float expert's rows); more are grouped by expert.
 CPU_LOOP_TOKENS = 8
 
 

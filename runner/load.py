@@ -58,7 +58,8 @@ def load_runner(source: Any, log: Callable[[str], None]) -> Runner:
     from redline.checkpoint import read_checkpoint_info
     from redline.options import EngineConfig
 
-    config = EngineConfig(device=source.device, dtype=source.dtype, compile=source.compile, quantize=source.quantize)
+    config = EngineConfig(device=source.device, dtype=source.dtype, compile=source.compile, quantize=source.quantize,
+                          threads=source.threads)
     device = config.torch_device()
     config.set_threads(device)
     if source.random_weights is not None:

@@ -396,7 +396,8 @@ def test_warm_up_leaves_the_engine_as_new(llm):
     steps = []
     engine.core.step_listener = lambda chunks, seconds: steps.append([c.length for c in chunks])
     engine.warm_up()
-    assert max(sum(s) for s in steps) >= 64 and any(len(s) > 1 and 1 in s for s in steps)  # a full chunk; mixed
+    # An eager CPU engine compiles nothing: a short request alone and two together, not a full chunk.
+    assert sum(map(sum, steps)) < 64 and any(len(s) > 1 for s in steps)
     stats = engine.stats()
     assert (stats.requests_finished, stats.prompt_tokens_total, stats.generation_tokens_total) == (0, 0, 0)
     assert (stats.prefix_cache_queries, stats.running, stats.kv_pages_used) == (0, 0, 0)

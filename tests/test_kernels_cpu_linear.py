@@ -1,21 +1,26 @@
-"""Tests for kernels/cpu_linear.py and cpu_gemv.cpp: redline::int8_linear / int4_linear on the CPU against their
-references (decode rows on the C++ GEMV, more rows on the matrix product), within test_quantize*.py's accuracy
-bounds, use_cpu_kernels, and the demo model's native Q4_1 import against its float32 dequantization."""
+"""Tests for kernels/cpu_linear.py and cpu_gemv.cpp: redline::int8_linear / int4_linear on the CPU and the C++ ops
+(redline_cpu::*) against their references on every instruction-set path this CPU has (forced one at a time), one
+row (decode) and many (prefill, the blocked product), odd sizes, on one thread and on the kernels' pool; within
+test_quantize*.py's accuracy bounds; use_cpu_kernels; the demo model's native Q4_1 import against its float32
+dequantization."""
 from __future__ import annotations
 
 import copy
+import os
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from redline.kernels import cpu_linear, use_cpu_kernels
-from redline.kernels.linear import KernelInt4Linear, KernelInt8Linear, int4_linear_reference, int8_linear_reference
+from redline.kernels.linear import (CpuInt4Linear, CpuInt8Linear, CpuLinear, int4_linear_reference,
+                                    int8_linear_reference)
 from redline.model import ModelArgs, Transformer
 from redline.quantize import Int4Linear, Int8Linear, dequantize_int4, quantize_, quantize_int4, quantize_int8
 
-# Rows of x: the GEMV (1 .. GEMV_ROWS) and the matrix product just above it.
-ROWS = [1, 3, cpu_linear.GEMV_ROWS, cpu_linear.GEMV_ROWS + 1]
+# Rows of x: one (decode), a partial and a full block of 4, and blocks plus a remainder (prefill).
+ROWS = [1, 3, 4, 9, 37]
 # The accuracy bounds of test_quantize.py (int8 per layer) and test_quantize_int4.py (int4 per group size).
 MAX_LAYER_REL_ERROR = 0.01
 INT4_BOUNDS = {32: 0.085, 64: 0.095, 128: 0.105, 256: 0.115}
@@ -90,7 +95,7 @@ def test_cpu_paths_within_the_quantization_bounds():
 def test_use_cpu_kernels_swaps_quantized_linears_and_keeps_the_model(mode):
     torch.manual_seed(0)
     reference = quantize_(Transformer(ModelArgs.from_name("debug-tiny")).eval(), mode, 32 if mode == "int4" else None)
-    kind, plain = (KernelInt8Linear, Int8Linear) if mode == "int8" else (KernelInt4Linear, Int4Linear)
+    kind, plain = (CpuInt8Linear, Int8Linear) if mode == "int8" else (CpuInt4Linear, Int4Linear)
     model = copy.deepcopy(reference)
     weights = [m.weight for m in model.modules() if isinstance(m, plain)]
     use_cpu_kernels(use_cpu_kernels(model))  # twice: the second call changes nothing
@@ -116,30 +121,31 @@ def test_llm_on_the_cpu_runs_the_kernels_with_the_references_tokens(tiny_llm_che
 
     path = tiny_llm_checkpoint[0]
     llm = LLM.load(path, device="cpu", quantize="int4-g32", compile=False)
-    assert all(type(m) is KernelInt4Linear for m in llm.model.modules() if isinstance(m, Int4Linear))
+    assert all(type(m) is CpuInt4Linear for m in llm.model.modules() if isinstance(m, Int4Linear))
     got = llm.generate("def f(x):", max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
     reference = LLM.load(path, device="cpu", quantize="int4-g32", compile=False)
     for m in reference.model.modules():  # back to the plain PyTorch modules: the references
-        if type(m) is KernelInt4Linear:
+        if type(m) is CpuInt4Linear:
             m.__class__ = Int4Linear
     want = reference.generate("def f(x):", max_new_tokens=12, temperature=0, ignore_eos=True).token_ids
     assert got == want
 
 
-def test_a_failed_build_is_a_one_line_error(tmp_path, monkeypatch):
+def test_a_failed_build_is_a_one_line_error(tmp_path):
+    """In a child process: a failed build leaves a process whose loaded ops the parent's tests still call."""
+    import subprocess
+    import sys
+
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_linear, "SOURCE", broken)
-    monkeypatch.setattr(cpu_linear, "EXTENSION_NAME", "redline_cpu_gemv_broken_test")
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    cpu_linear.cpu_ops.cache_clear()
-    try:
-        with pytest.raises(RuntimeError, match=r"could not build Redline's CPU int8/int4 kernel .*install a C\+\+ "
-                                               r"compiler") as info:
-            cpu_linear.cpu_ops()
-        assert "\n" not in str(info.value)
-    finally:
-        cpu_linear.cpu_ops.cache_clear()
+    script = (f"from pathlib import Path\nfrom redline.kernels import cpu_linear\n"
+              f"cpu_linear.SOURCE = Path({str(broken)!r})\ncpu_linear.EXTENSION_NAME = 'redline_cpu_gemv_broken_test'\n"
+              f"try:\n    cpu_linear.cpu_ops()\nexcept RuntimeError as exc:\n    print(repr(str(exc)))\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    message = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"could not build Redline's CPU int8/int4 kernel .*install a C\+\+ compiler", message), message
+    assert "\\n" not in message
 
 
 @pytest.mark.real_model
@@ -151,7 +157,7 @@ def test_q4_1_import_greedy_text_equals_its_float32_dequantization(smollm2_check
 
     native = LLM.load(demo_checkpoint(smollm2_checkpoint.parents[1], int4=True), device="cpu")
     float32 = LLM.load(smollm2_checkpoint, device="cpu")
-    assert all(type(m) is KernelInt4Linear for m in native.model.modules() if isinstance(m, Int4Linear))
+    assert all(type(m) is CpuInt4Linear for m in native.model.modules() if isinstance(m, Int4Linear))
     for prompt in ("The capital of France is", "def fibonacci(n):", "Explain gravity to a child."):
         want = float32.generate(prompt, max_new_tokens=48, temperature=0, ignore_eos=True)
         got = native.generate(prompt, max_new_tokens=48, temperature=0, ignore_eos=True)
@@ -202,3 +208,123 @@ def test_a_quantized_models_q8_0_head_reads_its_int8_form():
         torch.testing.assert_close(fast(ids, torch.arange(12)), reference(ids, torch.arange(12)), rtol=1e-4, atol=1e-4)
         want = reference(ids[:, :1], torch.tensor([12]))
         torch.testing.assert_close(fast(ids[:, :1], torch.tensor([12])), want, rtol=1e-4, atol=1e-4)
+
+
+# -- every instruction-set path, forced one at a time --------------------------------------------------------------
+
+
+def simd_paths() -> list:
+    """Every path of cpu_gemv.cpp as a parameter; those this CPU lacks are skipped (the AVX-512 one on an AVX2 CPU)."""
+    cpu_linear.cpu_ops()
+    have = cpu_linear.SIMD_LEVELS.index(cpu_linear.detected_simd())
+    return [pytest.param(name, marks=pytest.mark.skipif(level > have, reason=f"this CPU lacks {name}"))
+            for level, name in enumerate(cpu_linear.SIMD_LEVELS)]
+
+
+@pytest.fixture(params=simd_paths())
+def simd(request):
+    with cpu_linear.forced_simd(request.param):
+        assert cpu_linear.simd() == request.param
+        yield request.param
+    assert cpu_linear.simd() == cpu_linear.detected_simd()  # forcing is undone
+
+
+@pytest.fixture(params=[1, 3])
+def kernel_threads(request):
+    """The kernels on one thread, then on their pool (the caller and 2 helpers), whatever the suite set before."""
+    previous = torch.ops.redline_cpu.set_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.ops.redline_cpu.set_threads(previous)
+
+
+def random_shapes(seed: int, count: int, multiple: int = 1) -> list[tuple[int, int, int]]:
+    """(rows of x, N, K) triples of odd sizes; K a multiple of `multiple`."""
+    g = torch.Generator().manual_seed(seed)
+    return [(int(torch.randint(1, 41, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g)),
+             multiple * int(torch.randint(1, 2048 // multiple, (1,), generator=g))) for _ in range(count)]
+
+
+def test_every_simd_path_matches_the_references(simd, kernel_threads):
+    """int8 (any K), grouped int8 (Q8_0) and int4 (groups of 32..256) and fp32 weights, random odd shapes and row
+    counts, against the fp64 formulas; on one thread and on the pool (blocks claimed by several threads)."""
+    torch.manual_seed(3)
+    for m, n, k in random_shapes(0, 6):
+        x = torch.randn(2, m, k)
+        q, s = quantize_int8(torch.randn(n, k))
+        assert rel_err(torch.ops.redline_cpu.int8_linear(x, q, s), (x.double() @ q.double().T) * s.double()) < 5e-6
+        w = torch.randn(n, k)
+        assert rel_err(torch.ops.redline_cpu.float_linear(x, w), x.double() @ w.double().T) < 5e-6
+    for group in (32, 64, 128, 256):
+        for m, n, k in random_shapes(group, 2, multiple=group):
+            x = torch.randn(m, k)
+            packed, sz = quantize_int4(torch.randn(n, k), group)
+            want = x.double() @ dequantize_int4(packed, sz).double().T
+            assert rel_err(torch.ops.redline_cpu.int4_linear(x, packed, sz), want) < 5e-6, (m, n, k, group)
+    for m, n, k in random_shapes(7, 4, multiple=32):
+        x = torch.randn(m, k)
+        codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scales = (torch.rand(n, k // 32) * 0.01).half()
+        table = (codes.double().view(n, -1, 32) * scales.double().unsqueeze(-1)).view(n, k)
+        assert rel_err(torch.ops.redline_cpu.int8_group_linear(x, codes, scales), x.double() @ table.T) < 5e-6
+
+
+def test_simd_paths_agree_with_each_other():
+    """The same product on every path this CPU has: the same values to fp32 rounding (the sums' order per lane
+    differs with the register width)."""
+    torch.manual_seed(4)
+    x = torch.randn(5, 1024)
+    packed, sz = quantize_int4(torch.randn(300, 1024), 64)
+    have = cpu_linear.SIMD_LEVELS[:cpu_linear.SIMD_LEVELS.index(cpu_linear.detected_simd()) + 1]
+    outs = []
+    for name in have:
+        with cpu_linear.forced_simd(name):
+            outs.append(torch.ops.redline_cpu.int4_linear(x, packed, sz))
+    for out in outs[1:]:
+        assert rel_err(out, outs[0]) < 5e-6
+
+
+def test_forcing_a_missing_or_unknown_simd_path_is_refused():
+    with pytest.raises(ValueError, match="unknown instruction set 'sse9'"):
+        with cpu_linear.forced_simd("sse9"):
+            pass
+    if cpu_linear.detected_simd() != "avx512":
+        with pytest.raises(ValueError, match="this CPU lacks avx512"):
+            with cpu_linear.forced_simd("avx512"):
+                pass
+    assert cpu_linear.simd() == cpu_linear.detected_simd()
+
+
+def test_the_ops_keep_x_dtype_and_leading_shape_and_trace_under_compile():
+    torch.manual_seed(5)
+    packed, sz = quantize_int4(torch.randn(24, 64), 32)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    out = torch.ops.redline_cpu.int4_linear(x, packed, sz)
+    assert out.shape == (2, 3, 24) and out.dtype == torch.bfloat16
+    compiled = torch.compile(lambda t: torch.ops.redline_cpu.int4_linear(t, packed, sz) * 2, fullgraph=True)
+    torch.testing.assert_close(compiled(x.float()), 2 * torch.ops.redline_cpu.int4_linear(x.float(), packed, sz))
+
+
+def test_use_threads_sets_the_kernels_pool_and_one_torch_thread():
+    before = (torch.get_num_threads(), torch.ops.redline_cpu.threads(), torch.ops.redline_cpu.set_threads(0))
+    try:
+        cpu_linear.use_threads(3)
+        assert cpu_linear.kernel_threads() == 3 and torch.get_num_threads() == 1
+    finally:
+        torch.ops.redline_cpu.set_threads(before[2])
+        torch.set_num_threads(before[0])
+
+
+def test_a_float_models_linears_run_the_cpu_kernel():
+    torch.manual_seed(6)
+    model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
+    reference = copy.deepcopy(model)
+    use_cpu_kernels(model)
+    assert any(type(m) is CpuLinear for m in model.modules())
+    ids = torch.randint(0, model.args.vocab_size, (1, 10))
+    with torch.no_grad():
+        for m in (reference, model):
+            m.setup_caches(1, 32)
+        torch.testing.assert_close(model(ids, torch.arange(10)), reference(ids, torch.arange(10)), rtol=1e-4,
+                                   atol=1e-4)

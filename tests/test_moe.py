@@ -401,13 +401,13 @@ def test_model_args_check_the_expert_fields():
 def test_int8_in_memory_runs_generate_and_the_engine(moe_checkpoint):
     """quantize_(model, "int8") (what LLM.load(quantize="int8") does) and an LLM on the CPU (its int8 linears on the
     CPU kernels, the experts in PyTorch): the batching engine gives each prompt the tokens generate gives it alone."""
-    from redline.kernels import KernelInt8Linear
+    from redline.kernels.linear import CpuInt8Linear
     from redline.quantize import Int8MoEFeedForward, quantize_
 
     variant, _, _, path = moe_checkpoint
     llm = LLM(quantize_(load_fp32(path), "int8"), None, torch.device("cpu"), compile=False)
     modules = list(llm.runner.model.modules())
-    assert any(isinstance(m, Int8MoEFeedForward) for m in modules) and any(type(m) is KernelInt8Linear for m in modules)
+    assert any(isinstance(m, Int8MoEFeedForward) for m in modules) and any(type(m) is CpuInt8Linear for m in modules)
     prompts = [[5, 17, 99], list(range(40, 70))]
     alone = [llm.generate(p, max_new_tokens=6, ignore_eos=True).token_ids for p in prompts]
     assert [r.token_ids for r in llm.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)] == alone, variant

@@ -13,9 +13,13 @@ from redline.options import EngineConfig, GenerationStats, physical_cores
 
 @pytest.fixture
 def restore_threads():
-    before = torch.get_num_threads()
+    from redline.kernels.cpu_linear import cpu_ops
+
+    cpu_ops()
+    before = torch.get_num_threads(), torch.ops.redline_cpu.threads()
     yield
-    torch.set_num_threads(before)
+    torch.set_num_threads(before[0])
+    torch.ops.redline_cpu.set_threads(before[1])
 
 
 def test_physical_cores_counts_usable_cores():
@@ -45,12 +49,12 @@ def test_summary_names_the_threads():
 def test_llm_load_sets_and_reports_the_threads(tiny_llm_checkpoint, restore_threads):
     from redline.generate import LLM
 
-    llm = LLM.load(tiny_llm_checkpoint[0], device="cpu", threads=1)
-    assert torch.get_num_threads() == 1
+    llm = LLM.load(tiny_llm_checkpoint[0], device="cpu", threads=3)
+    assert torch.ops.redline_cpu.threads() == 3 and torch.get_num_threads() == 1  # the kernels' pool; torch's ops 1
     result = llm.generate("abc", max_new_tokens=3, temperature=0, ignore_eos=True)
-    assert result.stats.threads == 1 and re.search(r", 1 thread\b(?!s)", result.stats.summary())
+    assert result.stats.threads == 3 and ", 3 threads" in result.stats.summary()
     LLM.load(tiny_llm_checkpoint[0], device="cpu")  # the default: the physical cores
-    assert torch.get_num_threads() == physical_cores()
+    assert torch.ops.redline_cpu.threads() == physical_cores()
 
 
 def test_cli_threads_flag(tiny_llm_checkpoint, restore_threads, capsys):

@@ -368,6 +368,25 @@ def test_cli_errors_are_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_threads_flag_reaches_the_cores_model_source():
+    from redline.runner.load import load_runner
+    from redline.serve import parse_args
+
+    settings = parse_args(["--random-weights", "debug-tiny", "--device", "cpu", "--dtype", "float32", "--threads", "3"])
+    source = settings.model_source(None)
+    assert source.threads == 3 and parse_args(["--random-weights", "debug-tiny"]).model_source(None).threads is None
+    from redline.kernels.cpu_linear import cpu_ops
+
+    cpu_ops()
+    before = torch.get_num_threads(), torch.ops.redline_cpu.threads()
+    try:
+        load_runner(source, lambda message: None)
+        assert torch.ops.redline_cpu.threads() == 3 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before[0])
+        torch.ops.redline_cpu.set_threads(before[1])
+
+
 def test_prefill_graphs_flag_reaches_the_engine():
     from redline.serve import parse_args
 

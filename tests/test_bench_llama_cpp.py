@@ -1,0 +1,44 @@
+"""Tests for benchmarks/bench_llama_cpp.py: its arguments, its table (ratios to llama.cpp, load averages, the busy
+share) and its one-line error without llama-cpp-python."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from redline.benchmarks import bench_llama_cpp as bench
+
+
+def run_of(decode: float, prefill: float, loads: list[float]) -> dict:
+    return {"decode_tok_s": decode, "prefill_tok_s": prefill, "load_avg": loads, "all": []}
+
+
+def test_table_gives_ratios_to_llama_cpp_load_averages_and_the_busy_share():
+    result = {"gguf": "/x/model.Q4_1.gguf", "cpu": "Some CPU", "instruction_sets": ["avx2", "fma", "f16c"],
+              "threads": 2, "new_tokens": 128, "rounds": 3,
+              "idle": {"llama.cpp": run_of(100.0, 200.0, [0.5, 0.6, 0.7]),
+                       "redline q4_1": run_of(90.0, 120.0, [0.7, 0.8, 0.9])},
+              "busy": {"llama.cpp": run_of(50.0, 100.0, [1.5]), "redline q4_1": run_of(60.0, 90.0, [1.6])}}
+    text = bench.table(result)
+    assert "model.Q4_1.gguf on Some CPU (avx2, fma, f16c), 2 threads" in text
+    assert "| redline q4_1 | 90.0 | 0.90x | 120.0 | 0.60x | 0.7, 0.8, 0.9 | 60.0 (67%) |" in text
+    assert "| llama.cpp | 100.0 | 1.00x | 200.0 | 1.00x | 0.5, 0.6, 0.7 | 50.0 (50%) |" in text
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--tokens", "1"], ["--busy", "-1"], ["--threads", "0"],
+                                  ["--gguf", "/no/such/file.gguf"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.parse_args(argv)
+    assert info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith("usage") is False
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed")
+def test_without_llama_cpp_python_the_error_says_how_to_install_it(tmp_path):
+    with pytest.raises(RuntimeError, match=r"llama-cpp-python is not installed; pip install 'redline\[llamacpp\]'"):
+        bench.llama_cpp_runner(tmp_path / "m.gguf", 2, 4)
+
+
+def test_cpu_instruction_sets_are_named_from_the_cpus_flags():
+    sets = bench.cpu_instruction_sets()
+    assert all(s in bench.ISA_FLAGS for s in sets)
