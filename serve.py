@@ -73,6 +73,8 @@ class ServeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace_s: float = 30.0  # on SIGTERM, running requests get this long to finish
     compile_cache: Path | None = DEFAULT_COMPILE_CACHE  # torch.compile's on-disk caches; None: torch's defaults
+    gateway_metrics: bool = False  # /metrics also under vLLM's names, for Kubernetes inference gateways
+    tensor_parallel: int = 1  # GPUs of this host the model is split over (the engine core starts one rank on each)
 
     def __post_init__(self) -> None:
         if (self.checkpoint_path is None) == (self.random_weights is None):
@@ -83,6 +85,8 @@ class ServeSettings:
             raise ValueError("--api-key is empty; give a key or leave it out")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"--tensor-parallel must be positive, got {self.tensor_parallel}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
@@ -103,7 +107,8 @@ class ServeSettings:
 
     def model_source(self, tokenizer_vocab: int | None) -> ModelSource:
         return ModelSource(str(self.checkpoint_path) if self.checkpoint_path is not None else None,
-                           self.random_weights, self.device, self.dtype, self.quantize, self.compile, tokenizer_vocab)
+                           self.random_weights, self.device, self.dtype, self.quantize, self.compile, tokenizer_vocab,
+                           self.tensor_parallel)
 
 
 @dataclass
@@ -591,7 +596,8 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
     async def metrics() -> Response:
         live = state.engine is not None and state.error is None
         stats = await asyncio.to_thread(state.engine.stats) if live else None
-        return PlainTextResponse(state.metrics.render(stats, live),
+        gateway_model = state.settings.model_name if state.settings.gateway_metrics else None
+        return PlainTextResponse(state.metrics.render(stats, live, gateway_model),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")
@@ -747,6 +753,12 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
     p.add_argument("--shutdown-grace", type=float, default=30.0, dest="shutdown_grace_s",
                    help="seconds running requests get to finish after SIGTERM")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs of this host: the engine core runs as rank 0 of N ranks, "
+                        "schedules, and every rank runs each step on its share of the heads")
+    p.add_argument("--gateway-metrics", action="store_true",
+                   help="/metrics also under vLLM's names (vllm:num_requests_waiting, vllm:num_requests_running, "
+                        "vllm:kv_cache_usage_perc), which Kubernetes inference gateways route on")
     ns = p.parse_args(argv)
     if ns.checkpoint_path is not None and not ns.checkpoint_path.exists():
         raise FileNotFoundError(f"{ns.checkpoint_path} does not exist; pass a Redline checkpoint (make demo-model "

@@ -71,3 +71,23 @@ def test_a_mixture_of_experts_runs_the_fixed_workload(tmp_path, capsys):
                                "3", "--max-kv-tokens", "1024", "--json", str(path)])
     assert code == 0 and "debug-tiny-moe fixed: 3 requests, 384 output tokens" in capsys.readouterr().out
     assert json.loads(path.read_text())["redline"]["output_tokens"] == 384
+
+
+def test_fixed_workload_under_torchrun_runs_on_two_ranks(tmp_path):
+    """Tensor parallel: rank 0's engine runs the workload on its slices while rank 1 follows every step; one
+    report, from rank 0."""
+    from pathlib import Path
+
+    from tests.test_tensor_parallel import torchrun
+
+    path = tmp_path / "serving.json"
+    script = Path(bench_serving.__file__).resolve()
+    proc = torchrun([str(script), "--model", "debug-tiny", "--device", "cpu", "--dtype", "float32",
+                     "--num-requests", "4", "--max-kv-tokens", "512", "--json", str(path)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("debug-tiny fixed: 4 requests, 512 output tokens") == 1
+    report = json.loads(path.read_text())
+    assert report["tp"] == 2 and report["env"]["command"].startswith("torchrun --nproc_per_node 2 ")
+    assert report["redline"]["output_tokens"] == 512
+    refused = torchrun([str(script), "--model", "debug-tiny", "--device", "cpu", "--workload", "single"])
+    assert refused.returncode != 0 and refused.stderr.count("error: --compare hf and --workload single") == 1
