@@ -370,7 +370,7 @@ def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
     assert bench.main(["--model", "debug-tiny", "--quant", "int8", "--new-tokens", "4", "--runs", "1",
                        "--device", "cpu", "--json", str(single)]) == 0
     merged = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--merge", f"{single},{out}"],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                            cwd=ROOT, env=launch_env(), capture_output=True, text=True,
                             timeout=LAUNCH_TIMEOUT_S)
     assert merged.returncode == 0, merged.stderr[-4000:]
     assert "Tensor parallel against one GPU" in merged.stdout
