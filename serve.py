@@ -86,6 +86,8 @@ class ServeSettings:
     allowed_hosts: tuple[str, ...] = ()
     tool_parser: str | None = None  # the tool-call format replies are parsed in; None: from the chat template
     reasoning_parser: str = "auto"  # "auto": <think> blocks split off when the chat template writes them
+    gateway_metrics: bool = False  # /metrics also under vLLM's names, for Kubernetes inference gateways
+    tensor_parallel: int = 1  # GPUs of this host the model is split over (the engine core starts one rank on each)
 
     def __post_init__(self) -> None:
         if (self.checkpoint_path is None) == (self.random_weights is None):
@@ -99,6 +101,8 @@ class ServeSettings:
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts or ()))
         if not all(isinstance(h, str) and h and "/" not in h and " " not in h for h in self.allowed_hosts):
             raise ValueError(f"--allowed-host takes host names (example.com, 10.0.0.5, *), got {self.allowed_hosts}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"--tensor-parallel must be positive, got {self.tensor_parallel}")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
@@ -128,7 +132,7 @@ class ServeSettings:
     def model_source(self, tokenizer_vocab: int | None) -> ModelSource:
         return ModelSource(str(self.checkpoint_path) if self.checkpoint_path is not None else None,
                            self.random_weights, self.device, self.dtype, self.quantize, self.compile, tokenizer_vocab,
-                           self.tokenizer_path(), self.threads)
+                           self.tokenizer_path(), self.threads, self.tensor_parallel)
 
     def tokenizer_path(self) -> str | None:
         """Where the engine core loads the tokenizer its grammars are compiled for."""
@@ -805,7 +809,8 @@ def create_app(engine: Any, prompts: Any, settings: ServeSettings,
     async def metrics() -> Response:
         live = state.engine is not None and state.error is None
         stats = await asyncio.to_thread(state.engine.stats) if live else None
-        return PlainTextResponse(state.metrics.render(stats, live),
+        gateway_model = state.settings.model_name if state.settings.gateway_metrics else None
+        return PlainTextResponse(state.metrics.render(stats, live, gateway_model),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")
@@ -986,6 +991,12 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
                    help="the tool-call format replies are parsed in (default: the one the chat template writes)")
     p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                    help="split <think> reasoning from the answer: auto (when the chat template thinks), think, none")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N GPUs of this host: the engine core runs as rank 0 of N ranks, "
+                        "schedules, and every rank runs each step on its share of the heads")
+    p.add_argument("--gateway-metrics", action="store_true",
+                   help="/metrics also under vLLM's names (vllm:num_requests_waiting, vllm:num_requests_running, "
+                        "vllm:kv_cache_usage_perc), which Kubernetes inference gateways route on")
     ns = p.parse_args(argv)
     if ns.api_key is None:
         ns.api_key = os.environ.get("REDLINE_API_KEY")

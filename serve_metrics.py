@@ -55,6 +55,27 @@ ENGINE_METRICS = (
 )
 
 
+# The names vLLM gives the gauges that Kubernetes inference gateways route on (the Gateway API Inference Extension's
+# endpoint picker, llm-d): (name, help, the value from EngineStats). Both KV names: newer pickers read
+# kv_cache_usage_perc, older ones gpu_cache_usage_perc; each is a fraction (1 = full) despite "perc".
+GATEWAY_METRICS = (
+    ("vllm:num_requests_waiting", "Requests waiting for the engine.", lambda stats: stats.waiting),
+    ("vllm:num_requests_running", "Requests the engine is running.", lambda stats: stats.running),
+    ("vllm:kv_cache_usage_perc", "KV cache usage; 1 means full.", lambda stats: kv_usage(stats)),
+    ("vllm:gpu_cache_usage_perc", "KV cache usage; 1 means full.", lambda stats: kv_usage(stats)),
+)
+
+
+def kv_usage(stats: Any) -> float:
+    """The share of the KV page pool in use, 0 to 1."""
+    return stats.kv_pages_used / stats.kv_pages_total if stats.kv_pages_total else 0.0
+
+
+def label_value(text: str) -> str:
+    """text as a Prometheus label value (backslash, quote and newline escaped)."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class Metrics:
     """Thread-safe: the event loop records, a scrape renders."""
 
@@ -81,9 +102,14 @@ class Metrics:
         with self._lock:
             self.aborted += 1
 
-    def render(self, stats: Any | None, loaded: bool) -> str:
+    def render(self, stats: Any | None, loaded: bool, gateway_model: str | None = None) -> str:
+        """The page; with gateway_model (the served model's name), also GATEWAY_METRICS labelled with it."""
         lines = [*header("redline_model_loaded", "gauge", "1 once the model is loaded and serving."),
                  f"redline_model_loaded {int(loaded)}"]
+        if stats is not None and gateway_model is not None:
+            label = f'{{model_name="{label_value(gateway_model)}"}}'
+            for name, help_text, value in GATEWAY_METRICS:
+                lines += [*header(name, "gauge", help_text), f"{name}{label} {value(stats)!r}"]
         if stats is not None:
             for name, kind, help_text, field in ENGINE_METRICS:
                 lines += [*header(name, kind, help_text), f"{name} {getattr(stats, field)}"]

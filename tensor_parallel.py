@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -138,6 +139,36 @@ def start(requested_device: str | None = None) -> TPWorld | None:
         raise ValueError(f"the process group has rank {dist.get_rank()} of {dist.get_world_size()}, but torchrun "
                          f"says {rank} of {world_size}; initialize it from torchrun's environment")
     return TPWorld(rank, world_size, device, dist.group.WORLD.group_name, mode)
+
+
+def child_import_path() -> str:
+    """PYTHONPATH for a child process (a rank this process launches) that imports `redline` from where this process
+    does: the folder that holds this process's `redline` when it is found on the path (a checkout run without an
+    install, linked under that name), then this process's own PYTHONPATH."""
+    import redline
+
+    package = Path(redline.__file__).parent  # not resolved: a linked package's folder is the link
+    holder = package.parent
+    paths = [str(holder)] if (holder / "redline").resolve() == package.resolve() else []
+    paths += os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    return os.pathsep.join(dict.fromkeys(p for p in paths if p))
+
+
+# The variables torchrun gives each rank, which start() reads.
+RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def rank_environments(world_size: int) -> list[dict[str, str]]:
+    """The environment of each of world_size ranks on this host, as torchrun sets them (a free port on 127.0.0.1
+    to meet at), with this process's import path."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": child_import_path(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
+    return [{**env, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(world_size)]
 
 
 def check_all_reduce(mode: str, device: torch.device, world_size: int, what: str, fix: str) -> None:
@@ -445,6 +476,70 @@ def report_error(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
     else:
         time.sleep(ERROR_GRACE_S)
+
+
+# msgpack extension code of a tensor inside a StepChannel message.
+TENSOR_EXT = 1
+
+
+def _encode_tensor(value: Any) -> Any:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"a step message cannot carry {type(value).__name__}")
+    host = value.detach().contiguous().cpu()
+    raw = host.view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    return msgspec.msgpack.Ext(TENSOR_EXT, msgspec.msgpack.encode([str(host.dtype).removeprefix("torch."),
+                                                                   list(host.shape), raw]))
+
+
+def _decode_tensor(code: int, data: memoryview) -> Any:
+    if code != TENSOR_EXT:
+        raise ValueError(f"unknown extension {code} in a step message")
+    dtype, shape, raw = msgspec.msgpack.decode(data)
+    kind = getattr(torch, dtype)
+    if not raw:
+        return torch.empty(shape, dtype=kind)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(kind).reshape(shape)
+
+
+class StepChannel:
+    """Rank 0 tells every other rank what to run next, in order: a kind and its fields (numbers, strings, lists,
+    dicts and tensors; msgpack through msgspec, tensors as raw bytes that arrive on the CPU), broadcast over a gloo
+    group, the CPU side of the world whatever backend its devices use. Constructing one is collective."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self.rank = dist.get_rank(self.group)
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_tensor)
+        self._decoder = msgspec.msgpack.Decoder(ext_hook=_decode_tensor)
+
+    def send(self, kind: str, **fields: Any) -> None:
+        """Rank 0: broadcast one message."""
+        payload = self._encoder.encode([kind, fields])
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
+
+    def receive(self) -> tuple[str, dict[str, Any]]:
+        """Any other rank: the next message rank 0 sent (blocks until it comes)."""
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.group)
+        kind, fields = self._decoder.decode(payload.numpy().tobytes())
+        return kind, fields
+
+
+def engine_channel(model: nn.Module) -> StepChannel | None:
+    """The channel a batching engine over this rank's model drives the other ranks with (collective: every rank
+    makes its engine); None when the model runs on one process."""
+    return StepChannel() if parallel_layer(model) is not None else None
+
+
+def agreed_pages(channel: StepChannel, pages: int) -> int:
+    """The fewest KV pages any rank has room for: every rank's pool then holds the same page ids."""
+    least = torch.tensor([pages], dtype=torch.int64)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=channel.group)
+    return int(least.item())
 
 
 class NullWriter:

@@ -57,7 +57,8 @@ from redline.benchmarks.bench_hf import HFRecord, attach_ratios, bench_hf
 from redline.benchmarks.bench_redline import RedlineRecord, bench_redline, median
 from redline.benchmarks.bench_report import NOTES, format_report, merge_reports, write_json, write_plot
 from redline.benchmarks.bench_speculative import bench_speculative, format_speculative
-from redline.benchmarks.bench_config import BenchConfig, parse_args  # noqa: F401 (bench.parse_args is the CLI's)
+from redline.benchmarks.bench_config import (BenchConfig, parse_args,  # noqa: F401 (bench.parse_args is the CLI's)
+                                             start_ranks)
 
 
 def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None,
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = parse_args(argv)
         if cfg.ttft_probe:
             return run_ttft_probe(cfg)
-        world = tensor_parallel.start(cfg.device) if cfg.tp > 1 else None
+        cfg, world = start_ranks(cfg)
         main_rank = tensor_parallel.is_main_process()
         json_path = cfg.json_path if main_rank else None
         save = (lambda partial: write_json(partial, json_path)) if json_path is not None else None

@@ -3,6 +3,7 @@ time one part take the settings without importing the runner (benchmarks/bench.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,6 +181,15 @@ class BenchConfig:
         return max(1, min(HF_SHORT_TOKENS, self.new_tokens // 2))
 
 
+def start_ranks(cfg: BenchConfig) -> tuple[BenchConfig, tensor_parallel.TPWorld | None]:
+    """For --tp N, join the torchrun launch (tensor_parallel.start resolves --device to this rank's cuda:LOCAL_RANK)
+    and return the settings this rank measures with, its own device in place of --device, and its world."""
+    if cfg.tp == 1:
+        return cfg, None
+    world = tensor_parallel.start(cfg.device)
+    return dataclasses.replace(cfg, device=str(world.device)), world
+
+
 def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -226,10 +236,9 @@ def parse_args(argv: Sequence[str]) -> BenchConfig:
     p.add_argument("--ttft-probe", action="store_true", help="internal: child process of --compile-time")
     p.add_argument("--start-time", type=float, default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(list(argv))
+    # Under torchrun this stays "cuda" (or "cpu"): tensor_parallel.start picks each rank's GPU, cuda:LOCAL_RANK, and
+    # start_ranks puts the device it chose in the rank's config; resolving it twice would refuse its own cuda:N.
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ranks = tensor_parallel.env_ranks()
-    if ranks is not None:  # each rank its own GPU
-        device = str(tensor_parallel.rank_device(device, ranks[2]))
     return BenchConfig(
         models=_split(ns.model), quants=_split(ns.quant), group_size=ns.groupsize, batch_sizes=_positive_ints(ns.batch_size, "--batch-size"),
         prompt_lengths=_positive_ints(ns.prompt_lengths, "--prompt-lengths"), new_tokens=ns.new_tokens,

@@ -127,15 +127,21 @@ def all_reduce_table(records: list[dict[str, Any]]) -> list[str]:
         trace = a.get("trace") or {}
         in_trace = "–" if trace.get("us_per_token") is None else \
             f"{trace['us_per_token']:.0f} ({trace['exclusive_us_per_token']:.0f})"
+        # The all-reduce's share of a decode step: the time its kernels add to the traced timeline where there is a
+        # trace, else the graph of just the all-reduces of the mode the model ran.
+        added = trace.get("exclusive_us_per_token")
+        added = added if added is not None else us.get(r.get("all_reduce_mode") or "nccl")
+        share = 100 * added / step_us if added is not None and step_us else None
         rows.append([_model_label(r), _quant_label(r), str(r["batch_size"]), r.get("all_reduce_mode") or "–",
                      str(a["all_reduces_per_token"]), str(a["bytes_each"]), fmt(us.get("nccl"), ".0f"),
-                     fmt(us.get("oneshot"), ".0f"), in_trace, fmt(step_us, ".0f"),
+                     fmt(us.get("oneshot"), ".0f"), in_trace, fmt(step_us, ".0f"), fmt(share, ".1f"),
                      "; ".join(f"{k}: {v}" for k, v in a["errors"].items())])
     lines = ["", "Tensor parallel: all-reduce time per decode token (a CUDA graph of just that token's all-reduces, "
              "mean of its replays; with --profile also the all-reduce kernels in rank 0's trace of the model's own "
              "decode, summed duration (time added to the GPU timeline))", ""]
     return lines + _table(["model", "quant", "batch", "model ran", "all-reduces", "bytes each", "NCCL µs/token",
-                           "one-shot µs/token", "in the trace µs/token", "decode µs/token", "errors"], rows)
+                           "one-shot µs/token", "in the trace µs/token", "decode µs/token",
+                           "all-reduce % of a step", "errors"], rows)
 
 
 def _quant_label(record: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@
     python benchmarks/bench_serving.py --model Llama-3-8B --workload mixed [--compare hf --hf-requests 64]
     python benchmarks/bench_serving.py --model debug-tiny --device cpu --dtype float32 --num-requests 16
     python benchmarks/bench_serving.py --model Llama-3-8B --workload fixed --quant fp8
+    torchrun --nproc_per_node 2 benchmarks/bench_serving.py --model Llama-3.1-70B --workload fixed  # tensor parallel
 
 Workloads (EOS ignored, so every request makes exactly its output length):
 - fixed: N requests of 128 prompt tokens and 128 output tokens each;
@@ -22,7 +23,9 @@ peak instead (torch._scaled_mm with row-wise scales, about twice bf16's on Hoppe
 attention reads and writes; its FLOPs: 2 x block matmul params x tokens, 2 x head params x logits rows, and
 attention (4 x n_layer x n_head x head_dim x visible keys per query). --compare hf times transformers'
 continuous batching (generate_batch's manager, per-request max_new_tokens) on the first --hf-requests requests,
-and Redline on the same subset in the same process.
+and Redline on the same subset in the same process. Under torchrun (tensor parallel) each rank builds random weights
+in its slice shapes, rank 0's engine runs the workload and the other ranks follow its steps; the roofline is one
+GPU's (every rank reads its slices in parallel; the all-reduces count as time off it).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from typing import Any
 
 import torch
 
+from redline import tensor_parallel
 from redline.benchmarks.bench_env import environment
 from redline.benchmarks.bench_model import QUANT_CHOICES, build_random_model, param_counts
 from redline.checkpoint import dtype_from_name, write_atomically
@@ -338,18 +342,37 @@ def run_prefix(engine: Engine, vocab: int, context: int, seed: int) -> dict[str,
             "ratio": second_s / first_s, "second_turn_cached_tokens": [p[2] for p in pairs]}
 
 
-def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
-    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def random_llm(ns: argparse.Namespace, world: tensor_parallel.TPWorld | None) -> LLM:
+    """The random-weight model of --model, or under torchrun this rank's slices of it (each rank's own random
+    weights in its slice shapes), as an LLM."""
+    device = torch.device(ns.device or ("cuda" if torch.cuda.is_available() else "cpu")) if world is None \
+        else world.device
     dtype = dtype_from_name(ns.dtype)
     args = ModelArgs.from_name(ns.model)
-    model = build_random_model(args, device, dtype, ns.quant, seed=ns.seed)
-    llm = LLM(model, None, device, compile=ns.compile if ns.compile is not None else device.type == "cuda",
-              kernels=ns.kernels)
+    if world is None:
+        model = build_random_model(args, device, dtype, ns.quant, seed=ns.seed)
+    else:
+        from redline.benchmarks.bench_tp import build_random_tp_model
+
+        model = build_random_tp_model(args, world, dtype, ns.quant, seed=ns.seed)
+    return LLM(model, None, device, compile=ns.compile if ns.compile is not None else device.type == "cuda",
+               kernels=ns.kernels)
+
+
+def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWorld | None = None) -> dict[str, Any]:
+    """The workload on rank 0 (or one process); under torchrun every other rank follows rank 0's engine steps and
+    returns an empty report."""
+    llm = random_llm(ns, world)
+    model, device, args = llm.model, llm.device, llm.model.args  # a rank's args: its share of heads and features
+    dtype = dtype_from_name(ns.dtype)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
                          prefill_chunk=ns.prefill_chunk, compile_prefill=ns.compile_prefill,
                          prefill_graphs=ns.prefill_graphs)
+    if world is not None and world.rank != 0:
+        engine.follow()
+        return {}
     engine.log = StepLog()
-    if device.type == "cuda":
+    if device.type == "cuda":  # with tensor parallel, one GPU's roofline: each reads its slices in parallel
         from redline.profiling import read_bandwidth_gb_s
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
@@ -357,8 +380,10 @@ def run(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         engine.costs = StepCosts(args, llm.bytes_per_token, model.cache_dtype.itemsize, bandwidth,
                                  peak, sum(b for _, b in expert_bytes(model)))
     report: dict[str, Any] = {"env": environment(device, argv), "model": ns.model, "workload": ns.workload,
-                              "settings": {k: v for k, v in vars(ns).items() if k != "json"}}
-    report["env"]["command"] = "python benchmarks/bench_serving.py " + " ".join(argv)
+                              "settings": {k: v for k, v in vars(ns).items() if k != "json"},
+                              "tp": world.world_size if world is not None else 1}
+    launcher = "python" if world is None else f"torchrun --nproc_per_node {world.world_size}"
+    report["env"]["command"] = f"{launcher} benchmarks/bench_serving.py " + " ".join(argv)
     if ns.workload == "single":
         report["single"] = run_single(llm, engine, args.vocab_size, ns.seed)
         engine.shutdown()
@@ -435,10 +460,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ns = parse_args(argv)
-        report = run(ns, argv)
+        world = tensor_parallel.start(ns.device)  # None unless torchrun launched several ranks
+        if world is not None and (ns.compare is not None or ns.workload == "single"):
+            raise ValueError("--compare hf and --workload single run a model outside the engine, on one GPU; drop "
+                             "them under torchrun")
+        report = run(ns, argv, world)
     except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        tensor_parallel.report_error(f"error: {exc}")
         return 2
+    finally:
+        tensor_parallel.stop()
+    if not report:  # a rank other than 0: rank 0 reports
+        return 0
     print(format_report(report))
     if ns.json is not None:
         write_atomically(ns.json, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2)))

@@ -20,6 +20,10 @@
 #   bash benchmarks/gpu_run.sh vision     # the image tests, then time to first token of one 896 x 896 image on random
 #                                         # Gemma-3-12B and Qwen2.5-VL-7B weights (preprocess, encoder, prefill apart)
 #   bash benchmarks/gpu_run.sh serve-json # 64 streams of 512/256 without, then with, a JSON schema on every request
+#   bash benchmarks/gpu_run.sh tp         # 2 GPUs: Llama-2-70B bf16 and int8 batch-1 decode at TP2, Llama-3-8B at TP2
+#                                         # against one GPU, the all-reduce's share of a step, then the 2-GPU tests
+#   bash benchmarks/gpu_run.sh tp-serving # 2 GPUs: the engine at TP2 on Llama-3.1-70B bf16, fixed 1,024 x 128/128
+#   bash benchmarks/gpu_run.sh tp-serve   # 2 GPUs: serve.py --tensor-parallel 2 on it under bench_serve.py, 256 x 128/128
 #
 # SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
 # SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
@@ -27,7 +31,7 @@
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|serve-json|frontdoor|frontdoor-pair|frontdoor-offline|hf-int4|vision}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|serve-json|frontdoor|frontdoor-pair|frontdoor-offline|hf-int4|vision|tp|tp-serving|tp-serve}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
@@ -197,9 +201,58 @@ vision)
     run vision-ttft python3 benchmarks/bench_vision.py --model Gemma-3-12B --model Qwen2.5-VL-7B --image-size 896 \
         --repeats 10 --json "$RESULTS/vision-ttft.json"
     ;;
+tp)
+    # NVLink multicast stays off: NCCL's NVLS and symmetric memory's multicast objects are never used.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    [ "$gpus" -ge 2 ] || { echo "the tp part needs 2 GPUs; this machine has $gpus" >&2; exit 2; }
+    export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}
+    # torch's launcher as a module (no torchrun script needed on the path); it passes PYTHONPATH on to the ranks.
+    launch="python3 -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29517"
+    budget() {  # seconds left of one 10-minute call (at least 1: `timeout 0` would mean no limit)
+        local left=$(( ${TP_SECONDS:-570} - SECONDS ))
+        echo $(( left > 1 ? left : 1 ))
+    }
+    decode="--runs 3 --new-tokens 128"
+    # The all-reduce timings (NCCL and one-shot) come with each model whichever all-reduce it runs; --profile adds
+    # the all-reduce kernels' time in rank 0's trace of the model's own decode (the share of a step).
+    run tp-70b timeout "$(budget)" $launch benchmarks/bench.py --tp 2 --model Llama-2-70B --quant none,int8 \
+        --all-reduce oneshot $decode --profile "$RESULTS/tp-traces" --profile-steps 8 --json "$RESULTS/tp-70b.json"
+    run tp-8b timeout "$(budget)" $launch benchmarks/bench.py --tp 2 --model Llama-3-8B --quant none \
+        --all-reduce nccl,oneshot $decode --profile "$RESULTS/tp-traces" --profile-steps 8 --json "$RESULTS/tp-8b.json"
+    run tp-8b-one-gpu timeout "$(budget)" python3 benchmarks/bench.py --model Llama-3-8B --quant none $decode \
+        --json "$RESULTS/tp-8b-one-gpu.json"
+    run tp-tests timeout "$(budget)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py
+    reports=$(ls "$RESULTS"/tp-8b-one-gpu.json "$RESULTS"/tp-8b.json "$RESULTS"/tp-70b.json 2>/dev/null | paste -sd,)
+    echo "== the tables (Llama-3-8B TP2 against one GPU, 70B at TP2, the all-reduce's share of a step)"
+    [ -n "$reports" ] && python3 benchmarks/bench.py --merge "$reports" | tee "$RESULTS/tp-table.md"
+    ;;
+tp-serving)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run tp-serving-70b python3 -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
+        --master_port 29518 benchmarks/bench_serving.py --model "${TP_MODEL:-Llama-3.1-70B}" --workload fixed \
+        --num-requests 1024 --json "$RESULTS/tp-serving-70b.json"
+    ;;
+tp-serve)
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    port=8322
+    python3 serve.py --random-weights "${TP_MODEL:-Llama-3.1-70B}" --dtype bfloat16 --tensor-parallel 2 \
+        --port $port $extra >"$RESULTS/tp-server.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null' EXIT
+    for _ in $(seq 600); do  # /health answers 200 once every rank loaded, captured its graphs and warmed up
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        kill -0 $server 2>/dev/null || { echo "serve.py exited; see $RESULTS/tp-server.log"; exit 1; }
+        sleep 1
+    done
+    grep "redline" "$RESULTS/tp-server.log" | tail -4
+    run tp-serve-256 python3 benchmarks/bench_serve.py --base-url "http://127.0.0.1:$port" --num-prompts 256 \
+        --input-len 128 --output-len 128 --vocab-size 128256 --json "$RESULTS/tp-serve-256.json"
+    kill -TERM $server && wait $server
+    ;;
 *)
     echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor," \
-        "frontdoor-offline, hf-int4 or vision" >&2
+        "frontdoor-pair, frontdoor-offline, hf-int4, vision, serve-json, tp, tp-serving or tp-serve" >&2
     exit 2
     ;;
 esac

@@ -219,6 +219,11 @@ class Engine(EngineClient):
     def warm_up(self, longest: int | None = None) -> None:
         self.core.warm_up(longest)
 
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0 (under torchrun every rank makes the engine): run rank 0's steps on
+        this rank's heads until rank 0's engine shuts down; rank 0 alone adds requests."""
+        self.core.follow()
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Requests added inside start together, in one step."""

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from redline import tensor_parallel
 from redline.engine.batch import Chunk
 from redline.engine.batch import Sequence as Seq
 from redline.engine.kv_pages import PagePool, pool_pages
@@ -129,12 +130,18 @@ class EngineCore:
         self.block_size, self.vocab_size, self.device = args.block_size, args.vocab_size, runner.device
         num_pages = pool_pages(args, settings.page_size, model.cache_dtype, self.device, settings.max_kv_tokens,
                                settings.max_running)
+        # Tensor parallel: every rank makes this core over its model; rank 0's runs the requests and sends each model
+        # call to the others, which run it on their heads (follow). Each rank's pages hold its share of the KV heads,
+        # and every pool has the same page ids.
+        ranks = tensor_parallel.engine_channel(model)
+        if ranks is not None:
+            num_pages = tensor_parallel.agreed_pages(ranks, num_pages)
         self.pool = PagePool(num_pages, settings.page_size)
         self.scheduler = Scheduler(self.pool, settings.max_running, settings.prefill_chunk)
         compile_prefill = compile_prefill_default(runner, settings.compile_prefill)
         scratch = self.pool.reserve() if runner.compile or compile_prefill else None
         self.paged = PagedModel(runner, num_pages, settings.page_size, scratch, compile_prefill,
-                                settings.prefill_graphs, settings.max_running, settings.capture_tokens)
+                                settings.prefill_graphs, settings.max_running, settings.capture_tokens, ranks)
         self._flight: Flight | None = None  # the decode step on the device, not read yet
         self.steps_followed = 0  # decode steps launched before the step before them was read
         # Called as each step's tokens reach the host, with its chunks and its seconds (from the later of its
@@ -223,6 +230,10 @@ class EngineCore:
     def add(self, request: CoreRequest) -> None:
         """Queue a request (checked by the front end against `limits`; a request that is not right ends at once
         with an error output instead)."""
+        ranks = self.paged.ranks
+        if ranks is not None and ranks.rank != 0:
+            raise RuntimeError(f"rank {ranks.rank} of a tensor-parallel engine runs rank 0's steps: call follow() "
+                               f"there, and add requests on rank 0")
         error = self._refusal(request)
         if error is not None:
             self.sink([CoreOutput(request.request_id, [], finish_reason="error", error=error,
@@ -302,13 +313,18 @@ class EngineCore:
             self._closing = True
             thread = self._thread
             self._lock.notify_all()
-        if thread is None:
-            return
-        thread.join(timeout)
-        with self._lock:
-            self._stop = True
-            self._lock.notify_all()
-        thread.join()
+        if thread is not None:
+            thread.join(timeout)
+            with self._lock:
+                self._stop = True
+                self._lock.notify_all()
+            thread.join()
+        self.paged.release()  # tensor parallel: the other ranks' follow() returns
+
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: run rank 0's steps on this rank's part of the model until rank 0's
+        core shuts down (runner.paged.PagedModel.follow)."""
+        self.paged.follow()
 
     # -- the engine thread ---------------------------------------------------------------------------------------------
 

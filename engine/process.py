@@ -50,6 +50,7 @@ class ModelSource(msgspec.Struct, frozen=True):
     tokenizer_vocab: int | None = None  # ids past the tokenizer's are never sampled
     tokenizer_path: str | None = None  # the tokenizer grammars are compiled for (requests with a grammar need one)
     threads: int | None = None  # CPU threads of the kernels (serve.py --threads); None: the physical cores
+    tensor_parallel: int = 1  # GPUs of this host the model is split over: the core is rank 0 and starts the others
 
 
 class CoreConfig(msgspec.Struct, frozen=True):
@@ -89,6 +90,7 @@ def serve_core(config: CoreConfig) -> int:
             outbox.send(data)
 
     try:
+        start_ranks(config)
         core, startup = start_core(config, lambda outputs: send(Outputs(outputs)))
     except Exception as exc:  # noqa: BLE001 - reported to the front end in one line
         message = str(exc) if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {exc}"
@@ -124,6 +126,37 @@ def serve_core(config: CoreConfig) -> int:
             core.shutdown(message.grace_s)
             log("stopped")
             return 0
+
+
+def start_ranks(config: CoreConfig) -> list[subprocess.Popen]:
+    """With tensor parallel, make this process rank 0 of config.model.tensor_parallel ranks of this host (torchrun's
+    variables, a free port on 127.0.0.1) and start the other ranks (follow_core); they die with this process."""
+    from redline import tensor_parallel
+
+    world_size = config.model.tensor_parallel
+    if world_size == 1:
+        return []
+    envs = tensor_parallel.rank_environments(world_size)
+    os.environ.update({name: envs[0][name] for name in tensor_parallel.RANK_VARIABLES})
+    command = [sys.executable, "-m", "redline.engine.process", "--follow", msgspec.json.encode(config).decode()]
+    return [subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env) for env in envs[1:]]
+
+
+def follow_core(config: CoreConfig) -> int:
+    """A tensor-parallel rank other than 0: load this rank's part of the model, make the same engine core, and run
+    the steps rank 0's core sends until it shuts down (or dies, which ends this process too)."""
+    from redline.runner.load import load_runner
+
+    die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0's core decides when this one stops
+        signal.signal(sig, signal.SIG_IGN)
+    rank = os.environ.get("RANK", "?")
+
+    def rank_log(message: str) -> None:
+        log(f"rank {rank}: {message}")
+
+    EngineCore(load_runner(config.model, rank_log), EngineSettings(**config.engine), lambda outputs: None).follow()
+    return 0
 
 
 def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> tuple[EngineCore, dict[str, float]]:
@@ -181,6 +214,8 @@ def die_with_parent() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    follow = argv[:1] == ["--follow"]  # a tensor-parallel rank other than 0, started by rank 0's core
+    argv = argv[1:] if follow else argv
     if len(argv) != 1:
         print("usage: python -m redline.engine.process CONFIG_JSON (serve.py starts it)", file=sys.stderr)
         return 2
@@ -189,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         print(f"error: the core's configuration does not decode: {exc}", file=sys.stderr)
         return 2
-    return serve_core(config)
+    return follow_core(config) if follow else serve_core(config)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -58,16 +58,19 @@ def load_runner(source: Any, log: Callable[[str], None]) -> Runner:
     from redline.checkpoint import read_checkpoint_info
     from redline.options import EngineConfig
 
+    from redline import tensor_parallel
+
     config = EngineConfig(device=source.device, dtype=source.dtype, compile=source.compile, quantize=source.quantize,
                           threads=source.threads)
-    device = config.torch_device()
+    world = tensor_parallel.start(source.device)  # a rank of tensor parallel: None on one process
+    device = config.torch_device() if world is None else world.device
     config.set_threads(device)
     if source.random_weights is not None:
-        model = random_model(source.random_weights, device, source.dtype, source.quantize, log)
+        model = random_model(source.random_weights, device, source.dtype, source.quantize, log, world)
     else:
         info = read_checkpoint_info(source.checkpoint_path)
         log(f"loading {info.path} onto {device}")
-        model = load_checkpoint_model(info, device, config, log=log)
+        model = load_checkpoint_model(info, device, config, world, log=log)
     compile = config.compile if config.compile is not None else device.type == "cuda"
     begin = time.perf_counter()
     runner = Runner(model, device, compile, tokenizer_vocab=source.tokenizer_vocab)
@@ -77,8 +80,9 @@ def load_runner(source: Any, log: Callable[[str], None]) -> Runner:
 
 
 def random_model(name: str, device: torch.device, dtype: str | None, quantize: str | None,
-                 log: Callable[[str], None]) -> torch.nn.Module:
-    """A registry model (model.py's ModelArgs.from_name) with random weights of its real shapes, for benchmarks."""
+                 log: Callable[[str], None], world: Any = None) -> torch.nn.Module:
+    """A registry model (model.py's ModelArgs.from_name) with random weights of its real shapes, for benchmarks;
+    with a tensor-parallel world, this rank's slices (its own random weights)."""
     from redline.benchmarks.bench_model import build_random_model
     from redline.checkpoint import dtype_from_name
     from redline.model import ModelArgs
@@ -86,8 +90,14 @@ def random_model(name: str, device: torch.device, dtype: str | None, quantize: s
 
     quant, group = parse_quant_spec(quantize) if quantize else ("none", None)
     begin = time.perf_counter()
-    model = build_random_model(ModelArgs.from_name(name), device, dtype_from_name(dtype or "bfloat16"), quant,
-                               group_size=group or 128)
+    if world is None:
+        model = build_random_model(ModelArgs.from_name(name), device, dtype_from_name(dtype or "bfloat16"), quant,
+                                   group_size=group or 128)
+    else:
+        from redline.benchmarks.bench_tp import build_random_tp_model
+
+        model = build_random_tp_model(ModelArgs.from_name(name), world, dtype_from_name(dtype or "bfloat16"), quant,
+                                      seed=0, group_size=group or 128)
     sync(device)
     log(f"built {name} with random weights ({weight_bytes(model) / 1e9:.3g} GB, {quant}) in "
         f"{time.perf_counter() - begin:.1f} s")

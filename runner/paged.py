@@ -28,6 +28,24 @@ class StepBatch:
     sample_rows: Tensor  # (B,) for each chunk that samples, in order: its row in the logits
     prompt_rows: dict[int, tuple[int, int]]  # chunk index -> [begin, end) rows of logits_at for prompt logprobs
 
+    def message(self) -> dict[str, Any]:
+        """What another tensor-parallel rank needs to run this step's model call (tensor_parallel.StepChannel)."""
+        c = self.context
+        return {"ids": self.ids, "positions": c.positions, "slots": c.slot_mapping, "tables": c.block_tables,
+                "seq_lens": c.seq_lens, "cu_seqlens": c.cu_seqlens_q, "decode": c.decode,
+                "host_lens": [list(lens) for lens in c.host_lens], "singles": list(c.singles),
+                "logits_at": self.logits_at}
+
+    @classmethod
+    def from_message(cls, fields: dict[str, Any], kv: PagedKVCache, device: torch.device) -> StepBatch:
+        """The step of message(), over this rank's pool `kv` (its own KV heads of the same pages)."""
+        on = {name: value.to(device) for name, value in fields.items() if isinstance(value, Tensor)}
+        context = PagedContext(positions=on["positions"], slot_mapping=on["slots"], block_tables=on["tables"],
+                               seq_lens=on["seq_lens"], cu_seqlens_q=on["cu_seqlens"], kv=kv,
+                               decode=fields["decode"], host_lens=tuple(fields["host_lens"]),
+                               singles=tuple(t.to(device) for t in fields["singles"]))
+        return cls(on["ids"], context, on["logits_at"], torch.empty(0, dtype=torch.long, device=device), {})
+
 
 def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
                prompt_logprobs: set[int] = frozenset(), pad_page: int | None = None) -> StepBatch:
@@ -232,7 +250,9 @@ class PagedModel:
 
     def __init__(self, runner: Any, num_pages: int, page_size: int, scratch_page: int | None,
                  compile_prefill: bool, prefill_graphs: bool, max_rows: int,
-                 graph_tokens: int | None = None) -> None:
+                 graph_tokens: int | None = None, ranks: Any = None) -> None:
+        """ranks: with tensor parallel, the tensor_parallel.StepChannel of this rank's engine: on rank 0 each model
+        call is sent to the other ranks before it runs; the others run them in follow()."""
         from redline.kernels import FusedDecode
         from redline.runner.decode_graphs import DecodeGraphs, TokenReader
         from redline.runner.prefill_graphs import PrefillGraphs
@@ -245,6 +265,9 @@ class PagedModel:
         if prefill_graphs and not compile_prefill:
             raise ValueError("prefill_graphs replays the compiled prefill step; add compile_prefill=True "
                              "(--compile-prefill), or drop prefill_graphs")
+        if prefill_graphs and ranks is not None:
+            raise ValueError("prefill_graphs is not available with tensor parallel yet; drop it (--prefill-graphs)")
+        self.ranks = ranks
         self.model, self.device, self.vocab_bias = model, device, runner.vocab_bias
         kernel_ops = paged_attention_ops(runner.kernels)
         ops = kernel_ops or (registered_paged_ops() if compile_prefill else None)
@@ -267,6 +290,8 @@ class PagedModel:
         """Capture every decode graph for sequences of up to max_tokens tokens now; returns how many were made."""
         if self.graphs is None:
             return 0
+        if self.ranks is not None:
+            self.ranks.send("capture", max_tokens=max_tokens)
         return self.graphs.capture(max_tokens, progress)
 
     def fits_graph(self, rows: int) -> bool:
@@ -277,7 +302,11 @@ class PagedModel:
                       masks: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor, Any]:
         """Replay the decode graph of these rows (masks: the grammar rows' masks, DecodeGraphs.run); returns (tokens
         (B,) on the device, their pinned host copy, the event after which the copy is valid, None on the CPU).
-        Nothing waits for the device but the masks' host work."""
+        Nothing waits for the device but the masks' host work. Under tensor parallel the other ranks replay the same
+        step (they sample too, but only rank 0's tokens are used)."""
+        if self.ranks is not None:  # tokens on the device: each rank reads its own last step's, which are equal
+            self.ranks.send("graph", tokens=None if isinstance(tokens, Tensor) else tokens, positions=positions,
+                            pages=pages, settings=settings)
         out = self.graphs.run(tokens, positions, pages, settings, masks)
         host, ready = self.reader.start(out)
         return out, host, ready
@@ -289,8 +318,41 @@ class PagedModel:
         if bucket is not None:  # one short chunk: a replayed graph; its logits row 0 is the chunk's last token
             return self.prefill_graphs.logits(chunks[0], bucket), {}, slice(0, 1)
         batch = step_batch(chunks, self.kv, self.device, wants_prompt, self.pad_page)
+        if self.ranks is not None:
+            self.ranks.send("eager", **batch.message())
         logits = step_logits(self.model, batch, self.vocab_bias, self.prefill_step)  # (L, V)
         return logits, batch.prompt_rows, batch.sample_rows
+
+    def release(self) -> None:
+        """Rank 0 of tensor parallel: tell the other ranks that no call follows (their follow() returns)."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None and ranks.rank == 0:
+            ranks.send("stop")
+
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: run the model calls rank 0 sends (graph captures, decode graph steps,
+        eager and compiled steps) on this rank's part of the model and KV cache, until it releases them. Every rank
+        runs them in the same order, so their all-reduces meet."""
+        if self.ranks is None or self.ranks.rank == 0:
+            raise RuntimeError("follow() runs on a tensor-parallel rank other than 0; rank 0 serves requests")
+        last: Tensor | None = None  # the last decode graph step's tokens (B,), which the next may read
+        with torch.inference_mode():
+            while True:
+                kind, fields = self.ranks.receive()
+                if kind == "stop":
+                    self.ranks = None
+                    return
+                if kind == "capture":
+                    self.graphs.capture(fields["max_tokens"])
+                elif kind == "graph":
+                    tokens = last if fields["tokens"] is None else fields["tokens"]
+                    last = self.graphs.run(tokens, fields["positions"], fields["pages"],
+                                           [tuple(s) for s in fields["settings"]])
+                elif kind == "eager":
+                    step_logits(self.model, StepBatch.from_message(fields, self.kv, self.device), self.vocab_bias,
+                                self.prefill_step)
+                else:
+                    raise RuntimeError(f"rank 0 sent an unknown step {kind!r}")
 
 
 def compile_prefill_default(runner: Any, requested: bool | None) -> bool:

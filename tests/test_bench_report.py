@@ -94,3 +94,19 @@ def test_merge_keeps_the_first_environment_and_every_record(tmp_path):
     assert merged["records"] == [{"n": 0}, {"n": 1}] and merged["bandwidth_gb_s"] == 3000.0
     assert [(s["bandwidth_gb_s"], s["command"]) for s in merged["env"]["merged_from"]] == [(3000.0, "run 0"),
                                                                                           (4000.0, "run 1")]
+
+
+def test_all_reduce_table_gives_the_all_reduces_share_of_a_step():
+    def record(mode, trace):
+        return {"model": "M", "quant": "none", "dtype": "bfloat16", "batch_size": 1, "decode_tok_s": 50.0, "tp": 2,
+                "all_reduce_mode": mode, "all_reduce": {"all_reduces_per_token": 160, "bytes_each": 16384,
+                                                        "us_per_token": {"nccl": 3000.0, "oneshot": 1000.0},
+                                                        "errors": {}, "trace": trace}}
+
+    untraced = {"us_per_token": None, "exclusive_us_per_token": None}
+    lines = bench_report.all_reduce_table([record("oneshot", untraced), record("nccl", untraced),
+                                           record("oneshot", {"us_per_token": 1500.0, "exclusive_us_per_token": 800.0})])
+    rows = [line for line in lines if line.startswith("| M TP2")]
+    # A step is 20,000 µs: the graph of the mode the model ran, or the time its kernels add in the trace.
+    assert [row.split("|")[-3].strip() for row in rows] == ["5.0", "15.0", "4.0"]
+    assert "all-reduce % of a step" in "\n".join(lines)

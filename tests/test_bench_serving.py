@@ -79,3 +79,23 @@ def test_fixed_workload_runs_fp8_weights(capsys):
                                "2", "--max-kv-tokens", "512", "--quant", "fp8"])
     out = capsys.readouterr().out
     assert code == 0 and "debug-tiny fp8 fixed: 2 requests, 256 output tokens" in out
+
+
+def test_fixed_workload_under_torchrun_runs_on_two_ranks(tmp_path):
+    """Tensor parallel: rank 0's engine runs the workload on its slices while rank 1 follows every step; one
+    report, from rank 0."""
+    from pathlib import Path
+
+    from tests.test_tensor_parallel import torchrun
+
+    path = tmp_path / "serving.json"
+    script = Path(bench_serving.__file__).resolve()
+    proc = torchrun([str(script), "--model", "debug-tiny", "--device", "cpu", "--dtype", "float32",
+                     "--num-requests", "4", "--max-kv-tokens", "512", "--json", str(path)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("debug-tiny fixed: 4 requests, 512 output tokens") == 1
+    report = json.loads(path.read_text())
+    assert report["tp"] == 2 and report["env"]["command"].startswith("torchrun --nproc_per_node 2 ")
+    assert report["redline"]["output_tokens"] == 512
+    refused = torchrun([str(script), "--model", "debug-tiny", "--device", "cpu", "--workload", "single"])
+    assert refused.returncode != 0 and refused.stderr.count("error: --compare hf and --workload single") == 1

@@ -417,3 +417,43 @@ def test_random_weights_serve_token_ids_without_a_tokenizer():
         chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 400 and "tokenizer" in chat.json()["error"]["message"]
         assert httpx.post(f"{base}/v1/completions", json={**body, "prompt": "text"}).status_code == 400
+
+
+@pytest.mark.slow
+def test_tensor_parallel_server_gives_one_process_text(tiny_chat_checkpoint):
+    """serve.py --tensor-parallel 2: the engine core is rank 0 of two (gloo on the CPU) and starts rank 1 beside it;
+    every rank runs each engine step on its heads. Greedy replies equal one process's; SIGTERM stops all cleanly."""
+    from tests.test_tensor_parallel import free_port, launch_env
+
+    port = free_port()
+    command = [sys.executable, str(TESTS.parent / "serve.py"), "--tensor-parallel", "2", "--checkpoint_path",
+               str(tiny_chat_checkpoint[0]), "--device", "cpu", "--port", str(port), "--served-model-name", "tiny",
+               "--shutdown-grace", "1", "--compile-cache", "none"]
+    proc = subprocess.Popen(command, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    llm = LLM.load(tiny_chat_checkpoint[0], device="cpu")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+        prompts = ["The quick brown fox", "Once upon a time", "abc"]
+        with ThreadPoolExecutor(3) as pool:  # batched together in the engine
+            replies = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=12,
+                                                                        temperature=0), prompts))
+        for prompt, reply in zip(prompts, replies):
+            assert reply.choices[0].text == llm.generate(prompt, max_new_tokens=12, temperature=0).text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        output = proc.communicate()[0]
+    assert proc.returncode == 0 and "Traceback" not in output, output[-3000:]
+    assert "rank 1:" in output  # the second rank loaded its part

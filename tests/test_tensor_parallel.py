@@ -27,12 +27,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args: list[str], nproc: int = 2, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def import_path() -> str:
+    """PYTHONPATH for a child process: where this process imports `redline` from (a checkout run without an install,
+    as benchmarks/gpu_run.sh links it, included), then the checkout itself (for `tests`)."""
+    return os.pathsep.join(dict.fromkeys(p for p in tp.child_import_path().split(os.pathsep) + [str(ROOT)] if p))
+
+
+def launch_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without torchrun's variables, with the import path children need."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", tp.ALL_REDUCE_ENV)}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(extra_env or {}))
+    env.update(PYTHONPATH=import_path(), OMP_NUM_THREADS="1", **(extra_env or {}))
+    return env
+
+
+def torchrun(args: list[str], nproc: int = 2, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    return subprocess.run(cmd, cwd=ROOT, env=launch_env(extra_env), capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +109,77 @@ def test_cli_prints_once_from_rank_zero(two_ranks, checkpoints):
         PROMPT, max_new_tokens=NEW_TOKENS, temperature=0).text
     assert proc.stdout.count(PROMPT + text) == 1, proc.stdout
     assert proc.stderr.count("[sample 1/1]") == 1
+
+
+@pytest.fixture(scope="module")
+def linked_launch(tmp_path_factory) -> list[dict]:
+    """Each rank's launch check (tp_worker.py --launch-check) from a torchrun started by a parent process that
+    imports redline only through PYTHONPATH, from a folder linking the checkout under that name (a checkout run without
+    an install, as benchmarks/gpu_run.sh does), not through an installed package."""
+    tmp = tmp_path_factory.mktemp("tp-linked")
+    (tmp / "pkg").mkdir()
+    (tmp / "pkg" / "redline").symlink_to(ROOT, target_is_directory=True)
+    parent = ("import sys; from tests.test_tensor_parallel import WORKER, torchrun; "
+              f"proc = torchrun([str(WORKER), '--launch-check', {str(tmp)!r}]); "
+              "sys.stderr.write(proc.stderr[-3000:]); sys.exit(proc.returncode)")
+    env = {**launch_env(), "PYTHONPATH": os.pathsep.join([str(tmp / "pkg"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(tmp / f"launch-rank{r}.pt", weights_only=True) for r in range(2)], tmp
+
+
+def test_torchrun_children_import_redline_from_the_parents_path(linked_launch):
+    results, tmp = linked_launch
+    for result in results:
+        assert result["redline"] == str(tmp / "pkg" / "redline" / "__init__.py")
+
+
+def test_bench_tp_gives_each_rank_its_own_gpu_from_device_cuda(linked_launch):
+    """`torchrun --nproc_per_node 2 benchmarks/bench.py --tp 2 --device cuda`: the flag is resolved to
+    cuda:LOCAL_RANK once, not refused as an explicit cuda:N the second time."""
+    results, _ = linked_launch
+    for rank, result in enumerate(results):
+        assert result.get("error") is None
+        assert result["device"] == result["world"] == f"cuda:{rank}"
+
+
+def test_multi_node_launch_gives_one_process_greedy_tokens(checkpoints, tmp_path):
+    """`torchrun --nnodes 2`: two launch agents on 127.0.0.1 meet at a c10d rendezvous, one rank each (gloo); every
+    rank holds half the heads and generates one process's greedy tokens."""
+    from redline import generate
+    from tests.tp_worker import NEW_TOKENS
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend",
+           "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "redline-test", str(WORKER), "--greedy", str(tmp_path),
+           PROMPT, str(checkpoints[0])]
+    agents = [subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True) for _ in range(2)]
+    outputs = [agent.communicate(timeout=LAUNCH_TIMEOUT_S) for agent in agents]
+    for agent, (_, err) in zip(agents, outputs):
+        assert agent.returncode == 0, err[-4000:]
+    want = generate.LLM.load(checkpoints[0], device="cpu", compile=False).generate(
+        PROMPT, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True).token_ids
+    for rank in range(2):
+        got = torch.load(tmp_path / f"greedy-rank{rank}.pt", weights_only=True)
+        assert got["world"] == [rank, 2, 0, 1]  # two nodes of one process: each its node's local rank 0
+        assert got["local_heads"] == 2 and got["tokens"] == want
+
+
+def test_engine_over_two_ranks_gives_one_process_tokens_with_preemption(checkpoints, tmp_path):
+    """The batching engine on two ranks (gloo): rank 0 schedules and every rank runs each step on its KV heads; a
+    pool too small for every request preempts some. Greedy and a seeded sampled request equal one process's."""
+    from redline import generate
+    from tests.tp_worker import engine_tokens
+
+    proc = torchrun([str(WORKER), "--engine", str(tmp_path), str(checkpoints[0]), "cpu"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(tmp_path / "engine-rank0.pt", weights_only=True)
+    want, _ = engine_tokens(generate.LLM.load(checkpoints[0], device="cpu", compile=False), compiled=False)
+    assert got["local_kv_heads"] == 1  # each rank's pages held one of the 2 KV heads
+    assert got["preemptions"] > 0
+    assert got["tokens"] == want
 
 
 def test_indivisible_config_is_refused_in_one_line(checkpoints):
@@ -218,6 +301,22 @@ def test_two_gpus_give_one_gpus_greedy_tokens(checkpoints, tmp_path, all_reduce)
             assert first is None, f"{path.name}: 2 GPUs diverge from 1 at token {first} of {GPU_NEW_TOKENS}"
 
 
+@pytest.mark.gpu
+@two_gpus
+@each_all_reduce
+def test_engine_on_two_gpus_gives_one_gpus_tokens(checkpoints, tmp_path, all_reduce):
+    """The batching engine compiled, with its decode graphs captured per rank (and steps launched before the one
+    before them is read, whose tokens each rank takes from its own graph), with preemption: 2 GPUs against 1."""
+    from redline import generate
+    from tests.tp_worker import engine_tokens
+
+    run_on_two_gpus(["--engine", str(tmp_path), str(checkpoints[0]), "cuda"], all_reduce)
+    got = torch.load(tmp_path / "engine-rank0.pt", weights_only=True)
+    want, _ = engine_tokens(generate.LLM.load(checkpoints[0], device="cuda", compile=True), compiled=True)
+    assert got["preemptions"] > 0
+    assert got["tokens"] == want
+
+
 def test_bench_tp_needs_a_matching_torchrun_launch(monkeypatch):
     from redline.benchmarks.bench import parse_args
 
@@ -271,7 +370,7 @@ def test_bench_tp_under_torchrun_reports_the_sharded_model(tmp_path):
     assert bench.main(["--model", "debug-tiny", "--quant", "int8", "--new-tokens", "4", "--runs", "1",
                        "--device", "cpu", "--json", str(single)]) == 0
     merged = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--merge", f"{single},{out}"],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                            cwd=ROOT, env=launch_env(), capture_output=True, text=True,
                             timeout=LAUNCH_TIMEOUT_S)
     assert merged.returncode == 0, merged.stderr[-4000:]
     assert "Tensor parallel against one GPU" in merged.stdout

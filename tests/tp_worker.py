@@ -9,6 +9,9 @@ generate.py's CLI on the first checkpoint: only rank 0 may print its text.
     torchrun --nproc_per_node 2 tests/tp_worker.py --fused OUT_DIR CHECKPOINT   # GPUs: fused against unfused decode
     torchrun --nproc_per_node 2 tests/tp_worker.py --gpu-greedy OUT_DIR PROMPT CHECKPOINT...  # GPUs: greedy tokens
     torchrun --nproc_per_node 2 tests/tp_worker.py --logits OUT_DIR CHECKPOINT...  # CPU: logits only (no tokenizer)
+    torchrun --nproc_per_node 2 tests/tp_worker.py --launch-check OUT_DIR  # CPU: import path, bench.py's rank device
+    torchrun --nproc_per_node 2 tests/tp_worker.py --engine OUT_DIR CHECKPOINT cpu|cuda  # the batching engine
+    torchrun --nnodes 2 --nproc_per_node 1 ... tests/tp_worker.py --greedy OUT_DIR PROMPT CHECKPOINT  # one per node
 """
 from __future__ import annotations
 
@@ -112,7 +115,99 @@ def logits_only(out_dir: Path, checkpoints: list[str]) -> int:
     return 0
 
 
+def launch_check(out_dir: Path) -> int:
+    """OUT_DIR/launch-rank<r>.pt: where this rank imported redline from, and the device benchmarks/bench.py's
+    `--tp 2 --device cuda` gives it. The ranks are told they see two GPUs (a CPU machine has none) and talk over
+    gloo; what runs for real is the path from the flag to the rank's device (parse_args, then start_ranks)."""
+    import torch.distributed as dist
+
+    import redline
+    from redline.benchmarks.bench import parse_args, start_ranks
+
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 2
+    torch.cuda.set_device = lambda device: None
+    dist.init_process_group("gloo")  # tensor_parallel.start joins a group already made (NCCL would need the GPUs)
+    try:
+        cfg, world = start_ranks(parse_args(["--tp", "2", "--model", "debug-tiny", "--device", "cuda"]))
+        result = {"redline": redline.__file__, "device": cfg.device, "world": str(world.device)}
+    except ValueError as exc:
+        result = {"redline": redline.__file__, "error": str(exc)}
+    torch.save(result, out_dir / f"launch-rank{dist.get_rank()}.pt")
+    dist.destroy_process_group()
+    return 0
+
+
+def greedy(out_dir: Path, prompt: str, path: str) -> int:
+    """OUT_DIR/greedy-rank<r>.pt: LLM.generate's greedy tokens on the CPU (a launch over several nodes), and the
+    world this rank saw (rank, world size, local rank, local world size)."""
+    from redline import generate
+
+    llm = generate.LLM.load(path, device="cpu", compile=False)
+    tokens = llm.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True).token_ids
+    world = [int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+    torch.save({"tokens": tokens, "world": world, "local_heads": llm.model.args.n_head},
+               out_dir / f"greedy-rank{world[0]}.pt")
+    return 0
+
+
+# The batching engine's test: prompts of these lengths (token ids), decoded together in a pool too small for all of
+# them (so some are preempted and recomputed), greedy and one seeded sampled request.
+ENGINE_PROMPT_LENGTHS = (20, 9, 31, 14, 25)
+ENGINE_NEW_TOKENS = 24
+ENGINE_KV_TOKENS = 96
+ENGINE_PAGE_SIZE = 4
+
+
+def engine_requests(vocab: int) -> list[tuple[list[int], dict]]:
+    """(prompt ids, GenerationOptions fields) of the engine test: every prompt greedy, the first again sampled."""
+    prompts = [[(7 * i + 31 * n + 3) % vocab for i in range(n)] for n in ENGINE_PROMPT_LENGTHS]
+    greedy = {"max_new_tokens": ENGINE_NEW_TOKENS, "ignore_eos": True}
+    return [(p, greedy) for p in prompts] + [(prompts[0], {**greedy, "temperature": 0.9, "top_k": 40, "seed": 5})]
+
+
+def engine_tokens(llm, compiled: bool) -> tuple[list[list[int]], int]:
+    """The engine's tokens for engine_requests, all submitted at once, and its preemptions. Rank 0 runs them; every
+    other rank follows its steps (and returns nothing)."""
+    from redline import tensor_parallel
+    from redline.engine import Engine
+    from redline.options import GenerationOptions
+
+    engine = Engine(llm, max_kv_tokens=ENGINE_KV_TOKENS, page_size=ENGINE_PAGE_SIZE)
+    if not tensor_parallel.is_main_process():
+        engine.follow()
+        return [], 0
+    if compiled:
+        engine.capture_graphs(64)
+    handles = [engine.add_request(ids, GenerationOptions(**options))
+               for ids, options in engine_requests(llm.model.args.vocab_size)]
+    tokens = [h.result(timeout=300).token_ids for h in handles]
+    preemptions = engine.stats().preemptions
+    engine.shutdown()
+    return tokens, preemptions
+
+
+def engine_check(out_dir: Path, path: str, device: str) -> int:
+    """OUT_DIR/engine-rank0.pt: the tokens and preemptions of engine_tokens over this launch's ranks (on GPUs
+    compiled, with the decode graphs)."""
+    from redline import generate
+
+    compiled = device == "cuda"
+    llm = generate.LLM.load(path, device=device, compile=compiled)
+    tokens, preemptions = engine_tokens(llm, compiled)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save({"tokens": tokens, "preemptions": preemptions, "local_kv_heads": llm.model.args.n_kv_heads},
+                   out_dir / "engine-rank0.pt")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "--engine":
+        return engine_check(Path(argv[1]), argv[2], argv[3])
+    if argv[0] == "--launch-check":
+        return launch_check(Path(argv[1]))
+    if argv[0] == "--greedy":
+        return greedy(Path(argv[1]), argv[2], argv[3])
     if argv[0] == "--logits":
         return logits_only(Path(argv[1]), argv[2:])
     if argv[0] == "--fused":
