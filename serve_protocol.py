@@ -258,7 +258,7 @@ class ChatRequest(SamplingRequest):
         names: dict[str, str] = {}
         out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
-            message: dict[str, Any] = {"role": m.role, "content": m.text()}
+            message: dict[str, Any] = dict(m.template_dict())  # developer as system; a participant's name
             if m.tool_calls:
                 message["tool_calls"] = [
                     {"id": c.id, "type": "function", "function": {
