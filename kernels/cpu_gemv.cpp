@@ -390,17 +390,18 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return finish(out, x, shape);
 }
 
-// Shapes only, for torch.compile's tracing.
+// Shapes only, for torch.compile's tracing: symbolic sizes, so a dynamic dimension of x stays dynamic (concrete
+// sizes would specialize the compiled graph on every token count).
 at::Tensor float_linear_meta(const at::Tensor& x, const at::Tensor& weight) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = weight.size(0);
-  return at::empty(shape, x.options());
+  std::vector<c10::SymInt> shape = x.sym_sizes().vec();
+  shape.back() = weight.sym_size(0);
+  return at::empty_symint(shape, x.options());
 }
 
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&) {
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = weight.size(0);
-  return at::empty(shape, x.options());
+  std::vector<c10::SymInt> shape = x.sym_sizes().vec();
+  shape.back() = weight.sym_size(0);
+  return at::empty_symint(shape, x.options());
 }
 
 }  // namespace

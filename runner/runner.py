@@ -207,8 +207,8 @@ class Runner:
             use_kernels(model)
             if self.fuse:
                 self.step_model = FusedDecode(model)
-        elif device.type == "cpu":
-            use_cpu_kernels(model)  # int8/int4 linears (and an exact Q8_0 head) on kernels/cpu_linear.py's C++ GEMV
+        elif device.type == "cpu" and kernels is None:  # kernels=False runs no Redline kernel, on the CPU either
+            use_cpu_kernels(model)  # linears (and an exact Q8_0 head) on kernels/cpu_linear.py's C++ kernels
         self.device = device
         self.compile = compile
         self.compile_prefill = compile_prefill

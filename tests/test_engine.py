@@ -356,7 +356,7 @@ def test_a_fusing_llm_runs_one_row_steps_through_its_fused_decode(tiny_llm_check
     from redline.kernels import attention as kernel_attention
     from redline.kernels import fused_decode
 
-    fusing = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
+    fusing = LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True, kernels=False)  # no CPU kernels under them
     kernels.use_kernels(fusing.model)
     monkeypatch.setattr(fusing.runner, "fuse", True)  # kernels and fuse need a GPU; their CPU paths are references
     traced = []
