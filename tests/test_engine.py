@@ -1,5 +1,6 @@
 """The batching engine (engine/core.py under engine/client.py) through LLM.generate_batch and the Engine API: every
-request gets exactly what LLM.generate gives it alone, whatever the batch, the page pool, the prefill chunk or the prefix cache do."""
+request gets exactly what LLM.generate gives it alone, whatever the batch, the page pool, the prefill chunk or the
+prefix cache do."""
 from __future__ import annotations
 
 import asyncio
