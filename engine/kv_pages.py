@@ -25,7 +25,7 @@ GPU_MEMORY_SHARE = 0.85
 # 8.2 GB with the 15% above too small on an 80 GB H100).
 GRAPH_LOGIT_ROWS_PER_ROW = 16
 # Without max_kv_tokens on the CPU the pool holds this many full contexts, within this share of the memory available
-# at start-up (a checkpoint declaring a context of 2^24 tokens gets what fits, not 34 GB). (Hostile small files: the CPU KV pool bounded by the memory available; tokenizer normalizers and decoders bounded by a linear growth bound (Prepend adds, replacements multiply, both composed in order); deeply nested JSON in config, side files and checkpoint metadata is one line; convert_hf_checkpoint refuses a context no loader accepts before writing)
+# at start-up (a checkpoint declaring a context of 2^24 tokens gets what fits, not 34 GB).
 CPU_DEFAULT_CONTEXTS = 4
 CPU_MEMORY_SHARE = 0.5
 
