@@ -622,7 +622,8 @@ class ExactInt8Head(nn.Linear):
 
 def use_cpu_kernels(model: nn.Module) -> nn.Module:
     """Run a model's linears on the CPU kernels (cpu_linear.py) in place, weights shared and nothing repacked:
-    Int8Linear -> CpuInt8Linear, Int4Linear -> CpuInt4Linear, a bias-free fp32 nn.Linear -> CpuLinear; a mixture's
+    Int8Linear -> CpuInt8Linear, Int4Linear -> CpuInt4Linear, a bias-free fp32 nn.Linear -> CpuLinear (each with a
+    contiguous weight: a tensor-parallel rank's column slice stays on the ops, which copy it); a mixture's
     experts become moe.CpuMoE, CpuInt8MoE or CpuInt4MoE (a decode step's chosen experts on their stored weights).
     The C++ kernel is built or loaded now rather than on the first token. In a quantized model a float output head
     tied to the embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked
@@ -632,11 +633,12 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
     cpu_ops()
     quantized = False
     for module in model.modules():
-        if type(module) in (Int8Linear, KernelInt8Linear):
+        if type(module) in (Int8Linear, KernelInt8Linear) and module.weight.is_contiguous():
             module.__class__ = CpuInt8Linear
-        elif type(module) in (Int4Linear, KernelInt4Linear):
+        elif type(module) in (Int4Linear, KernelInt4Linear) and module.weight.is_contiguous():
             module.__class__ = CpuInt4Linear
-        elif type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32:
+        elif type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32 \
+                and module.weight.is_contiguous():  # a tensor-parallel rank's column slice stays on F.linear
             module.__class__ = CpuLinear
         module.__class__ = cpu_moe_class(module)
         quantized = quantized or isinstance(module, (Int8Linear, Int4Linear))
