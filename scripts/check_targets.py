@@ -1,6 +1,7 @@
 """Cross-compile every Triton kernel configuration the dispatcher can choose, for GPUs this machine does not have.
 
     python scripts/check_targets.py [--targets sm80,...] [--kernels paged,moe,...] [--jobs N] [--failures-only]
+                                    [--sample]
 
 For each target (kernels.device.TARGETS: sm80, sm86, sm89, sm90, gfx90a, gfx942, gfx1100 by default) the
 project's own launchers run on meta tensors under that target's capability description
@@ -27,8 +28,13 @@ full for the first; for the others Triton runs up to its TTGIR, which must equal
 configuration is compiled in full), and ptxas assembles the first target's PTX for their own arch, so their
 registers are their own. Compile tasks run on every CPU, the longest first.
 
+--sample compiles about a sixth of it: of the configurations that share a kernel, pointer dtypes, num_warps,
+num_stages, specialization and IR family, only the one the dispatcher sized largest (shared-memory estimate, then
+tile). It keeps every code path Triton lowers differently and the configurations nearest the targets' limits, and
+drops the smaller tiles of each; CI runs it (about 12 minutes on 2 cores), a kernel change runs the whole check.
+
 Prints one line per kernel configuration and target, and exits 1 if any fails (2 on bad arguments). The default
-targets take about 20 minutes on 2 cores, close to half of it the int4 GEMV's configurations; compiled kernels land
+targets take about 60 minutes on 2 cores, close to half of it the int4 GEMV's configurations; compiled kernels land
 in Triton's cache (TRITON_CACHE_DIR), so a second run is faster.
 """
 from __future__ import annotations
@@ -38,6 +44,7 @@ import contextlib
 import importlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -615,6 +622,23 @@ def _tasks(targets: tuple[str, ...], captured: list[list[Launch]]) -> list[list[
     return sorted(tasks.values(), key=_task_seconds, reverse=True)
 
 
+def sampled(tasks: list[list[Job]]) -> list[list[Job]]:
+    """One task per kernel, pointer dtypes, launch options, specialization and IR family: the configuration the
+    dispatcher sized largest (shared-memory estimate, then the product of its tile constexprs), in tasks' order."""
+    best: dict[tuple, tuple[tuple[int, int], list[Job]]] = {}
+    for task in tasks:
+        _, target, launch, _ = task[0]
+        family = ir_family(target_caps(target)) or target
+        tiles = re.sub(r" [A-Z][A-Z0-9_]*=\S+", "", launch.summary)  # the summary without its constexprs
+        key = (family, launch.kernel, tiles)
+        size = (_estimate(launch, target_caps(target)) or 0,
+                math.prod(int(v) for v in re.findall(r" [A-Z][A-Z0-9_]*=(\d+)", launch.summary)))
+        if key not in best or size > best[key][0]:
+            best[key] = (size, task)
+    kept = {id(task) for _, task in best.values()}
+    return [task for task in tasks if id(task) in kept]
+
+
 def _task_seconds(task: list[Job]) -> float:
     """A rough compile time of a task on one core, from the means measured per kernel (the tensor-core and
     attention kernels take longest, fp32 about twice the others, gfx1100's register spills twice again; a
@@ -638,6 +662,7 @@ class CheckArgs:
     jobs: int
     failures_only: bool
     kernels: tuple[str, ...] = KERNEL_GROUPS
+    sample: bool = False
 
     def __post_init__(self) -> None:
         for name in self.targets:
@@ -658,12 +683,15 @@ def parse_args(argv: list[str] | None) -> CheckArgs:
     parser.add_argument("--failures-only", action="store_true", help="print only the configurations that fail")
     parser.add_argument("--kernels", default=",".join(KERNEL_GROUPS),
                         help=f"comma-separated kernel groups to check (default {','.join(KERNEL_GROUPS)})")
+    parser.add_argument("--sample", action="store_true",
+                        help="compile only the largest configuration of each kernel, dtypes, launch options and "
+                             "specialization (about a sixth; CI runs it)")
     ns = parser.parse_args(argv)
     targets = tuple(dict.fromkeys(t.strip() for t in ns.targets.split(",") if t.strip()))
     if not targets:
         raise ValueError("--targets is empty; name at least one, e.g. --targets sm80,gfx90a")
     kernels = tuple(dict.fromkeys(k.strip() for k in ns.kernels.split(",") if k.strip()))
-    return CheckArgs(targets, ns.jobs, ns.failures_only, kernels)
+    return CheckArgs(targets, ns.jobs, ns.failures_only, kernels, ns.sample)
 
 
 def format_result(r: Result) -> str:
@@ -679,6 +707,10 @@ def run(args: CheckArgs) -> int:
     with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
         captured = list(pool.map(_capture_job, [(t, 1000 + i, args.kernels) for i, t in enumerate(args.targets)]))
         tasks = _tasks(args.targets, [launches for launches, _ in captured])
+        if args.sample:
+            every = len(tasks)
+            tasks = sampled(tasks)
+            print(f"--sample: {len(tasks)} of {every} compile tasks", flush=True)
         print(f"{sum(map(len, tasks))} configurations on {len(args.targets)} targets, {len(tasks)} compile tasks, "
               f"{args.jobs} processes", flush=True)
         results = [r for _, r in sorted((x for done in pool.map(_check_task, tasks) for x in done),

@@ -81,9 +81,13 @@ def test_non_contiguous_x_cpu():
     torch.testing.assert_close(torch.ops.redline.linear(x, w), F.linear(x.contiguous(), w))
     q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
     s = torch.rand(32)
-    # The CPU kernel sums in fp32 in its own order (blocks of inputs across SIMD lanes): float32 rounding apart.
-    torch.testing.assert_close(torch.ops.redline.int8_linear(x, q, s), int8_linear_reference(x.contiguous(), q, s),
-                               rtol=1e-4, atol=1e-5)
+    # The CPU kernel sums in fp32 in its own order (blocks of inputs across SIMD lanes, whose width depends on the
+    # CPU): apart by at most the bound of K-term float32 sums, K * eps * sum |x_i q_i| * s.
+    out = torch.ops.redline.int8_linear(x, q, s)
+    ref = int8_linear_reference(x.contiguous(), q, s)
+    bound = 64 * torch.finfo(torch.float32).eps * (x.abs() @ q.float().abs().T) * s
+    assert ((out - ref).abs() <= bound).all(), ((out - ref).abs() / bound).max()
+    assert ((out - ref).abs() <= bound / 4).float().mean() > 0.9  # most far within it
 
 
 def test_gemv_supported_is_false_on_cpu():

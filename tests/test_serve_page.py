@@ -100,8 +100,11 @@ def test_a_message_gets_the_streamed_greedy_reply(browser, served):
 
 
 def test_stop_ends_a_reply_midway(browser, served):
-    url, _, engine = served
-    open_page(browser, url, "1.0", "400")
+    url, llm, engine = served
+    # Greedy, so the reply is known to run long (a sampled one may end at once, before the page shows it streaming).
+    messages = [{"role": "user", "content": "Tell me a long story"}]
+    assert len(llm.generate(llm.chat_prompt(messages), max_new_tokens=100, temperature=0.0).token_ids) == 100
+    open_page(browser, url, "0", "200")  # the tiny model's context is 256 tokens
     engine.piece_delay_s = 0.05
     before = aborted(url)
     try:
