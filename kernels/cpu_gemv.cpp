@@ -6,7 +6,8 @@
 //       y[m, n] = (sum_k x[m, k] * weight[n, k]) * scales[n]
 //   redline_cpu::int4_linear(x (..., K), weight uint8 (N, K/2), scales fp16 (N, K/G, 2)) -> (..., N)
 //       quantize.py's layout: input k of row n in byte k / 2 (even k in the low nibble), w = scale * q + offset
-//       per (row, group of G inputs); y[m, n] = sum_g sum_{k in g} x[m, k] (scale q[n, k]) + offset * sum_{k in g} x
+//       per (row, group of G inputs); y[m, n] = sum_g scale sum_{k in g} x[m, k] q[n, k] + offset * sum_{k in g} x,
+//       the inner sums on x's int16 codes per block of 32 inputs (exact integer products; cpu_gemv_simd.h)
 //   redline_cpu::int8_group_linear(x (..., K), weight int8 (N, K), scales fp16 (N, K/G)) -> (..., N)
 //       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k]   (the exact form of a Q8_0 table)
 //   redline_cpu::simd() -> int            the instruction set the kernels run now: 0 portable, 1 AVX2, 2 AVX-512
@@ -28,7 +29,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -358,13 +361,24 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int64_t groups = scales.size(1), group = k / groups;
   auto [x2, shape] = rows_of(x, k, n);
   const int64_t m = x2.size(0);
-  // x split into its even and odd inputs (one per nibble), and each group's sum of x (for the offsets).
-  std::vector<float> even(m * half), odd(m * half), xsum(m * groups);
+  // x as int16 codes per block of 32 inputs (its 16 even inputs, then its 16 odd ones: one per nibble) with one step
+  // per block, and each group's exact sum of x (for the offsets).
+  const int64_t blocks = k / 32;
+  std::vector<int16_t> xq(m * k);
+  std::vector<float> dx(m * blocks), xsum(m * groups);
   const float* xp = x2.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < half; ++j) {
-      even[i * half + j] = xp[i * k + 2 * j];
-      odd[i * half + j] = xp[i * k + 2 * j + 1];
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = xp + i * k + b * 32;
+      float top = 0.f;
+      for (int64_t j = 0; j < 32; ++j) top = std::max(top, std::fabs(xb[j]));
+      const float step = top / 32767.f, inverse = top > 0.f ? 32767.f / top : 0.f;
+      dx[i * blocks + b] = step;
+      int16_t* qb = xq.data() + i * k + b * 32;
+      for (int64_t j = 0; j < 16; ++j) {
+        qb[j] = static_cast<int16_t>(std::nearbyint(xb[2 * j] * inverse));
+        qb[16 + j] = static_cast<int16_t>(std::nearbyint(xb[2 * j + 1] * inverse));
+      }
     }
     for (int64_t g = 0; g < groups; ++g) {
       float total = 0.f;
@@ -376,15 +390,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = out.data_ptr<float>();
-  const float *ep = even.data(), *op = odd.data(), *gp = xsum.data();
+  const int16_t* qp = xq.data();
+  const float *dp = dx.data(), *gp = xsum.data();
   const int64_t level = simd();
   if (m > 0) {
     claimed_rows(n, m, k, half, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86
-      if (level == AVX512) return avx512::int4_rows(ep, op, gp, m, half, groups, wp, sp, yp, n, r0, r1);
-      if (level == AVX2) return avx2::int4_rows(ep, op, gp, m, half, groups, wp, sp, yp, n, r0, r1);
+      if (level == AVX512) return avx512::int4_rows(qp, dp, gp, m, k, groups, wp, sp, yp, n, r0, r1);
+      if (level == AVX2) return avx2::int4_rows(qp, dp, gp, m, k, groups, wp, sp, yp, n, r0, r1);
 #endif
-      portable::int4_rows(ep, op, gp, m, half, groups, wp, sp, yp, n, r0, r1);
+      portable::int4_rows(qp, dp, gp, m, k, groups, wp, sp, yp, n, r0, r1);
     });
   }
   return finish(out, x, shape);

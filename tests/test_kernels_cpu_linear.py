@@ -26,6 +26,13 @@ MAX_LAYER_REL_ERROR = 0.01
 INT4_BOUNDS = {32: 0.085, 64: 0.095, 128: 0.105, 256: 0.115}
 # Relative error of the op against its reference: fp32 sums in another order, then one rounding to x's dtype.
 OP_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# The int4 kernel's products on x's int16 codes per block of 32 inputs (half a step, 1/65534 of the block's largest
+# |x|, per input): 2-6e-5 relative on random x and quantize.py's weights, within this bound.
+INT4_ACTIVATION_TOLERANCE = 1e-4
+
+
+def int4_tolerance(dtype: torch.dtype) -> float:
+    return max(OP_TOLERANCE[dtype], INT4_ACTIVATION_TOLERANCE)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -57,9 +64,9 @@ def test_int4_linear_cpu_matches_reference(rows, n, k, group, dtype):
     x = torch.randn(2, rows, k).to(dtype)
     out = torch.ops.redline.int4_linear(x, w, sz)
     assert out.shape == (2, rows, n) and out.dtype == dtype and out.is_contiguous()
-    assert rel_err(out, int4_linear_reference(x, w, sz).float()) <= OP_TOLERANCE[dtype]
+    assert rel_err(out, int4_linear_reference(x, w, sz).float()) <= int4_tolerance(dtype)
     exact = x.double() @ dequantize_int4(w, sz).double().T
-    assert rel_err(out, exact) <= OP_TOLERANCE[dtype]
+    assert rel_err(out, exact) <= int4_tolerance(dtype)
 
 
 def test_gemv_reads_the_layout_of_quantize_py():
@@ -73,7 +80,14 @@ def test_gemv_reads_the_layout_of_quantize_py():
     sz[0, 1, 1] = 3.0  # an offset: every input of row 0's second group adds 3 * x
     x = torch.arange(1, k + 1, dtype=torch.float32)[None]  # x[i] = i + 1
     out = torch.ops.redline.int4_linear(x, w, sz)[0]
-    assert out.tolist() == [3.0 * sum(range(33, 65)), 0.5 * 15 * 6, 0.125 * 7 * 41]
+    # x's int16 codes per block of 32 inputs round each input by up to half a step (1/65534 of the block's largest
+    # |x|), and the kernel multiplies them by the centred codes (q - 8): per output at most
+    # sum over inputs of 8 |scale| max|x of the block| / 65534.
+    scale = sz[..., 0].float().repeat_interleave(group, dim=1)  # (n, k)
+    block_max = x.view(-1, 32).abs().amax(dim=1).repeat_interleave(32)  # (k,)
+    bound = (8 * scale.abs() * block_max / 65534).sum(dim=1)
+    want = torch.tensor([3.0 * sum(range(33, 65)), 0.5 * 15 * 6, 0.125 * 7 * 41])
+    assert ((out - want).abs() <= bound).all(), (out, want, bound)
 
 
 def test_cpu_paths_within_the_quantization_bounds():
@@ -205,9 +219,10 @@ def test_a_quantized_models_q8_0_head_reads_its_int8_form():
     with torch.no_grad():
         for m in (reference, fast):
             m.setup_caches(1, 32)
-        torch.testing.assert_close(fast(ids, torch.arange(12)), reference(ids, torch.arange(12)), rtol=1e-4, atol=1e-4)
+        # The int4 layers read x as int16 codes (INT4_ACTIVATION_TOLERANCE): the logits agree to 1e-3.
+        torch.testing.assert_close(fast(ids, torch.arange(12)), reference(ids, torch.arange(12)), rtol=1e-3, atol=1e-3)
         want = reference(ids[:, :1], torch.tensor([12]))
-        torch.testing.assert_close(fast(ids[:, :1], torch.tensor([12])), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(fast(ids[:, :1], torch.tensor([12])), want, rtol=1e-3, atol=1e-3)
 
 
 # -- every instruction-set path, forced one at a time --------------------------------------------------------------
@@ -261,7 +276,8 @@ def test_every_simd_path_matches_the_references(simd, kernel_threads):
             x = torch.randn(m, k)
             packed, sz = quantize_int4(torch.randn(n, k), group)
             want = x.double() @ dequantize_int4(packed, sz).double().T
-            assert rel_err(torch.ops.redline_cpu.int4_linear(x, packed, sz), want) < 5e-6, (m, n, k, group)
+            assert rel_err(torch.ops.redline_cpu.int4_linear(x, packed, sz), want) < INT4_ACTIVATION_TOLERANCE, \
+                (m, n, k, group)
     for m, n, k in random_shapes(7, 4, multiple=32):
         x = torch.randn(m, k)
         codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
