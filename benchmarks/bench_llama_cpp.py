@@ -1,7 +1,7 @@
 """Redline and llama.cpp side by side on the CPU: the same GGUF file, the same threads, alternating in one process.
 
 python -m redline.benchmarks.bench_llama_cpp [--gguf FILE] [--rounds 5] [--tokens 128] [--threads 2] [--busy 1]
-    [--out FILE.json]
+    [--compiled] [--out FILE.json]
 
 llama.cpp runs through llama-cpp-python (`pip install redline[llamacpp]`; build it with CMAKE_ARGS="-DGGML_NATIVE=ON"
 for this CPU's instructions). Redline runs through its documented path, `LLM.load(path, device="cpu",
@@ -11,6 +11,8 @@ runs it as the native Q4_1 import (int4 g32, no re-quantizing) and as its float3
 Every round runs each engine once, greedy, --tokens new tokens from the same prompt (llama.cpp's prompt cache reset
 first), and records decode tok/s (tokens after the first over the time after the first), prefill tok/s (prompt
 tokens over the time to the first token) and the 1-minute load average at that moment. Medians over the rounds.
+With --compiled, each Redline checkpoint also runs with its decode step compiled (LLM.load(..., compile=True):
+torch.compile's CPU backend; the compile happens in the warm-up, outside the rates, and its seconds are recorded).
 With --busy N, the rounds run again with N CPU-bound processes on the same cores, and the table adds each engine's
 decode rate there as a share of its own idle rate (the same run).
 """
@@ -66,15 +68,15 @@ def llama_cpp_runner(gguf: Path, threads: int, tokens: int) -> Callable[[], dict
     return once
 
 
-def redline_runner(path: Path, threads: int, tokens: int) -> Callable[[], dict[str, float]]:
+def redline_runner(path: Path, threads: int, tokens: int, compile: bool = False) -> Callable[[], dict[str, float]]:
     from redline.generate import LLM
 
-    llm = LLM.load(path, device="cpu", threads=threads)
+    llm = LLM.load(path, device="cpu", threads=threads, compile=compile)
 
     def once() -> dict[str, float]:
         stats = llm.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True).stats
         return {"decode_tok_s": stats.decode_tok_s, "prefill_tok_s": stats.prefill_tok_s,
-                "new_tokens": stats.new_tokens}
+                "new_tokens": stats.new_tokens, "compile_s": stats.compile_s}
 
     return once
 
@@ -99,15 +101,19 @@ def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def run(gguf: Path, redline_paths: dict[str, Path], rounds_n: int, tokens: int, threads: int,
-        busy: int) -> dict[str, Any]:
+        busy: int, compiled: bool = False) -> dict[str, Any]:
     runners = {"llama.cpp": llama_cpp_runner(gguf, threads, tokens)}
     runners.update({f"redline {name}": redline_runner(p, threads, tokens) for name, p in redline_paths.items()})
-    for once in runners.values():  # warm-up: pages touched, kernels built
-        once()
+    if compiled:
+        runners.update({f"redline {name}, compiled": redline_runner(p, threads, tokens, compile=True)
+                        for name, p in redline_paths.items()})
+    # Warm-up: pages touched, kernels built, decode steps compiled (their seconds recorded).
+    warm_up = {name: once() for name, once in runners.items()}
     idle = {name: summary(r) for name, r in rounds(runners, rounds_n).items()}
     result: dict[str, Any] = {"gguf": str(gguf), "cpu": cpu_name(), "instruction_sets": cpu_instruction_sets(),
                               "threads": threads, "new_tokens": tokens, "rounds": rounds_n, "prompt": PROMPT,
-                              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "idle": idle}
+                              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "idle": idle,
+                              "compile_s": {name: w["compile_s"] for name, w in warm_up.items() if "compile_s" in w}}
     if busy:
         hogs = busy_processes(busy)
         try:
@@ -147,6 +153,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
     p.add_argument("--threads", type=int, default=None, help="threads for both engines (default: the physical cores)")
     p.add_argument("--busy", type=int, default=0, help="then repeat with this many CPU-bound processes running")
+    p.add_argument("--compiled", action="store_true", help="also run each Redline checkpoint with its decode compiled")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ns = p.parse_args(argv)
     if ns.rounds < 1 or ns.tokens < 2 or ns.busy < 0 or (ns.threads is not None and ns.threads < 1):
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     try:
         gguf, paths = redline_checkpoints(ns.gguf)
-        result = run(gguf, paths, ns.rounds, ns.tokens, ns.threads or physical_cores(), ns.busy)
+        result = run(gguf, paths, ns.rounds, ns.tokens, ns.threads or physical_cores(), ns.busy, ns.compiled)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
