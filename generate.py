@@ -332,13 +332,15 @@ class LLM:
             return self._engine
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
-                       options: GenerationOptions | Sequence[GenerationOptions] | None = None,
+                       options: GenerationOptions | Sequence[GenerationOptions] | None = None, *,
+                       images: Sequence[Sequence[Any] | None] | None = None,
                        **settings: Any) -> list[GenerationResult]:
         """Generate for many prompts at once through the engine; results in input order. `options` is one
-        GenerationOptions for all or a list with one per prompt; keywords override fields as in generate."""
+        GenerationOptions for all or a list with one per prompt; keywords override fields as in generate.
+        images: for each prompt, its images (as generate takes them) or None."""
         from redline.engine.client import generate_all
 
-        return generate_all(self.engine, prompts, options, settings)
+        return generate_all(self.engine, prompts, options, settings, images)
 
 
 def split_image_parts(messages: Any) -> tuple[Any, list[Any]]:

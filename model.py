@@ -290,13 +290,15 @@ class PagedKVCache:
         self.rope_local = rope_table(args, args.block_size, device, local=True) if local else self.rope[:0]
         self.num_pages, self.page_size = num_pages, page_size
         self.ops = ops
+        self.args = args
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                             seq_lens: Tensor, scale: float,
                             host_lens: tuple[list[int], list[int]] | None = None,
                             singles: tuple[Tensor, Tensor] | None = None, window: int = 0,
-                            softcap: float = 0.0) -> Tensor:
+                            softcap: float = 0.0,
+                            spans: tuple[tuple[tuple[int, int], ...], ...] | None = None) -> Tensor:
     """Attention of the flattened queries q (T, H, D) of S sequences over their pages; the reference of
     redline::paged_prefill_attention. k_cache, v_cache (num_pages, page_size, Hkv, D); block_tables (S, max_pages),
     cu_seqlens_q (S + 1,) and seq_lens (S,) int32. Query j of sequence s sits at position seq_lens[s] - q_len + j
@@ -305,7 +307,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     host_lens: the query and key counts per sequence as lists, when the caller has them (else read from the
     device). Sequences with one query (decode rows) go through paged_decode_attention together, the others one by
     one; singles: those sequences' indices and their query rows (B,) each, when the caller has them on the device.
-    window > 0: a query sees only the last `window` positions up to its own; softcap as in attention()."""
+    window > 0: a query sees only the last `window` positions up to its own; softcap as in attention(). spans: per
+    sequence, [start, end) position ranges whose queries see all their keys (an image's tokens, Gemma 3)."""
     q_lens, k_lens = host_lens if host_lens is not None else (cu_seqlens_q.diff().tolist(), seq_lens.tolist())
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -329,6 +332,9 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         q_pos = torch.arange(n_keys - (end - begin), n_keys, device=q.device)  # (Q,)
         key_pos = torch.arange(n_keys, device=q.device).unsqueeze(0)  # (1, K)
         mask = key_pos <= q_pos.unsqueeze(1)  # (Q, K)
+        for first, last in spans[s] if spans is not None else ():  # an image's tokens see each other
+            inside = (q_pos >= first) & (q_pos < last)  # (Q,)
+            mask = mask | (inside.unsqueeze(1) & (key_pos >= first) & (key_pos < last))
         if window:
             mask = mask & (key_pos > q_pos.unsqueeze(1) - window)
         queries = q[begin:end].transpose(0, 1)  # (H, Q, D)
@@ -372,6 +378,7 @@ class PagedContext:
     host_lens: tuple[list[int], list[int]] | None = None  # query and key counts per sequence, on the host
     singles: tuple[Tensor, Tensor] | None = None  # the one-query sequences and their rows (B,), on the device
     layer: int = 0  # the layer whose pages attend() uses; Transformer.forward sets it
+    images: PagedImages | None = None  # the images of prompt chunks in this step (their embeddings, positions, mask)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, scale: float = 0.0, window: int = 0,
                softcap: float = 0.0) -> Tensor:
@@ -382,7 +389,8 @@ class PagedContext:
         k_cache.index_put_((page, offset), k)
         v_cache.index_put_((page, offset), v)
         scale = scale or q.shape[-1] ** -0.5
-        if self.kv.ops is not None and not softcap:
+        spans = self.images.spans if self.images is not None else None
+        if self.kv.ops is not None and not softcap and spans is None:
             prefill, decode = self.kv.ops
             if self.decode:
                 return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window)
@@ -391,7 +399,22 @@ class PagedContext:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window,
                                           softcap)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-                                       scale, self.host_lens, self.singles, window, softcap)
+                                       scale, self.host_lens, self.singles, window, softcap, spans)
+
+
+@dataclass(frozen=True)
+class PagedImages:
+    """The images of a paged step's prompt chunks (the engine builds it from each request's PromptImages): their
+    embeddings replace the token embeddings of some rows of the step, Qwen2.5-VL's M-RoPE rows replace the rope of
+    the prompt rows, and Gemma 3's image tokens see each other both ways. Steps with `spans` run model.py's
+    reference attention, which takes the mask (the paged kernels are causal only)."""
+
+    embeds: Tensor  # (M, dim) image token embeddings
+    rows: Tensor  # (M,) the step's rows (of N) they go to
+    rope_rows: Tensor | None = None  # (R,) rows whose rope is M-RoPE
+    rope: Tensor | None = None  # (R, 2, Dr/2) fp32, those rows' M-RoPE tables
+    spans: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per sequence of the step: [start, end) positions
+    # of each image whose tokens see each other (Gemma 3); None: causal everywhere
 
 
 @dataclass(frozen=True)
@@ -683,6 +706,11 @@ class Transformer(nn.Module):
             x = x * torch.tensor(self.args.embedding_scale, dtype=self.cache_dtype).item()
         rope = context.kv.rope[context.positions]  # (N, 2, Dr/2)
         rope_local = context.kv.rope_local[context.positions] if context.kv.rope_local.numel() else rope
+        images = context.images
+        if images is not None:
+            x = x.index_copy(1, images.rows, images.embeds.to(x.dtype).unsqueeze(0))
+            if images.rope is not None:
+                rope = rope.index_copy(0, images.rope_rows, images.rope)
         for i, layer in enumerate(self.layers):
             context.layer = i
             x = layer(x, rope_local if layer.attention.window else rope, None, context.positions, False, context)

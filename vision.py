@@ -368,8 +368,7 @@ class QwenVision(nn.Module):
         return list(tokens.split([t * h * w // self.args.merge_size ** 2 for t, h, w in grids]))
 
     def token_count(self, image: Image.Image) -> int:
-        rows, cols = merged_grid(self, image)
-        return rows * cols
+        return image_token_count(self.args, image)
 
 
 VisionTower = Gemma3Vision | QwenVision
@@ -386,43 +385,62 @@ def vision_tower(args: VisionArgs) -> VisionTower:
 def prompt_images(tower: VisionTower, ids: list[int], images: list[Image.Image]) -> tuple[list[int], PromptImages]:
     """The prompt `ids` with each placeholder token (one per image, in order) expanded into its image's run of
     tokens, and what the prefill needs of the images (model.PromptImages), on the tower's device."""
-    a = tower.args
+    out, runs = expanded_prompt(tower.args, ids, [image_token_count(tower.args, image) for image in images])
+    embeds = tower.encode(images) if images else []
+    device = embeds[0].device if embeds else torch.device("cpu")
+    return out, prompt_media(tower.args, len(out), runs, images, embeds, device)
+
+
+def expanded_prompt(a: VisionArgs, ids: list[int], counts: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The prompt `ids` with its placeholders (one per image, in order) expanded into runs of `counts[i]` image
+    tokens (wrapped in the family's prefix and suffix), and each run's (start, count) in the expanded prompt."""
     count = sum(1 for t in ids if t == a.placeholder_id)
-    if count != len(images):
-        raise ValueError(f"the prompt holds {count} image placeholders (token {a.placeholder_id}) but {len(images)} "
+    if count != len(counts):
+        raise ValueError(f"the prompt holds {count} image placeholders (token {a.placeholder_id}) but {len(counts)} "
                          f"images came with it; give one image per placeholder")
     if any(t == a.image_token_id for t in ids) and a.image_token_id != a.placeholder_id:
         raise ValueError(f"the prompt holds the image token {a.image_token_id} itself; mark each image with the "
                          f"placeholder {a.placeholder_id} instead")
-    embeds = tower.encode(images) if images else []
     out: list[int] = []
     runs: list[tuple[int, int]] = []  # (start, length) of each image's tokens in `out`
-    image = 0
     for token in ids:
         if token != a.placeholder_id:
             out.append(token)
             continue
         out.extend(a.image_prefix)
-        runs.append((len(out), embeds[image].shape[0]))
-        out.extend([a.image_token_id] * embeds[image].shape[0])
+        runs.append((len(out), counts[len(runs)]))
+        out.extend([a.image_token_id] * counts[len(runs) - 1])
         out.extend(a.image_suffix)
-        image += 1
-    device = embeds[0].device if embeds else torch.device("cpu")
+    return out, runs
+
+
+def image_token_count(a: VisionArgs, image: Image.Image) -> int:
+    """How many tokens an image takes in the prompt."""
+    if a.family == "gemma3":
+        return a.tokens_per_image
+    rows, cols = merged_grid_of(a, image)
+    return rows * cols
+
+
+def prompt_media(a: VisionArgs, length: int, runs: list[tuple[int, int]], images: list[Image.Image],
+                 embeds: list[Tensor], device: torch.device | str) -> PromptImages:
+    """What a prefill of a prompt of `length` tokens needs of its images, whose tokens lie at `runs` (start, count)
+    and whose embeddings are `embeds` (one (count, out_dim) tensor each): the embeddings and their slots, and the
+    M-RoPE positions (Qwen2.5-VL) or each token's image for the bidirectional attention (Gemma 3)."""
     slots = torch.cat([torch.arange(s, s + n) for s, n in runs]) if runs else torch.empty(0, dtype=torch.long)
-    slots = slots.to(device)  # (N,)
     joined = torch.cat(embeds) if embeds else torch.empty(0, a.out_dim)
     if a.family == "gemma3":
-        groups = torch.full((len(out),), -1, dtype=torch.long)
+        groups = torch.full((length,), -1, dtype=torch.long)
         for i, (s, n) in enumerate(runs):
             groups[s:s + n] = i
-        return out, PromptImages(joined, slots, groups=groups.to(device))
-    merged = [merged_grid(tower, img) for img in images]
-    return out, PromptImages(joined, slots, rope_positions=mrope_positions(len(out), runs, merged).to(device))
+        return PromptImages(joined, slots.to(device), groups=groups.to(device))
+    grids = [merged_grid_of(a, image) for image in images]
+    return PromptImages(joined, slots.to(device), rope_positions=mrope_positions(length, runs, grids).to(device))
 
 
-def merged_grid(tower: QwenVision, image: Image.Image) -> tuple[int, int]:
-    """The image's token grid (rows, columns) after merging."""
-    a, p = tower.args, tower.args.processing
+def merged_grid_of(a: VisionArgs, image: Image.Image) -> tuple[int, int]:
+    """A Qwen2.5-VL image's token grid (rows, columns) after merging."""
+    p = a.processing
     h, w = fitted_size(image.height, image.width, a.patch_size * a.merge_size, p.min_pixels, p.max_pixels)
     return h // (a.patch_size * a.merge_size), w // (a.patch_size * a.merge_size)
 
@@ -489,6 +507,22 @@ def copy_vision_file(source: Path, target: Path) -> None:
 
     data = vision_path(source).read_bytes()
     write_atomically(vision_path(target), lambda tmp: tmp.write_bytes(data))
+
+
+def read_vision_args(checkpoint: Path) -> VisionArgs | None:
+    """The VisionArgs in the metadata of the vision file beside a checkpoint file (no tensor is read); None when the
+    checkpoint has none. A front end reads them to expand a prompt's images without loading the tower."""
+    from safetensors import SafetensorError, safe_open
+
+    path = vision_path(Path(checkpoint))
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return VisionArgs.from_dict(json.loads(meta["redline_vision"]))
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable Redline vision file ({exc}); re-convert the checkpoint") from None
 
 
 def load_vision_tower(checkpoint: Path, device: torch.device | str, dtype: torch.dtype) -> VisionTower | None:

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 
 from redline.engine.core import EngineCore, EngineSettings
 from redline.grammar import GrammarCompiler
-from redline.engine.messages import CoreOutput, CoreRequest
+from redline.engine.images import image_inputs
+from redline.engine.messages import CoreOutput, CoreRequest, ImageInput
 from redline.engine.requests import (EngineFull, EngineStats, Limits, RequestHandle, RequestOutput, Waiter,
                                      check_request, wake)
 from redline.options import GenerationOptions, GenerationResult, GenerationStats, prompt_token_ids, resolve_options
@@ -56,8 +57,11 @@ class EngineClient:
     ids; by default prompts must be token ids."""
 
     def __init__(self, link: Link, limits: Limits, tokenizer: Any = None,
-                 encode: Callable[[Any], list[int]] | None = None, max_queue: int | None = None) -> None:
+                 encode: Callable[[Any], list[int]] | None = None, max_queue: int | None = None,
+                 vision: Any = None) -> None:
+        """vision: the model's vision.VisionArgs, for prompts with images (None: images are refused)."""
         self.link, self.limits, self.tokenizer, self.max_queue = link, limits, tokenizer, max_queue
+        self.vision = vision
         self.encode = encode if encode is not None else prompt_token_ids
         self._live: dict[str, Live] = {}
         self._lock = threading.Lock()
@@ -81,14 +85,17 @@ class EngineClient:
         with self._lock:
             return self.max_queue - sum(not r.got_first for r in self._live.values())
 
-    def check_request(self, prompt: str | Sequence[int], options: GenerationOptions | None) -> tuple[
-            list[int], GenerationOptions]:
-        """The prompt's token ids and the options, validated; ValueError in one line otherwise."""
-        ids = self.encode(prompt)
-        return ids, check_request(ids, options, self.limits)
+    def check_request(self, prompt: str | Sequence[int], options: GenerationOptions | None,
+                      images: Sequence[Any] | None = None) -> tuple[list[int], GenerationOptions, list[ImageInput]]:
+        """The prompt's token ids (each image placeholder expanded into its image's tokens), the options and the
+        images as they travel to the core, validated; ValueError in one line otherwise. images: one per image
+        placeholder of the prompt, each a PIL image or the bytes of a PNG, JPEG, WebP or GIF file."""
+        ids, inputs = image_inputs(self.vision, self.encode(prompt), images)
+        return ids, check_request(ids, options, self.limits), inputs
 
-    def add_request(self, prompt: str | Sequence[int], options: GenerationOptions | None = None) -> RequestHandle:
-        ids, options = self.check_request(prompt, options)
+    def add_request(self, prompt: str | Sequence[int], options: GenerationOptions | None = None,
+                    images: Sequence[Any] | None = None) -> RequestHandle:
+        ids, options, inputs = self.check_request(prompt, options, images)
         eos = [] if options.ignore_eos or self.tokenizer is None else list(self.tokenizer.eos_ids)
         s = options.sampling
         with self._lock:
@@ -102,7 +109,7 @@ class EngineClient:
         self.link.add(CoreRequest(request_id, ids, min(options.max_new_tokens, self.limits.block_size - len(ids)),
                                   float(s.temperature), s.top_k, s.top_p, options.seed, eos, bool(options.logprobs),
                                   int(options.top_logprobs), bool(options.prompt_logprobs),
-                                  options.grammar.text if options.grammar is not None else None))
+                                  options.grammar.text if options.grammar is not None else None, inputs))
         return handle
 
     def abort(self, handle: RequestHandle) -> None:
@@ -194,8 +201,10 @@ class Engine(EngineClient):
     def __init__(self, llm: Any, settings: EngineSettings | None = None, **fields: Any) -> None:
         settings = settings if settings is not None else EngineSettings(**fields)
         grammars = GrammarCompiler(llm.tokenizer, llm.runner.model.args.vocab_size) if llm.tokenizer else None
-        self.core = EngineCore(llm.runner, settings, self._receive_later, grammars)
-        super().__init__(LocalLink(self.core), self.core.limits, llm.tokenizer, text_prompts(llm), settings.max_queue)
+        vision = getattr(llm, "vision", None)
+        self.core = EngineCore(llm.runner, settings, self._receive_later, grammars, vision)
+        super().__init__(LocalLink(self.core), self.core.limits, llm.tokenizer, llm.encode_prompt, settings.max_queue,
+                         vision.args if vision is not None else None)
 
     @classmethod
     def of_runner(cls, runner: Any, settings: EngineSettings) -> Engine:
@@ -231,23 +240,6 @@ class Engine(EngineClient):
             yield
 
 
-def text_prompts(llm: Any) -> Callable[[Any], list[int]]:
-    """llm.encode_prompt, refusing a prompt that marks an image (the batching engine does not take images yet)
-    rather than running the placeholder as text."""
-    vision = getattr(llm, "vision", None)
-    if vision is None:
-        return llm.encode_prompt
-
-    def encode(prompt: Any) -> list[int]:
-        ids = llm.encode_prompt(prompt)
-        if vision.args.placeholder_id in ids:
-            raise ValueError(f"the prompt holds image placeholders (token {vision.args.placeholder_id}), but the "
-                             f"batching engine does not take images yet; use LLM.generate(prompt, images=[...])")
-        return ids
-
-    return encode
-
-
 @dataclass
 class _Bare:
     """A runner with no tokenizer, in the shape Engine reads an LLM."""
@@ -259,20 +251,27 @@ class _Bare:
 
 def generate_all(engine: EngineClient, prompts: Sequence[str | Sequence[int]],
                  options: GenerationOptions | Sequence[GenerationOptions] | None,
-                 settings: dict[str, Any]) -> list[GenerationResult]:
-    """LLM.generate_batch: every request checked before any starts, then all run together; results in input order."""
+                 settings: dict[str, Any], images: Sequence[Sequence[Any] | None] | None = None
+                 ) -> list[GenerationResult]:
+    """LLM.generate_batch: every request checked before any starts, then all run together; results in input order.
+    images: one list (or None) per prompt."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
         raise ValueError("prompts must be a list of strings or token-id lists; for one prompt use LLM.generate")
+    if images is None:
+        images = [None] * len(prompts)
+    elif not isinstance(images, Sequence) or len(images) != len(prompts):
+        raise ValueError(f"images must hold one list (or None) per prompt, {len(prompts)} in all")
     if isinstance(options, Sequence):
         if len(options) != len(prompts):
             raise ValueError(f"{len(options)} options for {len(prompts)} prompts; pass one per prompt, or one")
         per_prompt = [resolve_options(o, settings) for o in options]
     else:
         per_prompt = [resolve_options(options, settings)] * len(prompts)
-    for i, (prompt, opts) in enumerate(zip(prompts, per_prompt)):
+    for i, (prompt, opts, pictures) in enumerate(zip(prompts, per_prompt, images)):
         try:
-            engine.check_request(prompt, opts)
+            engine.check_request(prompt, opts, pictures)
         except ValueError as exc:
             raise ValueError(f"prompt {i}: {exc}") from None
-    handles = [engine.add_request(prompt, opts) for prompt, opts in zip(prompts, per_prompt)]
+    handles = [engine.add_request(prompt, opts, pictures)
+               for prompt, opts, pictures in zip(prompts, per_prompt, images)]
     return [handle.result() for handle in handles]

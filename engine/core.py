@@ -24,6 +24,8 @@ from torch import Tensor
 from redline import tensor_parallel
 from redline.engine.batch import Chunk
 from redline.engine.batch import Sequence as Seq
+from redline.engine.images import encode_images, seq_images
+from redline.engine.images import refusal as image_refusal
 from redline.engine.kv_pages import PagePool, pool_pages
 from redline.engine.messages import CoreOutput, CoreRequest
 from redline.engine.requests import EngineStats, Limits
@@ -117,11 +119,12 @@ class EngineCore:
     CoreOutput)`, called from the engine's thread (keep it short: hand them on)."""
 
     def __init__(self, runner: Any, settings: EngineSettings, sink: Callable[[list[CoreOutput]], None],
-                 grammars: Any = None) -> None:
+                 grammars: Any = None, vision: Any = None) -> None:
         """grammars: a grammar.GrammarCompiler over the model's tokenizer, for requests with a grammar (None: they
-        are refused)."""
+        are refused). vision: the model's vision tower (vision.py), for requests with images (None: refused)."""
         self.runner, self.settings, self.sink = runner, settings, sink
         self.grammars = grammars
+        self.vision = vision
         if grammars is not None:
             grammars.warm()  # its llguidance tokenizer, built off this thread before the first grammar request
         self.min_step_s = settings.min_step_s  # may be changed while it runs (a test catching a stream)
@@ -243,13 +246,14 @@ class EngineCore:
         seed = request.seed if request.seed is not None else int(torch.randint(0, SEED_LIMIT - 1, ()).item())
         try:
             matcher = self._matcher(request)
+            images = seq_images(self.vision.args, request.prompt, request.images) if request.images else None
         except ValueError as exc:
             self.sink([CoreOutput(request.request_id, [], finish_reason="error", error=str(exc),
                                   prompt_tokens=len(request.prompt))])
             return
         state = RequestState(request, max_new, seed, self.vocab_size, matcher)
         seq = Seq(request.request_id, list(request.prompt), len(request.prompt), max_new,
-                  use_prefix_cache=not request.prompt_logprobs, state=state)
+                  use_prefix_cache=not request.prompt_logprobs, state=state, images=images)
         with self._lock:
             if self._closing:
                 self.sink([CoreOutput(request.request_id, [], finish_reason="error",
@@ -284,7 +288,8 @@ class EngineCore:
             return f"seed must lie in 0..{SEED_LIMIT - 1}"
         if not 0 <= request.top_logprobs <= 20:
             return "top_logprobs must lie in 0..20"
-        return None
+        return image_refusal(self.vision.args if self.vision is not None else None, request.images,
+                             self.paged.ranks is not None)
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         with self._lock:
@@ -477,6 +482,8 @@ class EngineCore:
         """Run the model on chunks eagerly; the sampled token of each sampling chunk and its logprob extras."""
         wants_prompt = {i for i, c in enumerate(chunks)
                         if c.seq.state.prompt_logprobs is not None and c.start < c.seq.prompt_len}
+        if self.vision is not None:  # the tower runs once per request, over every request whose prefill starts now
+            encode_images(self.vision, [c.seq for c in chunks if c.start < c.seq.prompt_len])
         logits, prompt_rows, sample_rows = self.paged.step(chunks, wants_prompt)
         self._deliver()  # while the device runs the step
         for i, (begin, end) in prompt_rows.items():
@@ -504,6 +511,8 @@ class EngineCore:
     def _graph_step(self, chunks: list[Chunk]) -> bool:
         """Whether this step runs as a captured decode graph: decode rows only, no logprobs asked for."""
         if not self.paged.fits_graph(len(chunks)):
+            return False
+        if any(c.seq.images is not None and c.start < c.seq.prompt_len for c in chunks):  # a prompt token of images
             return False
         return all(c.length == 1 and c.samples and not (c.seq.state.request.logprobs
                                                         or c.seq.state.request.top_logprobs) for c in chunks)

@@ -11,7 +11,7 @@ import hashlib
 import os
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,10 +30,14 @@ CPU_DEFAULT_CONTEXTS = 4
 CPU_MEMORY_SHARE = 0.5
 
 
-def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The key of a full page: a hash of the key of the page before it (b"" for the first) and its tokens."""
+def page_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """The key of a full page: a hash of the key of the page before it (b"" for the first), its tokens, and
+    `extra`: the content hashes of the images whose tokens it holds (their ids are placeholders, the same for any
+    picture)."""
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(struct.pack(f"<{len(tokens)}q", *tokens))  # each id as 8 little-endian bytes
+    if extra:
+        digest.update(extra)
     return digest.digest()
 
 
@@ -150,14 +154,17 @@ class PagePool:
                 else:
                     self.free.append(page)
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[bytes]]:
+    def match_prefix(self, tokens: Sequence[int], root: bytes = b"",
+                     extra: Callable[[int, int], bytes] | None = None) -> tuple[list[int], list[bytes]]:
         """The cached pages that hold the longest keyed prefix of tokens, each now held once more, and their keys.
-        At least the last token is left out, so its logits are computed."""
+        At least the last token is left out, so its logits are computed. root: the first page's parent key;
+        extra(page index, page size): what each page's key mixes in (Sequence.page_extra)."""
         pages: list[int] = []
         keys: list[bytes] = []
-        parent = b""
+        parent = root
         for i in range((len(tokens) - 1) // self.page_size):
-            key = page_key(parent, tokens[i * self.page_size:(i + 1) * self.page_size])
+            salt = extra(i, self.page_size) if extra is not None else b""
+            key = page_key(parent, tokens[i * self.page_size:(i + 1) * self.page_size], salt)
             page = self.page_of.get(key)
             if page is None:
                 break

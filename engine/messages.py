@@ -1,6 +1,6 @@
 """What crosses the boundary between the front end and the engine core: typed msgspec structs, encoded as
-MessagePack. Only token ids, settings and numbers travel; nothing is pickled, and a frame that does not decode to
-one of these types is refused.
+MessagePack. Only token ids, settings, numbers and image file bytes travel; nothing is pickled, and a frame that
+does not decode to one of these types is refused.
 
     front end ── CoreRequest | Abort | StatsQuery | Shutdown ──▶ core
     front end ◀── Ready | Failed | Outputs | Stats ─────────────── core
@@ -8,6 +8,15 @@ one of these types is refused.
 from __future__ import annotations
 
 import msgspec
+
+
+class ImageInput(msgspec.Struct, frozen=True):
+    """One image of a request: its file's bytes (PNG, JPEG, WebP or GIF; the core decodes and checks them again)
+    and the run of image tokens the front end expanded its placeholder into."""
+
+    data: bytes
+    start: int  # the prompt index of its first token
+    tokens: int  # how many tokens it takes
 
 
 class CoreRequest(msgspec.Struct, tag=True, frozen=True):
@@ -25,6 +34,7 @@ class CoreRequest(msgspec.Struct, tag=True, frozen=True):
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     grammar: str | None = None  # a lark grammar (grammar.py) the sampled tokens must follow; None: any tokens
+    images: list[ImageInput] = []  # the prompt's images, in order (engine/images.py)
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):

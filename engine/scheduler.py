@@ -60,18 +60,24 @@ class Scheduler:
         for seq in self.running:  # prefills already under way
             left = seq.num_tokens - seq.num_computed
             if left > 1 and budget > 0:
-                chunks.append(Chunk(seq, seq.num_computed, min(left, budget)))
+                chunks.append(self._prefill_chunk(seq, budget))
                 budget -= chunks[-1].length
         while self.waiting and budget > 0 and len(self.running) < self.max_running and self._admit(self.waiting[0]):
             seq = self.waiting.popleft()
             self.running.append(seq)
-            chunks.append(Chunk(seq, seq.num_computed, min(seq.num_tokens - seq.num_computed, budget)))
+            chunks.append(self._prefill_chunk(seq, budget))
             budget -= chunks[-1].length
         if not chunks and not self.running and self.waiting:  # cannot happen with a pool that holds any request
             seq = self.waiting.popleft()
             self._fail(seq, f"the KV pool of {self.pool.capacity_tokens} tokens cannot hold this request; raise "
                             "max_kv_tokens")
         return chunks
+
+    @staticmethod
+    def _prefill_chunk(seq: Sequence, budget: int) -> Chunk:
+        """seq's next prefill chunk within `budget` tokens (past it only to hold a whole image, Sequence.chunk_end)."""
+        start = seq.num_computed
+        return Chunk(seq, start, seq.chunk_end(start, min(seq.num_tokens, start + budget)) - start)
 
     def _reserve_decode(self, seq: Sequence, chunks: list[Chunk]) -> bool:
         """A page for seq's next key, preempting the newest sequences until one is free; False when seq itself
@@ -93,7 +99,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Pages for all of seq's tokens (shared cached ones first); False, holding nothing, when they do not fit."""
-        pages, keys = self.pool.match_prefix(seq.tokens) if seq.use_prefix_cache else ([], [])
+        pages, keys = self.pool.match_prefix(seq.tokens, seq.root_key, seq.page_extra) if seq.use_prefix_cache \
+            else ([], [])
         needed = self.pool.pages_for(seq.num_tokens) - len(pages)
         if needed > self.pool.num_free:
             self.pool.release(pages)
@@ -120,7 +127,8 @@ class Scheduler:
             seq.num_computed = chunk.start + chunk.length
             while len(seq.keys) < seq.num_computed // size:
                 i = len(seq.keys)
-                key = page_key(seq.keys[-1] if seq.keys else b"", seq.tokens[i * size:(i + 1) * size])
+                key = page_key(seq.keys[-1] if seq.keys else seq.root_key, seq.tokens[i * size:(i + 1) * size],
+                               seq.page_extra(i, size))
                 self.pool.register(seq.pages[i], key)
                 seq.keys.append(key)
 

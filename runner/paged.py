@@ -93,6 +93,11 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
         q_lens, k_lens = q_lens + [1], k_lens + [1]
         logits_at += [len(ids) - 1] * max(0, 2 - len(logits_at))
     long_, i32 = torch.long, torch.int32
+    images = None
+    if any(c.seq.images is not None for c in chunks):
+        from redline.engine.images import chunk_images
+
+        images = chunk_images(chunks, cu, kv.args, device)
     context = PagedContext(
         positions=on_device(positions, long_, device),
         slot_mapping=on_device(slots, long_, device),
@@ -103,6 +108,7 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
         decode=decode,
         host_lens=(q_lens, k_lens),
         singles=(on_device(single, long_, device), on_device([cu[i] for i in single], long_, device)),
+        images=images,
     )
     return StepBatch(on_device([ids], long_, device), context, on_device(logits_at, long_, device),
                      on_device(sampling, long_, device), prompt_rows)
@@ -131,7 +137,7 @@ def step_logits(model: Transformer, batch: StepBatch, vocab_bias: Tensor | None,
     L is 0 (a prefill chunk that samples nothing): it writes the chunk's keys and values. compiled: prefill_logits
     compiled with dynamic sizes, which runs a step with prompt chunks (the pool's attention must be its ops)."""
     c = batch.context
-    if compiled is not None and not c.decode:
+    if compiled is not None and not c.decode and c.images is None:  # a step with images runs eagerly
         args = (batch.ids, c.positions, c.slot_mapping, c.block_tables, c.seq_lens, c.cu_seqlens_q, batch.logits_at)
         mark_step_dynamic(*args)
         return compiled(model, c.kv, vocab_bias, *args)
@@ -314,7 +320,9 @@ class PagedModel:
     def step(self, chunks: list[Chunk], wants_prompt: set[int]) -> tuple[Tensor, dict[int, tuple[int, int]], Any]:
         """Run the model on chunks (eagerly, through the compiled prefill step, or as a prefill graph): logits
         (L, V) fp32, each prompt-logprob chunk's [begin, end) rows, and the rows of the sampling chunks."""
-        bucket = self.prefill_graphs.bucket(chunks) if self.prefill_graphs and not wants_prompt else None
+        with_images = any(c.seq.images is not None and c.start < c.seq.prompt_len for c in chunks)
+        graphs = self.prefill_graphs and not wants_prompt and not with_images
+        bucket = self.prefill_graphs.bucket(chunks) if graphs else None
         if bucket is not None:  # one short chunk: a replayed graph; its logits row 0 is the chunk's last token
             return self.prefill_graphs.logits(chunks[0], bucket), {}, slice(0, 1)
         batch = step_batch(chunks, self.kv, self.device, wants_prompt, self.pad_page)
