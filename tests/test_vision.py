@@ -240,10 +240,10 @@ def test_the_cli_takes_image_files(multimodal_llm, multimodal_checkpoint, tmp_pa
     assert "missing.png does not exist" in err and err.count("\n") == 1
 
 
-def test_the_batching_engine_refuses_image_placeholders(multimodal_llm):
-    """Until the engine takes images, a prompt marking one is refused rather than run as text."""
+def test_the_batching_engine_refuses_placeholders_without_images(multimodal_llm):
+    """A prompt marking an image that came without one is refused rather than run as text."""
     family, _, _, llm = multimodal_llm
-    with pytest.raises(ValueError, match="does not take images yet"):
+    with pytest.raises(ValueError, match="no images came with it"):
         llm.generate_batch([prompt_ids(family, 1)], max_new_tokens=2)
 
 
