@@ -41,6 +41,7 @@ from redline.outputs import OneLineArgumentParser
 from redline.prompts import Prompts
 from redline.replies import REASONING_PARSERS, Agent, AgentSettings, PreparedReply, ReplyReader
 from redline.toolcalls import PARSERS
+from redline.serve_images import MediaSettings, load_images
 from redline.serve_metrics import Metrics
 from redline.serve_protocol import (FINISH_REASONS, APIError, ChatRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, context_room, invalid, parse_request)
@@ -88,6 +89,7 @@ class ServeSettings:
     reasoning_parser: str = "auto"  # "auto": <think> blocks split off when the chat template writes them
     gateway_metrics: bool = False  # /metrics also under vLLM's names, for Kubernetes inference gateways
     tensor_parallel: int = 1  # GPUs of this host the model is split over (the engine core starts one rank on each)
+    allowed_media_domains: tuple[str, ...] = ()  # hosts remote image URLs may name (serve_images.py); () none
 
     def __post_init__(self) -> None:
         if (self.checkpoint_path is None) == (self.random_weights is None):
@@ -107,6 +109,8 @@ class ServeSettings:
             raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {self.shutdown_grace_s}")
         self.engine_config  # validates device, dtype and quantize
         self.agent_settings  # validates the parsers
+        object.__setattr__(self, "allowed_media_domains", tuple(self.allowed_media_domains or ()))
+        self.media  # validates the media domains
         if self.random_weights is not None:
             ModelArgs.from_name(self.random_weights)  # an unknown name is refused before the server starts
         if self.tokenizer is not None and self.random_weights is None:
@@ -116,6 +120,19 @@ class ServeSettings:
     def engine_config(self) -> EngineConfig:
         return EngineConfig(device=self.device, dtype=self.dtype, compile=self.compile, quantize=self.quantize,
                             name=self.served_model_name, threads=self.threads)
+
+    @property
+    def media(self) -> MediaSettings:
+        return MediaSettings(self.allowed_media_domains)
+
+    def vision_args(self) -> Any:
+        """The checkpoint's vision.VisionArgs (the front end expands image placeholders with them), or None."""
+        if self.checkpoint_path is None or self.tensor_parallel > 1:  # tensor-parallel steps carry no images yet
+            return None
+        from redline.checkpoint import read_checkpoint_info
+        from redline.vision import read_vision_args
+
+        return read_vision_args(read_checkpoint_info(self.checkpoint_path).path)
 
     @property
     def agent_settings(self) -> AgentSettings:
@@ -303,12 +320,36 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def submit(engine: Any, requests: list[tuple[list[int], Any]]) -> list[Any]:
-    """One engine request per (prompt ids, options); all or none (those added are aborted on a failure)."""
+async def request_images(state: ServerState, urls: list[str], param: str) -> list[bytes] | None:
+    """The checked file bytes of a request's image URLs (serve_images.py), fetched and decoded in a worker thread;
+    None without images; a 400 naming the problem otherwise."""
+    if not urls:
+        return None
+    if getattr(state.engine, "vision", None) is None:
+        raise invalid("this model has no vision tower, so it takes no images; serve a multimodal checkpoint (Gemma 3 "
+                      "4B+, Qwen2.5-VL) or drop the image parts", param)
+    try:
+        return await asyncio.to_thread(load_images, urls, state.settings.media)
+    except ValueError as exc:
+        raise invalid(str(exc), param) from None
+
+
+async def submit_images(engine: Any, requests: list[tuple[list[int], Any]], images: list[bytes] | None) -> list[Any]:
+    """submit(); with images in a worker thread, where each request's images are decoded again and its prompt
+    expanded (engine/images.py)."""
+    if images is None:
+        return submit(engine, requests)
+    return await asyncio.to_thread(submit, engine, requests, images)
+
+
+def submit(engine: Any, requests: list[tuple[list[int], Any]], images: list[bytes] | None = None) -> list[Any]:
+    """One engine request per (prompt ids, options), each with `images` if given; all or none (those added are
+    aborted on a failure)."""
     handles: list[Any] = []
     try:
         for ids, options in requests:
-            handles.append(engine.add_request(ids, options))
+            handles.append(engine.add_request(ids, options) if images is None else
+                           engine.add_request(ids, options, images))
     except Exception as exc:
         for handle in handles:
             engine.abort(handle)
@@ -501,10 +542,12 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     req = await parse_body(ChatRequest, request, state.settings.max_body_bytes)
     state.check_model(req.model)
     check_queue_room(engine, req.n)
+    images = await request_images(state, req.image_urls(), "messages")
     prepared = await state.agent().prepare(req.reply_spec())  # a long prompt or schema never stalls the loop
     options = req.options(context_room(llm, prepared.ids, req.max_new, "messages"), llm.vocab_size,
                           logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, grammar=prepared.grammar)
-    run = Run(state, request, submit(engine, [(prepared.ids, o) for o in req.seeded(options)]), req.n)
+    handles = await submit_images(engine, [(prepared.ids, o) for o in req.seeded(options)], images)
+    run = Run(state, request, handles, req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,
             "system_fingerprint": SYSTEM_FINGERPRINT}
     if req.stream:
@@ -854,6 +897,8 @@ def core_starter(settings: ServeSettings, tokenizer: Any, stop_server: Callable[
     client and the prompts. If the core fails to start, the server stops with status 2; if it dies later, /health
     answers 503 at once, running requests end with an error, and the server stops with status 1."""
 
+    vision = settings.vision_args()  # read before the core starts: a broken vision file stops the server at once
+
     def start(state: ServerState) -> None:
         started = time.perf_counter()
 
@@ -861,7 +906,8 @@ def core_starter(settings: ServeSettings, tokenizer: Any, stop_server: Callable[
             limits = Limits(message.block_size, message.vocab_size, message.capacity_tokens)
             prompts = Prompts(tokenizer, message.block_size, message.vocab_size)
             state.prompts = prompts
-            state.engine = EngineClient(core, limits, tokenizer, prompts.encode_prompt, settings.engine.max_queue)
+            state.engine = EngineClient(core, limits, tokenizer, prompts.encode_prompt, settings.engine.max_queue,
+                                        vision)
             phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in message.startup.items())
             print(f"[redline] ready in {time.perf_counter() - started:.1f} s ({phases}) on {message.device}",
                   file=sys.stderr, flush=True)
@@ -935,6 +981,10 @@ def serve(settings: ServeSettings) -> int:
     return status[0]
 
 
+def media_domains(value: str) -> tuple[str, ...]:
+    return tuple(d for d in value.split(",") if d.strip())
+
+
 def cache_folder(value: str) -> Path | None:
     return None if value.lower() == "none" else Path(value).expanduser()
 
@@ -994,6 +1044,9 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model over N GPUs of this host: the engine core runs as rank 0 of N ranks, "
                         "schedules, and every rank runs each step on its share of the heads")
+    p.add_argument("--allowed-media-domains", type=media_domains, default=(), metavar="HOST,...",
+                   help="hosts (and their subdomains) whose http(s) image URLs requests may name; the server fetches "
+                        "them, from public addresses only; default: none, images come inline as data: URLs")
     p.add_argument("--gateway-metrics", action="store_true",
                    help="/metrics also under vLLM's names (vllm:num_requests_waiting, vllm:num_requests_running, "
                         "vllm:kv_cache_usage_perc), which Kubernetes inference gateways route on")

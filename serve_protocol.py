@@ -58,6 +58,16 @@ class TextPart(Strict):
     text: str
 
 
+class ImageURL(Strict):
+    url: str = Field(max_length=64 * 1024 * 1024)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the towers see every image at their own size
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class Echoed(BaseModel):
     # Calls sent back from an earlier reply carry what the client library added (index, parsed_arguments).
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -76,7 +86,7 @@ class ToolCallItem(Echoed):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, ImagePart]], None] = None
     name: str | None = Field(None, min_length=1, max_length=64)  # a participant's name, passed to the template
     tool_calls: list[ToolCallItem] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message answers this call
@@ -94,12 +104,26 @@ class ChatMessage(Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
-    def template_dict(self) -> dict[str, str]:
+    def image_urls(self) -> list[str]:
+        return [] if isinstance(self.content, (str, type(None))) else [
+            p.image_url.url for p in self.content if isinstance(p, ImagePart)]
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """The content as the chat template gets it: text, or with images the parts in order, each image as
+        {"type": "image"} (which multimodal templates render as the model's image placeholder)."""
+        if not self.image_urls():
+            return self.text()
+        return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                for p in self.content]
+
+    def template_dict(self) -> dict[str, Any]:
         """The message as the chat template gets it: `developer` is OpenAI's newer name for `system` (templates
         know only the older one); `name` is passed on for the templates that use it."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.template_content()}
         if self.name is not None:
             out["name"] = self.name
         return out
@@ -247,8 +271,12 @@ class ChatRequest(SamplingRequest):
     def max_new(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         return [m.template_dict() for m in self.messages]
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the messages' image parts, in order."""
+        return [url for m in self.messages for url in m.image_urls()]
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as chat templates read them: tool calls with their arguments parsed, tool results with

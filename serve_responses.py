@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from redline.replies import ReplyEvent, ReplyReader, ReplySpec, history_arguments
-from redline.serve import (SSE_HEADERS, Run, ServerState, finish_reason, read_body, sse, submit)
+from redline.serve import (SSE_HEADERS, Run, ServerState, finish_reason, read_body, request_images, sse,
+                           submit_images)
 from redline.serve_protocol import Strict, context_room, invalid, parse_request
 
 
@@ -26,13 +27,39 @@ class ContentPart(Lenient):
     text: str
 
 
+class ImageInputPart(Lenient):
+    type: Literal["input_image"]
+    image_url: str | None = None  # a data: URL, or an http(s) URL on the server's --allowed-media-domains
+    file_id: str | None = None  # refused: this server stores no files
+
+    @model_validator(mode="after")
+    def _check_image(self) -> ImageInputPart:
+        if self.image_url is None:
+            raise invalid("an input_image part needs image_url (a data: URL); this server stores no files",
+                          "input")
+        return self
+
+
 class MessageItem(Lenient):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[ContentPart]]
+    content: Union[str, list[Union[ContentPart, ImageInputPart]]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, ContentPart))
+
+    def image_urls(self) -> list[str]:
+        return [] if isinstance(self.content, str) else [
+            p.image_url for p in self.content if isinstance(p, ImageInputPart)]
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """Text, or with images the parts in order, each image as {"type": "image"} (the template's placeholder)."""
+        if not self.image_urls():
+            return self.text()
+        return [{"type": "image"} if isinstance(p, ImageInputPart) else {"type": "text", "text": p.text}
+                for p in self.content]
 
 
 class FunctionCallItem(Lenient):
@@ -112,6 +139,12 @@ class ResponsesRequest(Strict):
             raise invalid("tool_choice needs tools", "tool_choice")
         return self
 
+    def image_urls(self) -> list[str]:
+        """The URLs of the input messages' images, in order."""
+        if isinstance(self.input, str):
+            return []
+        return [url for item in self.input if isinstance(item, MessageItem) for url in item.image_urls()]
+
     def spec(self) -> ReplySpec:
         messages: list[dict[str, Any]] = []
         if self.instructions:
@@ -120,7 +153,7 @@ class ResponsesRequest(Strict):
         names: dict[str, str] = {}
         for i, item in enumerate(items):
             if isinstance(item, MessageItem):
-                messages.append({"role": item.role, "content": item.text()})
+                messages.append({"role": item.role, "content": item.template_content()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function", "function": {
                     "name": item.name, "arguments": history_arguments(item.arguments, f"input[{i}].arguments")}}
@@ -154,6 +187,7 @@ async def responses(state: ServerState, request: Request) -> Response:
     llm, engine = state.ready()
     req = parse_request(ResponsesRequest, await read_body(request, state.settings.max_body_bytes))
     state.check_model(req.model)
+    images = await request_images(state, req.image_urls(), "input")
     prepared = await state.agent().prepare(req.spec())
     sampling = {"temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": req.top_p if req.top_p is not None and req.top_p < 1 else None}
@@ -164,7 +198,7 @@ async def responses(state: ServerState, request: Request) -> Response:
                                     grammar=prepared.grammar, **sampling)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    run = Run(state, request, submit(engine, [(prepared.ids, options)]))
+    run = Run(state, request, await submit_images(engine, [(prepared.ids, options)], images))
     shell = Shell(req, state.settings.model_name)
     if req.stream:
         return StreamingResponse(response_events(run, shell, ReplyReader(prepared)), media_type="text/event-stream",

@@ -168,7 +168,8 @@ def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> 
     runner = load_runner(config.model, log)
     startup["load_s"] = time.perf_counter() - begin
     begin = time.perf_counter()
-    core = EngineCore(runner, EngineSettings(**config.engine), sink, grammar_compiler(config.model, runner))
+    core = EngineCore(runner, EngineSettings(**config.engine), sink, grammar_compiler(config.model, runner),
+                      vision_tower(config.model, runner))
     log(f"KV cache: {core.pool.num_pages} pages of {core.pool.page_size} tokens ({core.pool.capacity_tokens} tokens)")
     if config.capture_graphs and core.paged.graphs is not None:
         log("capturing decode graphs")
@@ -180,6 +181,21 @@ def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> 
     startup["warm_up_s"] = time.perf_counter() - begin
     log(f"warmed up in {startup['warm_up_s']:.1f} s; ready")
     return core, startup
+
+
+def vision_tower(source: ModelSource, runner: Any) -> Any:
+    """The checkpoint's vision tower on the core's device (in the activations' dtype), or None: no checkpoint, no
+    vision file, or tensor parallel (whose steps carry no images yet)."""
+    if source.checkpoint_path is None or source.tensor_parallel > 1:
+        return None
+    from redline.checkpoint import read_checkpoint_info
+    from redline.vision import load_vision_tower
+
+    tower = load_vision_tower(read_checkpoint_info(source.checkpoint_path).path, runner.device,
+                              runner.model.cache_dtype)
+    if tower is not None:
+        log(f"vision tower: {tower.args.family}, {sum(p.numel() for p in tower.parameters()) / 1e6:.1f} M parameters")
+    return tower
 
 
 def grammar_compiler(source: ModelSource, runner: Any) -> Any:
