@@ -53,7 +53,7 @@ CHAT_PAGE = Path(__file__).resolve().parent / "static" / "chat.html"
 PAGE_ICON = CHAT_PAGE.with_name("favicon.svg")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'unsafe-inline'; "
-                                           "style-src 'unsafe-inline'; connect-src 'self'"}
+                                           "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:"}
 
 
 # The server's engine: EngineSettings' defaults, with a bounded queue, and one decode graph per batch bucket made

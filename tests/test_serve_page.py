@@ -129,3 +129,40 @@ def test_a_refused_request_shows_the_servers_error(browser, served):
     reply = wait_for(lambda: browser.find_elements("css selector", ".msg.assistant.error.done"))[-1]
     assert "error: invalid value for 'temperature'" in reply.text
     assert not browser.find_element("id", "send").get_attribute("disabled")
+
+
+@pytest.fixture(scope="module")
+def served_gemma(multimodal_checkpoint):
+    from redline.engine import Engine
+
+    family, _, _, _, path = multimodal_checkpoint
+    llm = LLM.load(path, device="cpu", compile=False)
+    engine = Engine(llm)
+    settings = ServeSettings(checkpoint_path=path, served_model_name="tiny")
+    with ServerThread(create_app(engine, llm, settings)) as url:
+        yield url, llm
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("multimodal_checkpoint", ["gemma3"], indirect=True)
+def test_an_attached_picture_gets_llm_chats_reply(browser, served_gemma, tmp_path):
+    """The picture button attaches a PNG (read by the page as a data: URL, sent as an image_url part before the
+    text); the streamed greedy reply is LLM.chat's with the same picture."""
+    import numpy as np
+    from PIL import Image
+
+    url, llm = served_gemma
+    rng = np.random.default_rng(3)
+    path = tmp_path / "picture.png"
+    Image.fromarray(rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)).save(path)
+    open_page(browser, url, "0", "8")
+    browser.find_element("id", "image-file").send_keys(str(path))
+    wait_for(lambda: browser.find_element("id", "attached").is_displayed())
+    send(browser, "w17 w45")
+    reply = wait_for(lambda: browser.find_elements("css selector", ".msg.assistant.done"))[-1]
+    content = [{"type": "image", "image": path.read_bytes()}, {"type": "text", "text": "w17 w45"}]
+    expected = llm.chat([{"role": "user", "content": content}], max_new_tokens=8, temperature=0.0)
+    assert "error" not in reply.get_attribute("class")
+    assert reply.find_element("css selector", ".text").text == expected.text.strip() and expected.text.strip()
+    assert browser.find_elements("css selector", ".msg.user img")  # the picture is shown in the conversation
+    assert not browser.find_element("id", "attached").is_displayed()  # and no longer attached
