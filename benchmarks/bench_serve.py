@@ -7,7 +7,13 @@ all at once or at a fixed rate with Poisson arrivals, timed on the client.
         --output-len 256 --json sweep.json --plot sweep.png
 
 With --json-schema every request carries a response_format (the server then masks every output token with its
-grammar), to compare with the same run without it.
+grammar), to compare with the same run without it. With --image-share F a share F of the requests carry one random
+--image-size picture each (a chat completion with an image_url data URL part before the prompt's text, against a
+server of a multimodal checkpoint); their TTFT is reported apart from the text-only requests'. Offline,
+--vision-model runs a published multimodal shape with random weights (benchmarks/bench_vision.py), tower included:
+
+    python benchmarks/bench_serve.py --offline --vision-model Gemma-3-12B --image-share 0.5 --num-prompts 64 \
+        --input-len 256 --output-len 128
 
 Reports request throughput, output tok/s, TTFT, time per output token (TPOT) and inter-token latency (ITL) at
 p50/p90/p99 for each rate. `--offline` runs the same requests through redline.engine.Engine in this process instead
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import math
 import random
@@ -64,6 +71,9 @@ class BenchServeConfig:
     start_at: float | None = None  # with shard: the perf_counter time at which every client process starts
     timings_path: Path | None = None  # with shard: where this process writes its requests' raw timings
     json_schema: str | None = None  # every request's output must match a JSON schema: "list" (BENCH_SCHEMA) or a file
+    image_share: float = 0.0  # the share of requests that carry one picture
+    image_size: int = 896  # each picture's side in pixels (random pixels, a PNG)
+    vision_model: str | None = None  # --offline: a published multimodal shape with random weights (bench_vision.py)
 
     def __post_init__(self) -> None:
         lo, hi = self.input_len
@@ -78,10 +88,18 @@ class BenchServeConfig:
             raise ValueError(f"--max-concurrency must be positive, got {self.max_concurrency}")
         if not self.request_rates or not all(r > 0 for r in self.request_rates):
             raise ValueError("--request-rate takes positive numbers or inf, comma-separated")
-        if self.offline and (self.random_weights is None) == (self.checkpoint_path is None):
-            raise ValueError("--offline needs exactly one of --random-weights and --checkpoint_path")
+        sources = sum(x is not None for x in (self.random_weights, self.checkpoint_path, self.vision_model))
+        if self.offline and sources != 1:
+            raise ValueError("--offline needs exactly one of --random-weights, --checkpoint_path and --vision-model")
         if self.json_schema is not None and self.offline:
             raise ValueError("--json-schema measures the server (its grammars compile per request); drop --offline")
+        if not 0 <= self.image_share <= 1 or self.image_size < 28:
+            raise ValueError(f"--image-share must lie in [0, 1] and --image-size be >= 28, got {self.image_share}, "
+                             f"{self.image_size}")
+        if self.vision_model is not None and (not self.offline or self.random_weights or self.checkpoint_path):
+            raise ValueError("--vision-model goes with --offline, instead of --random-weights and --checkpoint_path")
+        if self.json_schema is not None and self.image_share:
+            raise ValueError("--json-schema and --image-share measure different things; pick one")
         if self.json_schema not in (None, "list") and not Path(self.json_schema).is_file():
             raise FileNotFoundError(f"--json-schema {self.json_schema}: no such file; give 'list' or a JSON file")
 
@@ -100,6 +118,7 @@ class RequestTiming:
     arrivals: list[float] = field(default_factory=list)  # when each piece of output came
     output_tokens: int = 0
     error: str | None = None
+    image: bool = False  # the request carried a picture
 
     @property
     def ttft(self) -> float:
@@ -137,6 +156,26 @@ def make_prompts(cfg: BenchServeConfig) -> list[list[int]]:
             for _ in range(cfg.num_prompts)]
 
 
+def make_images(cfg: BenchServeConfig) -> list[bytes | None]:
+    """For each request, the PNG file of its picture (random pixels, a different one each), or None."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    chosen = set(random.Random(cfg.seed + 2).sample(range(cfg.num_prompts), round(cfg.image_share * cfg.num_prompts)))
+    out: list[bytes | None] = []
+    for i in range(cfg.num_prompts):
+        if i not in chosen:
+            out.append(None)
+            continue
+        pixels = np.random.default_rng(cfg.seed + i).integers(0, 256, (cfg.image_size, cfg.image_size, 3), np.uint8)
+        data = io.BytesIO()
+        Image.fromarray(pixels).save(data, format="PNG", compress_level=1)
+        out.append(data.getvalue())
+    return out
+
+
 def arrival_offsets(cfg: BenchServeConfig, rate: float) -> list[float]:
     """Seconds after the start at which each request is sent: 0 for all at an infinite rate, else Poisson."""
     if math.isinf(rate):
@@ -162,6 +201,9 @@ def summarize(timings: list[RequestTiming], duration: float, rate: float) -> dic
         "total_tok_s": (tokens + sum(t.prompt_len for t in done)) / duration,
         "prompt_tokens": sum(t.prompt_len for t in done), "output_tokens": tokens,
         "ttft_ms": distribution_ms([t.ttft for t in done]),
+        **({"ttft_image_ms": distribution_ms([t.ttft for t in done if t.image]),
+            "ttft_text_ms": distribution_ms([t.ttft for t in done if not t.image])}
+           if any(t.image for t in timings) else {}),
         "tpot_ms": distribution_ms([t.tpot for t in done if t.tpot is not None]),
         "itl_ms": distribution_ms(itl),
         "e2e_latency_ms": distribution_ms([t.latency for t in done]),
@@ -184,14 +226,23 @@ def peak_concurrency(done: list[RequestTiming]) -> int:
 
 
 async def one_request(client: Any, cfg: BenchServeConfig, model: str, prompt: list[int],
-                      timing: RequestTiming) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+                      timing: RequestTiming, image: bytes | None = None) -> None:
+    """One streamed completion of the prompt ids; with an image, a chat completion of the picture and the ids as
+    text (completions take no images)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": cfg.output_len, "temperature": 0.0,
+                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    path = "/v1/completions"
+    if image is not None:
+        url = "data:image/png;base64," + base64.b64encode(image).decode()
+        text = " ".join(f"w{t}" for t in body.pop("prompt"))  # a word per prompt id
+        body["messages"] = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                         {"type": "text", "text": text}]}]
+        path, timing.image = "/v1/chat/completions", True
     if cfg.json_schema is not None:
         body["response_format"] = cfg.response_format()
     timing.start = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return
@@ -204,8 +255,10 @@ async def one_request(client: Any, cfg: BenchServeConfig, model: str, prompt: li
                     return
                 if chunk.get("usage"):
                     timing.output_tokens = chunk["usage"]["completion_tokens"]
+                    timing.prompt_len = chunk["usage"]["prompt_tokens"]
                 for choice in chunk.get("choices", []):
-                    if choice["text"] or choice["finish_reason"] is None:  # a piece of output, not a bare finish
+                    text = choice["text"] if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if text or choice["finish_reason"] is None:  # a piece of output, not a bare finish
                         timing.arrivals.append(time.perf_counter())
     except Exception as exc:  # noqa: BLE001 - one failed request is counted, the run goes on
         timing.error = f"{type(exc).__name__}: {exc}"
@@ -213,7 +266,8 @@ async def one_request(client: Any, cfg: BenchServeConfig, model: str, prompt: li
         timing.error = "no output"
 
 
-async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: float) -> dict[str, Any]:
+async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: float,
+                     images: list[bytes | None] | None = None) -> dict[str, Any]:
     import httpx
 
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -224,16 +278,17 @@ async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: floa
             raise ValueError(f"{cfg.base_url}/v1/models answered {models.status_code}; is the server up and ready?")
         model = models.json()["data"][0]["id"]
         timings = [RequestTiming(len(p)) for p in prompts]
+        images = images or [None] * len(prompts)
         slots = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
 
-        async def limited(prompt: list[int], timing: RequestTiming) -> None:
+        async def limited(prompt: list[int], timing: RequestTiming, image: bytes | None) -> None:
             async with slots:  # the request's clock starts once it is sent
-                await one_request(client, cfg, model, prompt, timing)
+                await one_request(client, cfg, model, prompt, timing, image)
 
         offsets = arrival_offsets(cfg, rate)
         if cfg.shard is not None:
             k, n = cfg.shard
-            prompts, timings, offsets = prompts[k::n], timings[k::n], offsets[k::n]
+            prompts, timings, offsets, images = prompts[k::n], timings[k::n], offsets[k::n], images[k::n]
         # Connections are opened before the clock starts: one per request that may be in flight at once.
         warm = min(len(prompts), cfg.max_concurrency or len(prompts))
         await asyncio.gather(*(client.get("/health") for _ in range(warm)))
@@ -241,9 +296,9 @@ async def run_online(cfg: BenchServeConfig, prompts: list[list[int]], rate: floa
             await asyncio.sleep(max(0.0, cfg.start_at - time.perf_counter()))
         start = time.perf_counter()
         tasks = []
-        for prompt, timing, offset in zip(prompts, timings, offsets):
+        for prompt, timing, offset, image in zip(prompts, timings, offsets, images):
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(limited(prompt, timing)))
+            tasks.append(asyncio.create_task(limited(prompt, timing, image)))
         await asyncio.gather(*tasks)
         if cfg.timings_path is not None:
             write_json({"timings": [asdict(t) for t in timings]}, cfg.timings_path)
@@ -285,32 +340,63 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
 
     engine_settings = EngineSettings(max_kv_tokens=cfg.max_kv_tokens, max_running=cfg.max_running, max_queue=None,
                                      compile_prefill=cfg.compile_prefill, capture_tokens=cfg.capture_tokens)
-    settings = ServeSettings(checkpoint_path=cfg.checkpoint_path, random_weights=cfg.random_weights,
-                             device=cfg.device, dtype=cfg.dtype, engine=engine_settings)
-    engine = Engine.of_runner(load_runner(settings.model_source(None), log), engine_settings)
+    if cfg.vision_model is not None:
+        engine = vision_engine(cfg, engine_settings)
+    else:
+        from redline.engine.process import vision_tower
+
+        settings = ServeSettings(checkpoint_path=cfg.checkpoint_path, random_weights=cfg.random_weights,
+                                 device=cfg.device, dtype=cfg.dtype, engine=engine_settings)
+        runner = load_runner(settings.model_source(None), log)
+        engine = Engine.of_runner(runner, engine_settings, vision_tower(settings.model_source(None), runner))
     engine.capture_graphs()
     engine.warm_up()
     return engine
 
 
-def run_offline(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]], rate: float) -> dict[str, Any]:
+def vision_engine(cfg: BenchServeConfig, settings: Any) -> Any:
+    """The engine of a published multimodal shape with random weights, its vision tower included."""
+    import torch
+
+    from redline.benchmarks.bench_vision import random_multimodal
+    from redline.engine import Engine
+    from redline.options import EngineConfig
+    from redline.runner import Runner
+
+    config = EngineConfig(device=cfg.device, dtype=cfg.dtype)
+    device = config.torch_device()
+    model, tower = random_multimodal(cfg.vision_model, device, getattr(torch, cfg.dtype or "bfloat16"))
+    runner = Runner(model, device, compile=device.type == "cuda")
+    return Engine.of_runner(runner, settings, tower)
+
+
+def run_offline(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]], rate: float,
+                images: list[bytes | None] | None = None) -> dict[str, Any]:
     """The requests through the in-process engine, read as the server reads them: one event loop takes each
     request's outputs as they arrive (all that came since its last read at once), no thread per request."""
-    return asyncio.run(offline_requests(engine, cfg, prompts, rate))
+    return asyncio.run(offline_requests(engine, cfg, prompts, rate, images))
 
 
 async def offline_requests(engine: Any, cfg: BenchServeConfig, prompts: list[list[int]],
-                           rate: float) -> dict[str, Any]:
+                           rate: float, images: list[bytes | None] | None = None) -> dict[str, Any]:
     from redline.options import GenerationOptions
 
     options = GenerationOptions(max_new_tokens=cfg.output_len, temperature=0.0, ignore_eos=True)
     timings = [RequestTiming(len(p)) for p in prompts]
+    images = images or [None] * len(prompts)
     slots = asyncio.Semaphore(cfg.max_concurrency or len(prompts))
 
-    async def follow(prompt: list[int], timing: RequestTiming) -> None:
+    async def follow(prompt: list[int], timing: RequestTiming, image: bytes | None) -> None:
         async with slots:
             timing.start = time.perf_counter()
-            async for batch in engine.add_request(prompt, options).batches():
+            if image is not None:  # the picture's placeholder after the first token; the engine expands it
+                timing.image = True
+                prompt = prompt[:1] + [engine.vision.placeholder_id] + prompt[1:]
+                handle = await asyncio.to_thread(engine.add_request, prompt, options, [image])
+                timing.prompt_len = len(handle.prompt_token_ids)
+            else:
+                handle = engine.add_request(prompt, options)
+            async for batch in handle.batches():
                 tokens = sum(len(out.token_ids) for out in batch)
                 if tokens:
                     timing.arrivals.append(time.perf_counter())
@@ -318,9 +404,9 @@ async def offline_requests(engine: Any, cfg: BenchServeConfig, prompts: list[lis
 
     start = time.perf_counter()
     tasks = []
-    for prompt, timing, offset in zip(prompts, timings, arrival_offsets(cfg, rate)):
+    for prompt, timing, offset, image in zip(prompts, timings, arrival_offsets(cfg, rate), images):
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-        tasks.append(asyncio.create_task(follow(prompt, timing)))
+        tasks.append(asyncio.create_task(follow(prompt, timing, image)))
     await asyncio.gather(*tasks)
     return summarize(timings, time.perf_counter() - start, rate)
 
@@ -333,7 +419,8 @@ def report_line(run: dict[str, Any]) -> str:
     return (f"rate {run['request_rate']:>5} req/s | {run['completed']} ok, {run['failed']} failed in "
             f"{run['duration_s']:.1f} s | {run['request_throughput']:.2f} req/s, {run['output_tok_s']:.1f} out tok/s"
             f" | TTFT p50/p90/p99 {fmt(run['ttft_ms'])} ms | TPOT {fmt(run['tpot_ms'])} ms | "
-            f"ITL {fmt(run['itl_ms'])} ms")
+            f"ITL {fmt(run['itl_ms'])} ms" + (f" | TTFT with a picture {fmt(run['ttft_image_ms'])} ms, text only "
+                                             f"{fmt(run['ttft_text_ms'])} ms" if "ttft_image_ms" in run else ""))
 
 
 def fmt(dist: dict[str, float]) -> str:
@@ -385,16 +472,17 @@ def write_json(payload: dict[str, Any], path: Path) -> None:
 
 def run(cfg: BenchServeConfig, argv: Sequence[str] = ()) -> dict[str, Any]:
     prompts = make_prompts(cfg)
+    images = make_images(cfg) if cfg.image_share else None
     engine = offline_engine(cfg) if cfg.offline else None
     runs = []
     try:
         for rate in cfg.request_rates:
             if engine is not None:
-                result = run_offline(engine, cfg, prompts, rate)
+                result = run_offline(engine, cfg, prompts, rate, images)
             elif cfg.clients > 1:
                 result = run_clients(cfg, client_argv(argv), rate)
             else:
-                result = asyncio.run(run_online(cfg, prompts, rate))
+                result = asyncio.run(run_online(cfg, prompts, rate, images))
             if cfg.shard is not None:
                 return {"runs": [result]}  # one client of several: its parent reports
             print(report_line(result), flush=True)
@@ -471,6 +559,12 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--json-schema", default=None, metavar="list|FILE",
                    help="every request's output matches this JSON schema ('list': a long list of records; the "
                         "server needs a tokenizer: serve.py --tokenizer with --random-weights)")
+    p.add_argument("--image-share", type=float, default=0.0,
+                   help="the share of requests that carry one random picture (a chat completion with an image_url "
+                        "part; the server needs a multimodal checkpoint)")
+    p.add_argument("--image-size", type=int, default=896, help="each picture's side in pixels")
+    p.add_argument("--vision-model", default=None, choices=["Gemma-3-12B", "Qwen2.5-VL-7B"],
+                   help="--offline: this published multimodal shape with random weights, vision tower included")
     p.add_argument("--json", dest="json_path", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", dest="plot_path", type=Path, default=None, help="write a PNG of a rate sweep here")
     p.add_argument("--offline", action="store_true", help="run the requests through the engine in this process")

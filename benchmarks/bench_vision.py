@@ -73,24 +73,33 @@ def median_ms(call: Callable[[], Any], repeats: int, device: torch.device) -> fl
     return statistics.median(times)
 
 
-def measure(name: str, image_size: int, repeats: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    from redline.images import image_patches, tile_pixels
+def random_multimodal(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
+    """(language model, vision tower) of a published multimodal config with random weights, in dtype on device
+    (the context capped at 8,192 tokens)."""
     from redline.model import ModelArgs, Transformer
-    from redline.runner import Runner
-    from redline.sampling import SamplingParams
     from redline.scripts.hf_config import args_from_hf_config, vision_args_from_hf_config
-    from redline.vision import Gemma3Vision, prompt_images, vision_tower
+    from redline.vision import vision_tower
 
     config = PUBLISHED_CONFIGS[name]
     args = args_from_hf_config(config)
     args = ModelArgs(**{**args.to_dict(), "block_size": min(args.block_size, 8192)})
-    vision = vision_args_from_hf_config(config)
     with torch.device("meta"):  # built without memory, then allocated in dtype on the device
-        tower, model = vision_tower(vision).to(dtype), Transformer(args).to(dtype)
-    tower = random_(tower.to_empty(device=device)).eval()
-    model = random_(model.to_empty(device=device)).eval()
+        tower, model = vision_tower(vision_args_from_hf_config(config)).to(dtype), Transformer(args).to(dtype)
+    tower = random_(tower.to_empty(device=device)).eval().requires_grad_(False)
+    model = random_(model.to_empty(device=device)).eval().requires_grad_(False)
     if args.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
+    return model, tower
+
+
+def measure(name: str, image_size: int, repeats: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    from redline.images import image_patches, tile_pixels
+    from redline.runner import Runner
+    from redline.sampling import SamplingParams
+    from redline.vision import Gemma3Vision, prompt_images
+
+    model, tower = random_multimodal(name, device, dtype)
+    vision = tower.args
     runner = Runner(model, device, compile=False)
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8))

@@ -207,9 +207,10 @@ class Engine(EngineClient):
                          vision.args if vision is not None else None)
 
     @classmethod
-    def of_runner(cls, runner: Any, settings: EngineSettings) -> Engine:
-        """The engine of a bare runner: prompts are token ids, outputs have no text (benchmarks)."""
-        return cls(_Bare(runner), settings)
+    def of_runner(cls, runner: Any, settings: EngineSettings, vision: Any = None) -> Engine:
+        """The engine of a bare runner: prompts are token ids, outputs have no text (benchmarks); vision: its
+        vision tower, if any."""
+        return cls(_Bare(runner, vision=vision), settings)
 
     def _receive_later(self, outputs: list[CoreOutput]) -> None:
         self.receive(outputs)
@@ -247,6 +248,7 @@ class _Bare:
     runner: Any
     tokenizer: Any = None
     encode_prompt: Callable[[Any], list[int]] = prompt_token_ids
+    vision: Any = None
 
 
 def generate_all(engine: EngineClient, prompts: Sequence[str | Sequence[int]],

@@ -101,3 +101,28 @@ def test_bench_tokenizer_serves_random_weights_with_grammars(tmp_path, tokenizer
         assert matcher.consume_tokens(tokenizer.encode('[{"id": 1, "name": "a"', add_special_tokens=False))
     finally:
         compiler.shutdown()
+
+
+@pytest.mark.parametrize("multimodal_checkpoint", ["gemma3"], indirect=True)
+def test_image_requests_beside_text_only_ones(multimodal_checkpoint, tmp_path):
+    """--image-share: half the requests carry a picture (chat completions with an image_url part), against the
+    server and offline; their TTFT is reported apart."""
+    from redline.engine import Engine
+
+    path = multimodal_checkpoint[-1]
+    llm = LLM.load(path, device="cpu", compile=False)
+    engine = Engine(llm)
+    common = ["--num-prompts", "4", "--input-len", "6", "--output-len", "3", "--vocab-size", "290",
+              "--image-share", "0.5", "--image-size", "64"]
+    try:
+        with ServerThread(create_app(engine, llm, ServeSettings(checkpoint_path=path))) as url:
+            assert bench_serve.main(["--base-url", url, *common, "--json", str(tmp_path / "on.json")]) == 0
+    finally:
+        engine.shutdown()
+    assert bench_serve.main(["--offline", "--checkpoint_path", str(path), "--device", "cpu", "--dtype", "float32",
+                             *common, "--json", str(tmp_path / "off.json")]) == 0
+    for name in ("on.json", "off.json"):
+        run = json.loads((tmp_path / name).read_text())["runs"][0]
+        assert run["completed"] == 4 and run["failed"] == 0 and run["output_tokens"] == 12
+        assert run["ttft_image_ms"]["p50"] > 0 and run["ttft_text_ms"]["p50"] > 0
+        assert run["prompt_tokens"] > 4 * 6 + 2 * 9  # the pictures' tokens count

@@ -204,3 +204,34 @@ def test_the_core_process_follows_a_grammar(server):
                                               "name": "n", "schema": schema}}})
         assert reply.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(reply.choices[0].text), schema)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("multimodal_checkpoint", ["qwen2_5_vl"], indirect=True)
+def test_an_image_crosses_to_the_core_process(multimodal_checkpoint, tmp_path):
+    """The image's bytes travel to the engine core's process as msgpack (engine/messages.py); the core decodes
+    them, runs its own vision tower, and the reply is LLM.chat's with the same picture."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    path = multimodal_checkpoint[-1]
+    picture = io.BytesIO()
+    Image.radial_gradient("L").convert("RGB").resize((90, 60)).save(picture, format="PNG")
+    data = picture.getvalue()
+    srv = Server(path, tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+        content = [{"type": "text", "text": "w17"}, {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(data).decode()}}]
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                               max_tokens=6, temperature=0)
+    finally:
+        srv.stop()
+    llm = LLM.load(path, device="cpu", compile=False)
+    want = llm.chat([{"role": "user", "content": [{"type": "text", "text": "w17"}, {"type": "image", "image": data}]}],
+                    max_new_tokens=6)
+    assert reply.choices[0].message.content == want.text and want.text
+    assert "vision tower: qwen2_5_vl" in (tmp_path / "server.log").read_text()
