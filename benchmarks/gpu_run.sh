@@ -18,7 +18,8 @@
 #                                         # fixed workload at --max-running 256 and 512
 #   bash benchmarks/gpu_run.sh hf-int4    # a random Llama-3-8B GPTQ g128 folder converted, batch 1 beside Redline's int4
 #   bash benchmarks/gpu_run.sh vision     # the image tests, then time to first token of one 896 x 896 image on random
-#                                         # Gemma-3-12B and Qwen2.5-VL-7B weights (preprocess, encoder, prefill apart)
+#                                         # Gemma-3-12B and Qwen2.5-VL-7B weights (preprocess, encoder, prefill apart),
+#                                         # then 64 requests through the engine, half of them with a picture
 #   bash benchmarks/gpu_run.sh serve-json # 64 streams of 512/256 without, then with, a JSON schema on every request
 #   bash benchmarks/gpu_run.sh tp         # 2 GPUs: Llama-2-70B bf16 and int8 batch-1 decode at TP2, Llama-3-8B at TP2
 #                                         # against one GPU, the all-reduce's share of a step, then the 2-GPU tests
@@ -197,9 +198,15 @@ hf-int4)
     run hf-int4-decode python3 benchmarks/bench_hf_int4.py --model Llama-3-8B --groupsize 128 --runs 3
     ;;
 vision)
-    run vision-tests python3 -m pytest -q -p no:cacheprovider tests/test_vision.py tests/test_images.py
+    run vision-tests python3 -m pytest -q -p no:cacheprovider tests/test_vision.py tests/test_images.py \
+        tests/test_engine_images.py
     run vision-ttft python3 benchmarks/bench_vision.py --model Gemma-3-12B --model Qwen2.5-VL-7B --image-size 896 \
         --repeats 10 --json "$RESULTS/vision-ttft.json"
+    for model in Gemma-3-12B Qwen2.5-VL-7B; do
+        run "vision-serve-$model" python3 benchmarks/bench_serve.py --offline --vision-model "$model" --device cuda \
+            --dtype bfloat16 --image-share 0.5 --image-size 896 --num-prompts 64 --input-len 256 --output-len 128 \
+            --json "$RESULTS/vision-serve-$model.json"
+    done
     ;;
 tp)
     # NVLink multicast stays off: NCCL's NVLS and symmetric memory's multicast objects are never used.

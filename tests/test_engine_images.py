@@ -145,3 +145,20 @@ def test_requests_with_images_cross_the_process_boundary_as_msgpack(vision_llm):
     assert ids[start:start + count] == [llm.vision.args.image_token_id] * count
     assert len(ids) - len(prompt_ids(family, 1)) == count + len(llm.vision.args.image_prefix) - 1 + len(
         llm.vision.args.image_suffix)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_gpu_engine_with_images_equals_generate(multimodal_checkpoint, n_images):
+    """On a GPU (fp32, kernels, compiled prefill and decode graphs): rows with and without images through the
+    engine give LLM.generate's greedy tokens; the image steps run eagerly, the decode steps as graphs."""
+    from redline.generate import LLM
+
+    family, _, _, _, path = multimodal_checkpoint
+    llm = LLM.load(path, device="cuda", dtype="float32", compile=True)
+    prompts = [prompt_ids(family, 0), prompt_ids(family, n_images), prompt_ids(family, 1)]
+    images = [None, PICTURES[:n_images], [PICTURES[1]]]
+    want = [llm.generate(p, images=i, max_new_tokens=8, ignore_eos=True).token_ids for p, i in zip(prompts, images)]
+    got = llm.generate_batch(prompts, images=images, max_new_tokens=8, ignore_eos=True)
+    assert [r.token_ids for r in got] == want
+    assert llm.engine.graphs is not None
