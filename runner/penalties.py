@@ -112,6 +112,6 @@ class PenaltySlots:
 
     def count(self, slots: Tensor, tokens: Tensor) -> None:
         """Count each row's sampled token (B,) in its slot (B,), in place (inside the step's graph)."""
-        ones = torch.ones_like(tokens, dtype=torch.int32)
-        self.counts.index_put_((slots, tokens), ones, accumulate=True)
+        flat = slots * self.vocab + tokens  # (B,) into the flattened table: atomic adds, no host sync in a graph
+        self.counts.view(-1).index_add_(0, flat, torch.ones_like(tokens, dtype=torch.int32))
         self.generated.index_add_(0, slots, torch.ones_like(tokens))
