@@ -786,3 +786,25 @@ def test_bad_penalty_settings_are_refused_in_one_line(llm):
         llm.generate_batch(["hi"], stop_token_ids=[10**6])
     with pytest.raises(ValueError, match="batching engine"):
         llm.generate("hi", repetition_penalty=1.2, draft="prompt_lookup")
+
+
+@pytest.mark.gpu
+def test_gpu_penalized_decode_graphs_give_the_eager_engine_tokens():
+    """On a GPU the penalty rows' graph variant (counts updated inside the replayed graph) gives the eager engine's
+    tokens, with plain and sampled rows beside them and alone; a plain batch then replays a plain graph."""
+    eager, graphed = random_gpu_llm(False, True), random_gpu_llm(True, True)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 40, 17, 9)]
+    common = dict(max_new_tokens=24, ignore_eos=True)
+    options = [GenerationOptions(repetition_penalty=1.8, logit_bias={7: 3.0}, **common),
+               GenerationOptions(**common),
+               GenerationOptions(temperature=0.9, seed=7, min_p=0.1, presence_penalty=1.0, **common),
+               GenerationOptions(frequency_penalty=1.5, stop_token_ids=[11], **common)]
+    want = [r.token_ids for r in eager.generate_batch(prompts, options)]
+    engine = Engine(graphed, max_kv_tokens=graphed.max_kv_tokens)
+    with engine.paused():
+        handles = [engine.add_request(p, o) for p, o in zip(prompts, options)]
+    assert [h.result(timeout=120).token_ids for h in handles] == want
+    assert [engine.add_request(p, o).result(timeout=120).token_ids for p, o in zip(prompts, options)] == want
+    assert any(key[4] for key in engine.graphs.graphs) and any(not key[4] for key in engine.graphs.graphs)
+    engine.shutdown()
