@@ -14,6 +14,7 @@ command on the code from before these settings existed gives the before/after co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from typing import Any
@@ -71,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain_only", action="store_true", help="only the plain batch (runs on older code too)")
     ns = p.parse_args(argv)
     device = torch.device(ns.device)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     engine = build_engine(ns.model, device, ns.compile or device.type == "cuda", ns.batch)
     vocab = engine.limits.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         configs["all penalized"] = [penalized] * ns.batch
     with torch.inference_mode():
         for options in configs.values():  # warm-up: compiling and capturing stay out of the rounds
-            decode_steps(engine, prompts, [o.__class__(**{**o.__dict__, "max_new_tokens": 4}) for o in options])
+            decode_steps(engine, prompts, [dataclasses.replace(o, max_new_tokens=4) for o in options])
         steps: dict[str, list[float]] = {name: [] for name in configs}
         for _ in range(ns.rounds):
             for name, options in configs.items():
