@@ -31,11 +31,9 @@ def build_engine(model_name: str, device: torch.device, compile: bool, batch: in
     from redline.engine import Engine
     from redline.engine.core import EngineSettings
     from redline.model import ModelArgs
-    from redline.model_registry import MODEL_REGISTRY
     from redline.runner.runner import Runner
 
-    fields = TINY if model_name == "tiny" else MODEL_REGISTRY[model_name]
-    args = ModelArgs(**fields)
+    args = ModelArgs(**TINY) if model_name == "tiny" else ModelArgs.from_name(model_name)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = build_random_model(args, device, dtype, "none")
     runner = Runner(model, device, compile=compile)
