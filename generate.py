@@ -147,6 +147,7 @@ class LLM:
         ids = self.encode_prompt(prompt)
         ids, media = self.with_images(ids, images, options)
         self.runner.plan_lengths(len(ids), options.max_new_tokens)
+        self.check_engine_only(ids, options, media)
         speculative.Speculator.for_options(self, options)  # a bad draft is refused here, before the first piece
         return Stream(self.lock, lambda: self._pieces(ids, options, media))
 
@@ -187,6 +188,7 @@ class LLM:
         if in_parts and images:
             raise ValueError("give the images as content parts or as images=, not both")
         ids, media = self.with_images(self.chat_prompt(messages), in_parts or images, options)
+        self.check_engine_only(ids, options, media)
         speculative.Speculator.for_options(self, options)
         room = self.context_left(len(ids))
         if room < self.chat_reply_room(options.max_new_tokens):
@@ -208,9 +210,21 @@ class LLM:
         """The most recent turns that fit the context with room for a reply (Prompts.fit_chat)."""
         return self.prompts.fit_chat(messages, max_new_tokens)
 
+    def check_engine_only(self, ids: list[int], options: GenerationOptions, images: PromptImages | None) -> None:
+        """Options only the batching engine runs (GenerationOptions.engine_only) go there, checked now; it takes
+        no draft and no images."""
+        if not options.engine_only:
+            return
+        if options.draft is not None or images is not None or options.profile is not None:
+            raise ValueError("penalties, logit_bias, min_p, min_tokens, stop_token_ids and include_stop_str_in_output "
+                             "run on the batching engine, which takes no draft, images or profile; drop one side")
+        self.engine.check_request(ids, options)
+
     def _pieces(self, prompt_ids: list[int], options: GenerationOptions,
                 images: PromptImages | None = None) -> Generator[str, None, GenerationResult]:
         """Text pieces of one generation (the caller holds the LLM); returns its GenerationResult."""
+        if options.engine_only:
+            return (yield from self._engine_pieces(prompt_ids, options))
         eos = set() if options.ignore_eos or self.tokenizer is None else set(self.tokenizer.eos_ids)
         stops, sampling, max_new = list(options.stop), options.sampling, options.max_new_tokens
         prompts = torch.tensor([prompt_ids], dtype=torch.long)
@@ -220,7 +234,7 @@ class LLM:
         recorder = self._recorder(options.profile, prompts, max_new, sampling, loop)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        text_stream = TextStream(self.tokenizer) if self.tokenizer is not None else None
+        text_stream = TextStream(self.tokenizer, options.skip_special_tokens) if self.tokenizer is not None else None
         new_ids: list[int] = []
         times: list[float] = []  # when each step's tokens arrived
         counts: list[int] = []  # tokens taken from each step (a speculative step brings several)
@@ -264,6 +278,22 @@ class LLM:
                             speculation=spec.stats() if spec is not None else {})
         trace = recorder.write(self._trace_stats(stats), step_seconds(times, counts)) if recorder is not None else None
         return GenerationResult(text=text, token_ids=new_ids, stats=stats, finish_reason=finish, trace_path=trace)
+
+    def _engine_pieces(self, prompt_ids: list[int],
+                       options: GenerationOptions) -> Generator[str, None, GenerationResult]:
+        """Text pieces of one generation run by the batching engine (options only its sampler applies); returns
+        its GenerationResult. Closing the generator early aborts the request."""
+        handle = self.engine.add_request(prompt_ids, options)
+        outputs = []
+        try:
+            for output in handle:
+                outputs.append(output)
+                if output.text:
+                    yield output.text
+        finally:
+            if not outputs or outputs[-1].finish_reason is None:
+                handle.abort()
+        return handle.result()
 
     def _stats(self, prompt_len: int, n_new: int, start: float, times: list[float], compile_s: float,
                batch: int = 1, counts: list[int] | None = None,
@@ -450,6 +480,14 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--top_p", type=float, default=None, help="nucleus sampling; None means off")
     p.add_argument("--seed", type=int, default=None, help="sample i uses seed + i; None means a fresh seed per run")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="> 1 makes tokens of the prompt and reply less likely (1 is off; runs the batching engine)")
+    p.add_argument("--presence_penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted once from each token the reply holds (0 is off)")
+    p.add_argument("--frequency_penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted per occurrence of each token in the reply (0 is off)")
+    p.add_argument("--min_p", type=float, default=0.0,
+                   help="in [0, 1]: drop tokens less likely than min_p times the most likely one (0 is off)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N; None means cuda when available")
     p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32; None means the checkpoint's")
     p.add_argument("--compile", action=Bool, default=None, help="compile decoding (a CUDA graph); None: on for GPU")
@@ -478,7 +516,9 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     options = GenerationOptions(
         ns.max_new_tokens, ns.temperature, ns.top_k, ns.top_p, tuple(ns.stop), ns.seed,
         profile=ProfileConfig(ns.profile, ns.profile_steps) if ns.profile is not None else None,
-        draft="prompt_lookup" if lookup else None, speculate_k=ns.speculate_k if lookup else None)
+        draft="prompt_lookup" if lookup else None, speculate_k=ns.speculate_k if lookup else None,
+        presence_penalty=ns.presence_penalty, frequency_penalty=ns.frequency_penalty,
+        repetition_penalty=ns.repetition_penalty, min_p=ns.min_p)
     return GenerateArgs(ns.checkpoint_path, engine, options, ns.prompt, ns.num_samples, ns.chat, ns.interactive,
                         ns.system, ns.draft_checkpoint_path, ns.draft_quantize, None if lookup else ns.speculate_k,
                         ns.overwrite, tuple(ns.image))

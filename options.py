@@ -28,6 +28,8 @@ DEFAULT_SPECULATE_K = 5
 MAX_SPECULATE_K = PROMPT_SMALL_M - 1
 # The most alternatives per token that logprobs report.
 MAX_TOP_LOGPROBS = 20
+# The most stop_token_ids one generation takes (runner.penalties.MAX_BANNED_IDS leaves room for EOS ids besides).
+MAX_STOP_TOKEN_IDS = 64
 
 
 def check_text(text: str, what: str) -> None:
@@ -171,6 +173,17 @@ class GenerationOptions:
     top_logprobs: int = 0  # ...and of the N most likely tokens at each step (0..MAX_TOP_LOGPROBS)
     prompt_logprobs: bool = False  # ...and of each prompt token given the ones before it
     grammar: Any = None  # a grammar.Grammar: the batching engine samples only the tokens it allows
+    # Penalties, bias and min_p act on the logits of each step (sampling.SamplingParams says how); with any of them,
+    # min_tokens, stop_token_ids or include_stop_str_in_output, LLM.generate runs the batching engine's sampler.
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token the reply holds
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the reply
+    repetition_penalty: float = 1.0  # > 0, 1 is off: tokens of the prompt or the reply are made less (> 1) likely
+    min_p: float = 0.0  # in [0, 1]: drop tokens less likely than min_p times the most likely one
+    logit_bias: Any = ()  # {token id: bias in [-100, 100]} (at most 300), added to those logits
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings do not end the reply before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # more ids that end the reply (finish reason "stop")
+    include_stop_str_in_output: bool = False  # the matched stop string (or stop token) stays in the reply
+    skip_special_tokens: bool = True  # special tokens are left out of the text (their ids stay in token_ids)
 
     def __post_init__(self) -> None:
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -199,6 +212,22 @@ class GenerationOptions:
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+        object.__setattr__(self, "logit_bias", self.sampling.logit_bias)
+        self._check_ending()
+
+    def _check_ending(self) -> None:
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer in 0..max_new_tokens ({self.max_new_tokens}), got "
+                             f"{self.min_tokens!r}")
+        ids = self.stop_token_ids
+        ids = tuple(ids) if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes)) else None
+        if ids is None or not all(is_int(t) and t >= 0 for t in ids) or len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids must be up to {MAX_STOP_TOKEN_IDS} token ids (non-negative integers), "
+                             f"got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        for flag in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
     def _check_speculation(self) -> None:
         if isinstance(self.draft, str) and self.draft != "prompt_lookup":
@@ -215,7 +244,22 @@ class GenerationOptions:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.seed, self.presence_penalty,
+                              self.frequency_penalty, self.repetition_penalty, self.min_p, self.logit_bias)
+
+    @property
+    def engine_only(self) -> bool:
+        """Whether only the batching engine runs these options (penalties, bias, min_p, min_tokens, stop token ids,
+        a kept stop string): LLM.generate then sends the request there instead of its batch-1 path."""
+        return bool(self.sampling.penalized or self.min_tokens or self.stop_token_ids
+                    or self.include_stop_str_in_output)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """ValueError naming a logit_bias or stop_token_ids id at or past vocab_size."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{name} names token id {bad}, outside the model's vocabulary (0..{vocab_size - 1})")
 
 
 def resolve_options(options: GenerationOptions | None, overrides: dict[str, Any]) -> GenerationOptions:

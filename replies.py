@@ -57,6 +57,12 @@ class PreparedReply:
     reasoning_open: bool | None  # None: no reasoning split; else whether the reply starts inside <think>
 
 
+def parsed(prepared: PreparedReply) -> bool:
+    """Whether a tool or reasoning parser reads the reply's text: its markers may be special tokens, which then stay
+    in the text (skip_special_tokens=False, as vLLM's parsers set it)."""
+    return prepared.tool_parser is not None or prepared.reasoning_open is not None
+
+
 class Agent:
     """The server's side of replies for one model: its tool format, reasoning and grammar compiler."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,10 @@ SEED_LIMIT = 1 << 63
 # Ids per chunk of the greedy pick's first stage: a 128k-262k vocabulary splits into 125-257 chunks, enough programs
 # to spread one row over the GPU, each chunk still a single block of its reduction.
 ARGMAX_CHUNK = 1024
+# OpenAI's bounds: presence and frequency penalties in [-2, 2], at most 300 logit_bias entries, each in [-100, 100].
+PENALTY_LIMIT = 2.0
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
 
 
 def as_int64(value: int) -> int:
@@ -112,12 +117,43 @@ def is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def logit_bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """A logit_bias mapping (token id -> bias; ids may be decimal strings, as OpenAI's JSON has them) or pairs, as
+    sorted (id, bias) pairs; ValueError naming the bad entry. The ids are checked against a vocabulary elsewhere."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(k, v) for k, v in items]
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}") from None
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, value in pairs:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not is_int(token) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if not is_real(value) or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must lie in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], got "
+                             f"{value!r} for token {key}")
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far (OpenAI's)
+    frequency_penalty: float = 0.0  # subtracted per occurrence of each token generated so far (OpenAI's)
+    repetition_penalty: float = 1.0  # tokens of the prompt or reply: positive logits divided, negative multiplied
+    min_p: float = 0.0  # drop tokens whose probability is below min_p times the most likely one's
+    logit_bias: Any = ()  # token id -> bias added to its logit; kept as sorted (id, bias) pairs
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -130,10 +166,25 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_real(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 is off), got {value!r}")
+        if not is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}")
+        if not is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1] (0 is off), got {self.min_p!r}")
+        object.__setattr__(self, "logit_bias", logit_bias_pairs(self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty, bias or min_p is set: then only the batching engine's sampler applies them."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.min_p
+                    or self.logit_bias)
 
     def tensors(self, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(temperature, top_k, top_p, seed) as 0-d tensors; no seed draws one from torch's global RNG."""
@@ -144,16 +195,45 @@ class SamplingParams:
                 torch.tensor(float(top_p), device=device), torch.tensor(int(seed), device=device))
 
 
+def refuse_penalized(sampling: SamplingParams) -> None:
+    """The static token loop (and speculation over it) has no penalty state: such settings are the batching
+    engine's (LLM.generate sends them there), never silently dropped here."""
+    if sampling.penalized:
+        raise ValueError("penalties, logit_bias and min_p run on the batching engine (LLM.generate, "
+                         "generate_batch); the static token loop does not apply them")
+
+
 def sample_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
-                position: Tensor) -> Tensor:
+                position: Tensor, min_p: Tensor | None = None) -> Tensor:
     """One token per row of logits (B, V), each row with its own settings: temperature, top_p (B,) float32, top_k,
     seed and position (B,) int64. Row r draws exactly what `sample` draws for it alone (its noise is
-    exponential_noise(seed[r], position[r], 1, V)), and a row with temperature 0 is greedy. Returns (B,)."""
+    exponential_noise(seed[r], position[r], 1, V)), and a row with temperature 0 is greedy. min_p (B,) float32,
+    if given: tokens less likely than min_p times the row's most likely one (after temperature) are dropped too.
+    Returns (B,)."""
     scaled = logits.float() / temperature.clamp_min(1e-5).unsqueeze(1)  # (B, V)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)  # (B, V)
     probs = torch.softmax(sorted_logits, dim=-1)
-    probs = probs * nucleus_keep_mask(probs, top_k.unsqueeze(1), top_p.unsqueeze(1))
+    keep = nucleus_keep_mask(probs, top_k.unsqueeze(1), top_p.unsqueeze(1))  # (B, V)
+    if min_p is not None:
+        keep = keep & (probs >= min_p.unsqueeze(1) * probs[:, :1])
+    probs = probs * keep
     noise = exponential_noise(seed.view(-1, 1), position, 1, probs.shape[-1])  # (B, V), row r from seed r
     choice = torch.argmax(probs / noise, dim=-1, keepdim=True)  # (B, 1)
     sampled = order.gather(-1, choice).squeeze(1)  # (B,)
     return torch.where(temperature == 0, greedy(logits).squeeze(1), sampled)
+
+
+def penalized_logits(logits: Tensor, counts: Tensor, in_prompt: Tensor, presence: Tensor, frequency: Tensor,
+                     repetition: Tensor, bias_ids: Tensor, bias: Tensor, banned_ids: Tensor, banned: Tensor) -> Tensor:
+    """logits (B, V) fp32 with each row's logit bias, bans and penalties, in vLLM's order: bias (B, N) added at
+    bias_ids (B, N) (padding entries add 0), banned (B, M) added at banned_ids (B, M) (-inf bans an id, 0 is none:
+    min_tokens' EOS and stop ids), then repetition (B,) over the tokens of the prompt (in_prompt (B, V) bool) or the
+    reply (counts (B, V) > 0): positive logits divided by it, negative ones multiplied; last frequency (B,) times
+    each token's count in the reply and presence (B,) once for each token in it are subtracted. Out of place, no
+    host sync: it runs inside a captured graph."""
+    logits = logits.scatter_add(1, bias_ids, bias).scatter_add(1, banned_ids, banned)
+    seen = counts > 0  # (B, V)
+    rep = repetition.unsqueeze(1)  # (B, 1)
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen | in_prompt, repeated, logits)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * seen

@@ -39,7 +39,7 @@ from redline.model import ModelArgs
 from redline.options import DTYPE_FOLDERS, EngineConfig, check_text
 from redline.outputs import OneLineArgumentParser
 from redline.prompts import Prompts
-from redline.replies import REASONING_PARSERS, Agent, AgentSettings, PreparedReply, ReplyReader
+from redline.replies import REASONING_PARSERS, Agent, AgentSettings, PreparedReply, ReplyReader, parsed
 from redline.toolcalls import PARSERS
 from redline.serve_images import MediaSettings, load_images
 from redline.serve_metrics import Metrics
@@ -545,7 +545,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     images = await request_images(state, req.image_urls(), "messages")
     prepared = await state.agent().prepare(req.reply_spec())  # a long prompt or schema never stalls the loop
     options = req.options(context_room(llm, prepared.ids, req.max_new, "messages"), llm.vocab_size,
-                          logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, grammar=prepared.grammar)
+                          parsed(prepared), logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                          grammar=prepared.grammar)
     handles = await submit_images(engine, [(prepared.ids, o) for o in req.seeded(options)], images)
     run = Run(state, request, handles, req.n)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.settings.model_name,

@@ -187,13 +187,14 @@ async def messages(state: ServerState, request: Request) -> Response:
     state.check_model(req.model)
     prepared = await state.agent().prepare(req.spec())
     from redline.options import GenerationOptions
+    from redline.replies import parsed
 
     try:
         options = GenerationOptions(
             max_new_tokens=context_room(llm, prepared.ids, req.max_tokens, "messages"),
             temperature=1.0 if req.temperature is None else req.temperature, top_k=req.top_k,
             top_p=req.top_p if req.top_p is not None and req.top_p < 1 else None,
-            stop=tuple(req.stop_sequences or ()), grammar=prepared.grammar)
+            stop=tuple(req.stop_sequences or ()), grammar=prepared.grammar, skip_special_tokens=not parsed(prepared))
     except ValueError as exc:
         raise invalid(str(exc)) from None
     run = Run(state, request, submit(engine, [(prepared.ids, options)]))

@@ -7,8 +7,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from redline.options import GenerationOptions
-from redline.sampling import SEED_LIMIT
+from redline.options import MAX_STOP_TOKEN_IDS, GenerationOptions
+from redline.sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT, SEED_LIMIT
 
 MAX_N = 16  # choices per request
 MAX_STOP_STRINGS = 16
@@ -21,8 +21,6 @@ DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' max_tokens when absent or nul
 # response's Warning header. Anything else Redline does not implement is a 400 naming it.
 IGNORED_PARAMETERS = ("store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key",
                       "reasoning_effort")
-# Parameters OpenAI defines that Redline accepts only at their neutral value (anything else is refused by name).
-NEUTRAL_ONLY = {"frequency_penalty": 0.0, "presence_penalty": 0.0}
 # The engine's finish reasons as the API reports them.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
@@ -189,8 +187,16 @@ class SamplingRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extra, for benchmarks
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    frequency_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    presence_penalty: float | None = Field(None, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
+    # vLLM's extras, as top-level body fields (the openai client's extra_body)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool | None = None  # None: true, except where a tool or reasoning parser reads the reply
     # Accepted and ignored (IGNORED_PARAMETERS): any JSON value, as clients send them.
     store: Any = None
     metadata: Any = None
@@ -202,9 +208,16 @@ class SamplingRequest(Strict):
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingRequest:
-        for name, neutral in NEUTRAL_ONLY.items():
-            if getattr(self, name) != neutral:
-                raise invalid(f"{name} is not supported (only {neutral}); drop it", name, "unsupported_parameter")
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise invalid(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+        for key, value in bias.items():
+            if not key.isdigit():
+                raise invalid(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise invalid(f"logit_bias values must lie in [-100, 100], got {value} for token {key}", "logit_bias")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise invalid("stop_token_ids must be token ids (non-negative integers)", "stop_token_ids")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS or not all(stops):
             raise invalid(f"stop must be up to {MAX_STOP_STRINGS} non-empty strings", "stop")
@@ -219,20 +232,38 @@ class SamplingRequest(Strict):
         """The accepted-and-ignored parameters this request set."""
         return [name for name in IGNORED_PARAMETERS if name in self.model_fields_set]
 
-    def options(self, max_new_tokens: int, vocab_size: int | None = None, **extra: Any) -> GenerationOptions:
+    def options(self, max_new_tokens: int, vocab_size: int | None = None, parsed: bool = False,
+                **extra: Any) -> GenerationOptions:
         """GenerationOptions for one choice; a top_k at or past the vocabulary (the same distribution as none) is
-        none."""
+        none. parsed: a tool or reasoning parser reads the reply, so special tokens stay in its text unless
+        skip_special_tokens says otherwise (their markers may be special tokens)."""
         temperature = 1.0 if self.temperature is None else self.temperature
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         top_k = self.top_k if self.top_k is not None and self.top_k > 0 else None
         if top_k is not None and vocab_size is not None and top_k >= vocab_size:
             top_k = None
         top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
+        for name, ids in (("logit_bias", [int(k) for k in self.logit_bias or {}]),
+                          ("stop_token_ids", self.stop_token_ids or [])):
+            bad = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
+            if bad is not None:
+                raise invalid(f"{name} names token id {bad}, outside the model's vocabulary (0..{vocab_size - 1})",
+                              name)
+        skip = self.skip_special_tokens if self.skip_special_tokens is not None else not parsed
+        penalties = {name: getattr(self, name) for name in ("presence_penalty", "frequency_penalty",
+                                                            "repetition_penalty", "min_p")
+                     if getattr(self, name) is not None}
         try:
             return GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, stop=stops, seed=self.seed, ignore_eos=self.ignore_eos, **extra)
+                                     top_p=top_p, stop=stops, seed=self.seed, ignore_eos=self.ignore_eos,
+                                     logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                                     min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
+                                     include_stop_str_in_output=self.include_stop_str_in_output,
+                                     skip_special_tokens=skip, **penalties, **extra)
         except ValueError as exc:
-            raise invalid(str(exc)) from None
+            message = str(exc)
+            name = message.split()[0]
+            raise invalid(message, name if name in type(self).model_fields else None) from None
 
     def seeded(self, options: GenerationOptions) -> list[GenerationOptions]:
         """One options per choice: choice i uses seed + i when a seed is given."""

@@ -192,10 +192,11 @@ async def responses(state: ServerState, request: Request) -> Response:
     sampling = {"temperature": 1.0 if req.temperature is None else req.temperature,
                 "top_p": req.top_p if req.top_p is not None and req.top_p < 1 else None}
     from redline.options import GenerationOptions
+    from redline.replies import parsed
 
     try:
         options = GenerationOptions(max_new_tokens=context_room(llm, prepared.ids, req.max_output_tokens, "input"),
-                                    grammar=prepared.grammar, **sampling)
+                                    grammar=prepared.grammar, skip_special_tokens=not parsed(prepared), **sampling)
     except ValueError as exc:
         raise invalid(str(exc)) from None
     run = Run(state, request, await submit_images(engine, [(prepared.ids, options)], images))

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from redline.options import GenerationOptions
-from redline.sampling import SamplingParams, as_int64, exponential_noise, mix64, nucleus_keep_mask
+from redline.sampling import (SamplingParams, as_int64, exponential_noise, mix64, nucleus_keep_mask,
+                              refuse_penalized)
 
 # Added to the seed (then hashed) to key the acceptance tests' and the draft model's own noise: streams apart
 # from the target's sampling noise, so no random number is used for two decisions.
@@ -468,6 +469,7 @@ class Speculator:
     def prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
         """The runner's graphs, the verify graph for k, with k positions of slack in the cache, and the cost gate's
         ratio (outside every timing); seconds spent."""
+        refuse_penalized(sampling)
         if batch != 1:
             raise ValueError("speculative decoding runs one sequence at a time (batch 1)")
         runner, k = self.runner, self.k

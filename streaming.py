@@ -13,13 +13,17 @@ from redline.tokenizer import Tokenizer
 class TextStream:
     """Turns token ids into text pieces, holding back bytes of a character that is not complete yet."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        """skip_special_tokens: the tokenizer's special tokens (tokenizer.special_ids) add no text."""
         self.tokenizer = tokenizer
+        self.skip = getattr(tokenizer, "special_ids", frozenset()) if skip_special_tokens else frozenset()
         self.ids: list[int] = []
         self.prefix_start = 0  # ids before this are final
         self.read_start = 0  # ids before this have been emitted
 
     def push(self, token: int) -> str:
+        if token in self.skip:
+            return ""
         self.ids.append(token)
         prefix = self.tokenizer.decode(self.ids[self.prefix_start:self.read_start])
         text = self.tokenizer.decode(self.ids[self.prefix_start:])
@@ -133,8 +137,17 @@ def print_stream(stream: Stream, out: Any) -> GenerationResult:
 
 def first_stop(text: str, stops: list[str]) -> int | None:
     """Where the first of the stop strings starts in text, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+    hit = stop_match(text, stops)
+    return hit[0] if hit is not None else None
+
+
+def stop_match(text: str, stops: list[str]) -> tuple[int, int] | None:
+    """(where, end) of the first stop string in text (at one place, the longest), or None."""
+    hits = [(i, -len(s)) for s, i in ((s, text.find(s)) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    where, minus = min(hits)
+    return where, where - minus
 
 
 def step_seconds(times: list[float], counts: list[int] | None = None) -> list[float]:
@@ -146,13 +159,17 @@ def step_seconds(times: list[float], counts: list[int] | None = None) -> list[fl
 class RequestText:
     """The output processor's state for one request: its tokens' text as they arrive (incremental detokenization),
     cut at the first stop string, with the tail that could still grow into a stop string held back. The same for
-    LLM.generate_batch, the engine's front end and the server. tokenizer None: no text (token ids only)."""
+    LLM.generate_batch, the engine's front end and the server. tokenizer None: no text (token ids only).
+    min_tokens: a stop string ends nothing before this many tokens arrived (text before that is not searched);
+    keep_stop: the text ends after the stop string instead of before it; skip_special_tokens: as TextStream's."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stops: list[str]) -> None:
-        self.stream = TextStream(tokenizer) if tokenizer is not None else None
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str], min_tokens: int = 0, keep_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self.stream = TextStream(tokenizer, skip_special_tokens) if tokenizer is not None else None
         self.stops = [s for s in stops if s]
         self.holdback = max((len(s) - 1 for s in self.stops), default=0)
         self.text, self.emitted, self.searched = "", 0, 0
+        self.min_tokens, self.keep_stop, self.tokens = min_tokens, keep_stop, 0
 
     def push(self, token_ids: list[int], last: bool) -> tuple[int, bool]:
         """Take new tokens (last: the request ends with them); returns how many of them the output keeps and
@@ -161,6 +178,7 @@ class RequestText:
             return len(token_ids), False
         for i, token in enumerate(token_ids):
             self.text += self.stream.push(token)
+            self.tokens += 1
             if self._cut():
                 return i + 1, True
         if last:
@@ -173,10 +191,12 @@ class RequestText:
         """Cut the text at a stop string that ends in its new part; True if one did."""
         start = max(0, self.searched - self.holdback)  # a stop string may straddle the old and the new text
         self.searched = len(self.text)
-        cut = first_stop(self.text[start:], self.stops)
-        if cut is None:
+        if self.tokens < self.min_tokens:
             return False
-        self.text = self.text[:start + cut]
+        hit = stop_match(self.text[start:], self.stops)
+        if hit is None:
+            return False
+        self.text = self.text[:start + hit[1 if self.keep_stop else 0]]
         return True
 
     def piece(self, finished: bool) -> str:

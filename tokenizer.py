@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import os
 import re
@@ -109,6 +110,12 @@ class Tokenizer:
     def special_token_id(self, token: str) -> int:
         """The id of a special token such as "<|eot_id|>"; KeyError when the vocabulary lacks it."""
         raise NotImplementedError
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special tokens (control tokens; added tokens marked special), which decoding with
+        skip_special_tokens leaves out of the text."""
+        return frozenset()
 
     @property
     def chat_format(self) -> str:
@@ -292,6 +299,10 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self.processor.decode(list(ids))
 
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.specials.values())
+
     def special_token_id(self, token: str) -> int:
         token_id = self.processor.piece_to_id(token)
         if token_id == self.processor.unk_id() and token != self.processor.id_to_piece(token_id):
@@ -340,6 +351,10 @@ class TiktokenTokenizer(Tokenizer):
 
     def special_token_id(self, token: str) -> int:
         return self.special_token_ids[token]
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(self.special_token_ids.values())
 
 
 def _tiktoken_safe_pieces(text: str) -> Iterator[str]:
@@ -419,6 +434,10 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, token in self.tokenizer.get_added_tokens_decoder().items() if token.special)
 
     def special_token_id(self, token: str) -> int:
         token_id = self.tokenizer.token_to_id(token)

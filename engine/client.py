@@ -105,11 +105,19 @@ class EngineClient:
                 raise EngineFull(f"{self.max_queue} requests already wait; retry later or raise max_queue")
             request_id = f"req-{next(self._ids)}"
             handle = RequestHandle(request_id, ids, self.abort)
-            self._live[request_id] = Live(handle, RequestText(self.tokenizer, list(options.stop)), options)
+            text = RequestText(self.tokenizer, list(options.stop), options.min_tokens,
+                               options.include_stop_str_in_output, options.skip_special_tokens)
+            self._live[request_id] = Live(handle, text, options)
         self.link.add(CoreRequest(request_id, ids, min(options.max_new_tokens, self.limits.block_size - len(ids)),
                                   float(s.temperature), s.top_k, s.top_p, options.seed, eos, bool(options.logprobs),
                                   int(options.top_logprobs), bool(options.prompt_logprobs),
-                                  options.grammar.text if options.grammar is not None else None, inputs))
+                                  options.grammar.text if options.grammar is not None else None, images=inputs,
+                                  presence_penalty=float(s.presence_penalty),
+                                  frequency_penalty=float(s.frequency_penalty),
+                                  repetition_penalty=float(s.repetition_penalty), min_p=float(s.min_p),
+                                  logit_bias=[tuple(p) for p in s.logit_bias], min_tokens=int(options.min_tokens),
+                                  stop_token_ids=list(options.stop_token_ids),
+                                  keep_stop_token=bool(options.include_stop_str_in_output)))
         return handle
 
     def abort(self, handle: RequestHandle) -> None:

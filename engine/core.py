@@ -32,7 +32,8 @@ from redline.engine.requests import EngineStats, Limits
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
 from redline.options import GenerationStats
 from redline.runner.paged import (GrammarMasks, PagedModel, RowSettings, chosen_logprobs, compile_prefill_default,
-                                  sample_tokens)
+                                  on_device, sample_tokens)
+from redline.runner.penalties import MAX_BANNED_IDS, RowPenalties
 from redline.sampling import SEED_LIMIT, TOP_P_DISABLED
 
 PREFILL_GRAPHS_HELP = ("replay steps that prefill one chunk of under 512 tokens and nothing else (a chat's next turn) "
@@ -100,6 +101,8 @@ class RequestState:
         self.prompt_top: list[dict[int, float] | None] | None = (
             [None] if request.prompt_logprobs and request.top_logprobs else None)
         self.matcher = matcher  # the request's grammar state: which tokens its next step may sample (None: any)
+        self.stop_ids = set(request.stop_token_ids)
+        self.penalties = row_penalties(request)  # None: the request uses no penalty, bias, min_p or min_tokens
 
     def take(self, token: int) -> str | None:
         """Account one sampled token; returns the finish reason when the request ends with it."""
@@ -109,6 +112,8 @@ class RequestState:
         if token in self.eos:
             return "eos"
         self.new_tokens += 1
+        if token in self.stop_ids:
+            return "stop"
         if self.matcher is not None and self.matcher.is_stopped():  # the grammar is complete: nothing may follow
             return "stop"
         return "length" if self.new_tokens >= self.max_new_tokens else None
@@ -288,6 +293,13 @@ class EngineCore:
             return f"seed must lie in 0..{SEED_LIMIT - 1}"
         if not 0 <= request.top_logprobs <= 20:
             return "top_logprobs must lie in 0..20"
+        bad = next((t for t in [t for t, _ in request.logit_bias] + request.stop_token_ids
+                    if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} (logit_bias or stop_token_ids) is outside the vocabulary 0..{self.vocab_size - 1}"
+        if row_penalties(request) is not None and self.paged.ranks is not None:
+            return ("penalties, logit_bias, min_p and min_tokens are not available with tensor parallel yet; drop "
+                    "them or run on one GPU")
         return image_refusal(self.vision.args if self.vision is not None else None, request.images,
                              self.paged.ranks is not None)
 
@@ -430,7 +442,8 @@ class EngineCore:
         matchers = [c.seq.state.matcher for c in chunks]  # all None in a followed step (see _follow)
         masks = (lambda: self.masks.fill(matchers)) if any(m is not None for m in matchers) else None
         out, host, ready = self.paged.launch_decode(inputs, [c.start for c in chunks], [c.seq.pages for c in chunks],
-                                                    [c.seq.state.settings for c in chunks], masks)
+                                                    [c.seq.state.settings for c in chunks], masks,
+                                                    self._penalty_slots(chunks))
         return Flight(chunks, out, host, ready, started)
 
     def _follow(self, flight: Flight) -> Flight | None:
@@ -495,7 +508,10 @@ class EngineCore:
         settings = RowSettings.of([(*c.seq.state.settings, c.seq.num_tokens) for c in sampling], self.device)
         masks = self.masks.fill([c.seq.state.matcher for c in sampling])
         allowed = rows if masks is None else self.masks.apply(rows, masks)  # (B, V)
-        tokens = sample_tokens(allowed, settings, all(c.seq.state.settings[0] == 0 for c in sampling))  # (B,)
+        slots = self._penalty_slots(sampling)
+        penalties = (self.paged.penalties, on_device(slots, torch.long, self.device)) if slots is not None else None
+        tokens = sample_tokens(allowed, settings, all(c.seq.state.settings[0] == 0 for c in sampling),
+                               penalties)  # (B,)
         extras: list[dict[str, Any]] = [{} for _ in sampling]
         top = max(c.seq.state.request.top_logprobs for c in sampling)
         if any(c.seq.state.request.logprobs or c.seq.state.request.top_logprobs for c in sampling):
@@ -507,6 +523,25 @@ class EngineCore:
                 if n:
                     extras[r]["top"] = dict(zip(ids[r, :n].tolist(), values[r, :n].tolist()))
         return tokens.tolist(), extras
+
+    def _penalty_slots(self, chunks: list[Chunk]) -> list[int] | None:
+        """Each sampling row's slot in the penalty state (the scratch slot for a row without penalties), a request
+        that has none getting one now; None when no row uses penalties (the step then does none of that work)."""
+        if all(c.seq.state.penalties is None for c in chunks):
+            return None
+        state, seqs = self.paged.penalties, [c.seq for c in chunks]
+        slots = []
+        for seq in seqs:
+            row = seq.state.penalties
+            slot = state.scratch if row is None else state.slot_of(seq)
+            if slot is None:  # the prompt's presence and the counts of the tokens it has (on the host: no step runs)
+                slot = state.assign(seq, row, seq.tokens[:seq.prompt_len], seq.tokens[seq.prompt_len:], seqs)
+            slots.append(slot)
+        return slots
+
+    def _release_slot(self, seq: Seq) -> None:
+        if seq.state.penalties is not None:
+            self.paged.penalties.release(seq)
 
     def _graph_step(self, chunks: list[Chunk]) -> bool:
         """Whether this step runs as a captured decode graph: decode rows only, no logprobs asked for."""
@@ -537,13 +572,14 @@ class EngineCore:
         seq.tokens.append(token)
         self.generation_tokens_total += 1
         reason = state.take(token)
-        counted = token not in state.eos
         req = state.request
+        counted = token not in state.eos and (token not in state.stop_ids or req.keep_stop_token)
         logprobs = [extra["logprob"]] if req.logprobs and counted else ([] if req.logprobs else None)
         top = [extra["top"]] if req.top_logprobs and counted else ([] if req.top_logprobs else None)
         self._pending.append(self._output(seq, [token] if counted else [], logprobs, top, reason))
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            self._release_slot(seq)
             self._seqs.pop(seq.request_id, None)
             self.requests_finished += 1
 
@@ -567,6 +603,7 @@ class EngineCore:
         """End seq now (abort, stop or error): release its pages and say so after its earlier outputs."""
         if not already_released:
             self.scheduler.finish(seq, reason, error)
+        self._release_slot(seq)
         self._seqs.pop(seq.request_id, None)
         self.requests_finished += 1
         req = seq.state.request
@@ -587,6 +624,17 @@ class EngineCore:
             model_bytes_per_token=per_token,
             bandwidth_gb_s=decode * per_token / 1e9,  # each of its steps read the weights once
             peak_memory_gb=peak).as_dict()
+
+
+def row_penalties(request: CoreRequest) -> RowPenalties | None:
+    """What the request's penalty slot holds, or None when it uses no penalty, bias, min_p or min_tokens (min_tokens
+    bans its EOS and stop ids until then: nothing to ban is nothing to do)."""
+    banned = tuple(dict.fromkeys([*request.eos, *request.stop_token_ids]))[:MAX_BANNED_IDS]
+    min_tokens = request.min_tokens if banned else 0
+    row = RowPenalties(float(request.presence_penalty), float(request.frequency_penalty),
+                       float(request.repetition_penalty), float(request.min_p),
+                       tuple((int(t), float(b)) for t, b in request.logit_bias), int(min_tokens), banned)
+    return None if row == RowPenalties(min_banned=banned) else row
 
 
 def _shutdown_at_exit(ref: weakref.ref) -> None:

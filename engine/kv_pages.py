@@ -24,6 +24,8 @@ GPU_MEMORY_SHARE = 0.85
 # of the largest step are left free too (512 rows of Llama-3-8B's 128k vocabulary: 4.2 GB; its 51 graphs took
 # 8.2 GB with the 15% above too small on an 80 GB H100).
 GRAPH_LOGIT_ROWS_PER_ROW = 16
+# The penalty state's bytes per row and vocabulary id: int32 token counts and the prompt's presence (bool).
+PENALTY_BYTES_PER_ID = 5
 # Without max_kv_tokens on the CPU the pool holds this many full contexts, within this share of the memory available
 # at start-up (a checkpoint declaring a context of 2^24 tokens gets what fits, not 34 GB).
 CPU_DEFAULT_CONTEXTS = 4
@@ -57,6 +59,7 @@ def pool_pages(args: ModelArgs, page_size: int, dtype: torch.dtype, device: torc
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         graphs = GRAPH_LOGIT_ROWS_PER_ROW * max_rows * args.vocab_size * 4
+        graphs += PENALTY_BYTES_PER_ID * max_rows * args.vocab_size  # runner.penalties' tables, made on first use
         pages = int(free * GPU_MEMORY_SHARE - graphs) // page_bytes(args, page_size, dtype)
         if pages < 1:
             raise ValueError(f"only {free / 1e9:.2f} GB of GPU memory is free, too little for one KV page; free "

@@ -35,6 +35,14 @@ class CoreRequest(msgspec.Struct, tag=True, frozen=True):
     prompt_logprobs: bool = False
     grammar: str | None = None  # a lark grammar (grammar.py) the sampled tokens must follow; None: any tokens
     images: list[ImageInput] = []  # the prompt's images, in order (engine/images.py)
+    presence_penalty: float = 0.0  # sampling.SamplingParams' meanings
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: list[tuple[int, float]] = []  # (token id, bias) pairs
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many new tokens
+    stop_token_ids: list[int] = []  # ids that end the request with finish reason "stop"
+    keep_stop_token: bool = False  # a stop_token_ids token stays in the reply's tokens
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):

@@ -58,6 +58,7 @@ def check_request(ids: list[int], options: GenerationOptions | None, limits: Lim
     bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the model's vocabulary (0..{limits.vocab_size - 1})")
+    options.check_vocabulary(limits.vocab_size)
     if len(ids) >= limits.block_size:
         raise ValueError(f"the prompt has {len(ids)} tokens, but the model's context is {limits.block_size}; "
                          "shorten it")

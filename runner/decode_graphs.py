@@ -47,14 +47,21 @@ def decode_logits(model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | Non
 
 
 def pick_tokens(logits: Tensor, greedy: bool, positions: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                seed: Tensor, masks: Tensor | None = None) -> Tensor:
+                seed: Tensor, masks: Tensor | None = None, penalties: tuple[Any, Tensor] | None = None) -> Tensor:
     """tokens (B,) from logits (B, V) with per-row settings (B,); the new token's position is positions + 1. With
-    masks (B, ceil(V / 32)) int32, a row samples only the tokens whose bits are set."""
+    masks (B, ceil(V / 32)) int32, a row samples only the tokens whose bits are set. With penalties (a
+    runner.penalties.PenaltySlots, the rows' slots (B,) int64), each row's bias, bans, penalties and min_p apply
+    and its token is counted in its slot."""
     if masks is not None:
         logits = apply_masks(logits, masks)
-    if greedy:
-        return argmax_rows(logits)
-    return sample_rows(logits, temperature, top_k, top_p, seed, positions + 1)
+    min_p = None
+    if penalties is not None:
+        logits, min_p = penalties[0].apply(logits, penalties[1])
+    tokens = argmax_rows(logits) if greedy else sample_rows(logits, temperature, top_k, top_p, seed, positions + 1,
+                                                             min_p)
+    if penalties is not None:
+        penalties[0].count(penalties[1], tokens)
+    return tokens
 
 
 class DecodeGraphs:
@@ -82,12 +89,16 @@ class DecodeGraphs:
         self.scratch_page = scratch_page
         self.largest = batch_bucket(min(max_rows, MAX_GRAPH_ROWS))
         n = self.largest
-        self.longs = torch.zeros(5 * n, dtype=torch.long, device=device)  # ids, positions, slots, top_k, seed
+        # ids, positions, slots, top_k, seed, penalty slots
+        self.longs = torch.zeros(6 * n, dtype=torch.long, device=device)
         self.ints = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)  # seq_lens, tables
         self.floats = torch.zeros(2 * n, dtype=torch.float32, device=device)  # temperature, top_p
         # Grammar rows' token bitmasks, read by the graphs of steps that have such rows (all ones elsewhere).
         self.masks = torch.full((n, mask_words(model.args.vocab_size)), -1, dtype=torch.int32, device=device)
-        self.graphs: dict[tuple[int, int, bool, bool], tuple[Any, Tensor]] = {}
+        # Rows with penalties, a logit bias, min_p or min_tokens: their slots' state (runner.penalties.PenaltySlots),
+        # set by the owner when the first such request comes; the steps with such rows are graphs of their own.
+        self.penalties: Any = None
+        self.graphs: dict[tuple[int, int, bool, bool, bool], tuple[Any, Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # The sampler runs eagerly (on the CPU inductor's code for it crashed or drew other tokens under torch 2.13;
         # on a GPU the graph holds it anyway).
@@ -98,38 +109,46 @@ class DecodeGraphs:
         return rows <= self.largest
 
     def run(self, tokens: list[int] | Tensor, positions: list[int], pages: list[list[int]],
-            settings: list[tuple[float, int, float, int]], masks: Callable[[], Tensor] | None = None) -> Tensor:
+            settings: list[tuple[float, int, float, int]], masks: Callable[[], Tensor] | None = None,
+            penalty_slots: list[int] | None = None) -> Tensor:
         """The next token (B,) of each decoding row (its last token, its position, its pages and sampling
         settings), on the device: the step is launched, not awaited. tokens may be a device tensor (B,), the
         previous step's output, which the step then reads without the host ever seeing it. masks: for a step with
         grammar rows, what returns the rows' allowed tokens (B, W) int32 on the device (grammar.fill_masks); it is
         called once the step's forward is launched, so the host computes the masks while the device computes the
-        logits, and a second graph then masks and samples."""
+        logits, and a second graph then masks and samples. penalty_slots: for a step with rows that use penalties,
+        each row's slot in self.penalties (its scratch slot for the others); such steps run graphs of their own,
+        so a step without them does none of that work."""
         rows = len(positions)
         bucket = batch_bucket(rows, self.largest)
         width = max(self.min_width, pages_bucket(max(len(p) for p in pages), self.max_pages))
         greedy = all(s[0] == 0 for s in settings)
         on_device = isinstance(tokens, Tensor)
-        self._fill(bucket, width, [0] * rows if on_device else tokens, positions, pages, settings)
+        penalized = penalty_slots is not None
+        scratch = self.penalties.scratch if penalized else 0
+        self._fill(bucket, width, [0] * rows if on_device else tokens, positions, pages, settings,
+                   penalty_slots or [], scratch)
         if on_device:
             self.longs[:rows].copy_(tokens)  # after the fill's copy on the same stream: it overwrites the zeros
         args = self._inputs(bucket, width)
+        penalties = (self.penalties, args[-1]) if penalized else None
+        args = args[:-1]
         if masks is None:
             if self.device.type != "cuda":
-                return self._step(greedy, args)[:rows]
-            key = (bucket, width, greedy, False)
+                return self._step(greedy, args, penalties)[:rows]
+            key = (bucket, width, greedy, False, penalized)
             if key not in self.graphs:
-                self.graphs[key] = self._capture(greedy, args)
+                self.graphs[key] = self._capture(greedy, args, penalties)
             graph, out = self.graphs[key]
             graph.replay()
             return out[:rows]
         if self.device.type != "cuda":
             logits = self._logits(args)
             self._put_masks(masks(), rows, bucket)
-            return pick_tokens(logits, greedy, args[1], *args[5:], self.masks[:bucket])[:rows]
-        key = (bucket, width, greedy, True)
+            return pick_tokens(logits, greedy, args[1], *args[5:], self.masks[:bucket], penalties)[:rows]
+        key = (bucket, width, greedy, True, penalized)
         if key not in self.graphs:
-            self.graphs[key] = self._capture_masked(greedy, args)
+            self.graphs[key] = self._capture_masked(greedy, args, penalties)
         (forward, _), (sampler, out) = self.graphs[key]
         forward.replay()
         self._put_masks(masks(), rows, bucket)
@@ -151,25 +170,26 @@ class DecodeGraphs:
         widths = [2 ** i for i in range(1, top.bit_length()) if self.min_width <= 2 ** i <= top]
         widths += [top] if top not in widths else []  # the context's page count need not be a power of two
         todo = [(bucket, width) for width in widths for bucket in BATCH_BUCKETS
-                if bucket <= self.largest and (bucket, width, True, False) not in self.graphs]
+                if bucket <= self.largest and (bucket, width, True, False, False) not in self.graphs]
         for done, (bucket, width) in enumerate(todo, 1):
             self._fill(bucket, width, [], [], [], [])  # padding rows only: they write the scratch page
-            self.graphs[(bucket, width, True, False)] = self._capture(True, self._inputs(bucket, width))
+            self.graphs[(bucket, width, True, False, False)] = self._capture(True, self._inputs(bucket, width)[:-1])
             if progress is not None:
                 progress(done, len(todo))
         return len(todo)
 
     def _inputs(self, bucket: int, width: int) -> tuple[Tensor, ...]:
-        """ids (1, B), positions, slots, tables (B, W), seq_lens, temperature, top_k, top_p, seed: views of the
-        staging buffers for one (bucket, width)."""
-        ids, positions, slots, top_k, seed = self.longs[:5 * bucket].view(5, bucket)
+        """ids (1, B), positions, slots, tables (B, W), seq_lens, temperature, top_k, top_p, seed, penalty slots: views
+        of the staging buffers for one (bucket, width)."""
+        ids, positions, slots, top_k, seed, penalty_slots = self.longs[:6 * bucket].view(6, bucket)
         seq_lens = self.ints[:bucket]
         tables = self.ints[bucket:bucket * (1 + width)].view(bucket, width)
         temperature, top_p = self.floats[:2 * bucket].view(2, bucket)
-        return ids.view(1, bucket), positions, slots, tables, seq_lens, temperature, top_k, top_p, seed
+        return ids.view(1, bucket), positions, slots, tables, seq_lens, temperature, top_k, top_p, seed, penalty_slots
 
     def _fill(self, bucket: int, width: int, tokens: list[int], positions: list[int], pages: list[list[int]],
-              settings: list[tuple[float, int, float, int]]) -> None:
+              settings: list[tuple[float, int, float, int]], penalty_slots: list[int] = (),
+              scratch_slot: int = 0) -> None:
         """Write the rows, then padding rows, into the staging buffers: one host-to-device copy per dtype."""
         pad = bucket - len(tokens)
         size, scratch = self.kv.page_size, self.scratch_page
@@ -177,7 +197,7 @@ class DecodeGraphs:
         temperature, top_k, top_p, seed = (list(col) for col in zip(*settings)) if settings else ([], [], [], [])
         zeros = [0] * pad
         put(self.longs, tokens + zeros + positions + zeros + slots + [scratch * size] * pad + top_k + [1] * pad
-            + seed + zeros)
+            + seed + zeros + list(penalty_slots) + [scratch_slot] * (bucket - len(penalty_slots)))
         ints = [pos + 1 for pos in positions] + [1] * pad
         for p in pages:
             ints += p
@@ -191,36 +211,59 @@ class DecodeGraphs:
             mark_sizes_dynamic(*args[:5])
         return self.compiled(self.step_model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
 
-    def _step(self, greedy: bool, args: tuple[Tensor, ...]) -> Tensor:
-        return pick_tokens(self._logits(args), greedy, args[1], *args[5:])
+    def _step(self, greedy: bool, args: tuple[Tensor, ...], penalties: tuple[Any, Tensor] | None = None) -> Tensor:
+        return pick_tokens(self._logits(args), greedy, args[1], *args[5:], penalties=penalties)
 
-    def _capture_masked(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[tuple[Any, Tensor], ...]:
+    def _capture_masked(self, greedy: bool, args: tuple[Tensor, ...],
+                        penalties: tuple[Any, Tensor] | None = None) -> tuple[tuple[Any, Tensor], ...]:
         """A grammar step as two graphs: the forward (its logits stay in the pool), then masking and sampling."""
         forward = captured(lambda: self._logits(args), self.device, self.pool)
         masks = self.masks[:args[0].shape[1]]
-        sampler = captured(lambda: pick_tokens(forward[1], greedy, args[1], *args[5:], masks), self.device,
-                           self.pool)
+        sampler = captured(lambda: pick_tokens(forward[1], greedy, args[1], *args[5:], masks, penalties),
+                           self.device, self.pool, penalties)
         return forward, sampler
 
-    def _capture(self, greedy: bool, args: tuple[Tensor, ...]) -> tuple[Any, Tensor]:
+    def _capture(self, greedy: bool, args: tuple[Tensor, ...],
+                 penalties: tuple[Any, Tensor] | None = None) -> tuple[Any, Tensor]:
         """The step captured (its real rows warm up first: decode is idempotent for them, it rewrites the same k
         and v; the first call of a shape compiles)."""
-        return captured(lambda: self._step(greedy, args), self.device, self.pool)
+        return captured(lambda: self._step(greedy, args, penalties), self.device, self.pool, penalties)
 
 
-def captured(step: Any, device: torch.device, pool: Any) -> tuple[Any, Tensor]:
+def captured(step: Any, device: torch.device, pool: Any,
+             penalties: tuple[Any, Tensor] | None = None) -> tuple[Any, Tensor]:
     """(CUDA graph, its output) of step(): run once on a side stream (the first call of a shape compiles), then
-    captured into pool."""
+    captured into pool. penalties: the step counts its tokens in these slots; the warm-up run's and the capture's
+    counts are taken back (the capture's are not computed, only recorded: a count it records happens at each
+    replay)."""
+    saved = snapshot(penalties)
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         step()
     torch.cuda.current_stream(device).wait_stream(side)
+    restore(penalties, saved)
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread's generation on the same GPU does not break the capture.
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = step()
     return graph, out
+
+
+def snapshot(penalties: tuple[Any, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+    """Copies of the token counts of penalties' slots (B,), which a warm-up run of a step would change."""
+    if penalties is None:
+        return None
+    state, slots = penalties
+    return state.counts[slots].clone(), state.generated[slots].clone()
+
+
+def restore(penalties: tuple[Any, Tensor] | None, saved: tuple[Tensor, Tensor] | None) -> None:
+    if penalties is None:
+        return
+    state, slots = penalties
+    state.counts[slots] = saved[0]
+    state.generated[slots] = saved[1]
 
 
 def mark_sizes_dynamic(ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor, seq_lens: Tensor) -> None:

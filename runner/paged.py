@@ -226,11 +226,22 @@ class GrammarMasks:
         return apply_masks(logits, masks)
 
 
-def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = False) -> Tensor:
-    """logits (B, V) -> tokens (B,), each row with its own settings; all_greedy skips the sampler's sort."""
+def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = False,
+                  penalties: tuple[Any, Tensor] | None = None) -> Tensor:
+    """logits (B, V) -> tokens (B,), each row with its own settings; all_greedy skips the sampler's sort. penalties:
+    (runner.penalties.PenaltySlots, the rows' slots (B,)): the rows' bias, bans, penalties and min_p apply, and
+    the tokens are counted in their slots."""
+    min_p = None
+    if penalties is not None:
+        logits, min_p = penalties[0].apply(logits, penalties[1])
     if all_greedy:
-        return argmax_rows(logits)
-    return sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.seed, settings.position)
+        tokens = argmax_rows(logits)
+    else:
+        tokens = sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.seed,
+                             settings.position, min_p)
+    if penalties is not None:
+        penalties[0].count(penalties[1], tokens)
+    return tokens
 
 
 def chosen_logprobs(logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -291,6 +302,20 @@ class PagedModel:
         self.prefill_graphs = PrefillGraphs(self.prefill_step, model, self.kv, self.vocab_bias, device, scratch_page,
                                             pool) if prefill_graphs else None
         self.reader = TokenReader(device)
+        self.max_rows = max_rows
+        self._penalties: Any = None
+
+    @property
+    def penalties(self) -> Any:
+        """The slots of the rows with penalties (runner.penalties.PenaltySlots), made on first use: one per row a
+        step may hold."""
+        if self._penalties is None:
+            from redline.runner.penalties import PenaltySlots
+
+            self._penalties = PenaltySlots(self.max_rows, self.model.args.vocab_size, self.device)
+            if self.graphs is not None:
+                self.graphs.penalties = self._penalties
+        return self._penalties
 
     def capture(self, max_tokens: int, progress: Callable[[int, int], None] | None = None) -> int:
         """Capture every decode graph for sequences of up to max_tokens tokens now; returns how many were made."""
@@ -305,15 +330,17 @@ class PagedModel:
 
     def launch_decode(self, tokens: list[int] | Tensor, positions: list[int], pages: list[list[int]],
                       settings: list[tuple[float, int, float, int]],
-                      masks: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor, Any]:
+                      masks: Callable[[], Tensor] | None = None,
+                      penalty_slots: list[int] | None = None) -> tuple[Tensor, Tensor, Any]:
         """Replay the decode graph of these rows (masks: the grammar rows' masks, DecodeGraphs.run); returns (tokens
         (B,) on the device, their pinned host copy, the event after which the copy is valid, None on the CPU).
         Nothing waits for the device but the masks' host work. Under tensor parallel the other ranks replay the same
-        step (they sample too, but only rank 0's tokens are used)."""
+        step (they sample too, but only rank 0's tokens are used). penalty_slots: the rows' slots in `penalties`,
+        for a step with rows that use them (tensor parallel refuses such rows)."""
         if self.ranks is not None:  # tokens on the device: each rank reads its own last step's, which are equal
             self.ranks.send("graph", tokens=None if isinstance(tokens, Tensor) else tokens, positions=positions,
                             pages=pages, settings=settings)
-        out = self.graphs.run(tokens, positions, pages, settings, masks)
+        out = self.graphs.run(tokens, positions, pages, settings, masks, penalty_slots)
         host, ready = self.reader.start(out)
         return out, host, ready
 

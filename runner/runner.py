@@ -23,7 +23,7 @@ from redline import tensor_parallel
 from redline.kernels import FusedDecode, fused_decode_refusal, use_cpu_kernels, use_kernels
 from redline.kernels import available as kernels_available
 from redline.model import MoEFeedForward, PromptImages, Transformer
-from redline.sampling import SamplingParams, is_int, next_token
+from redline.sampling import SamplingParams, is_int, next_token, refuse_penalized
 
 SMALLEST_PREFILL_BUCKET = 16
 # Each prefill bucket, batch size and sampling mode is its own graph; well below this, never fall back to eager.
@@ -311,6 +311,7 @@ class Runner:
     def prepare(self, batch: int, prompt_len: int, max_new_tokens: int, sampling: SamplingParams) -> float:
         """Size the cache and compile/capture this generation's graphs; returns the seconds that took (0 if warm).
         Garbage written to the cache here is harmless: every position is rewritten before it is read."""
+        refuse_penalized(sampling)
         self.ensure_cache(batch, prompt_len + self.plan_lengths(prompt_len, max_new_tokens))
         if not self.compile:
             return 0.0
@@ -362,6 +363,7 @@ class Runner:
         Yields (tokens of this step, host time when they arrived, less any time the profiler spent on itself).
         Step i+1 is queued on the GPU before step i's tokens are read, so reading never leaves the GPU idle.
         """
+        refuse_penalized(sampling)
         batch, prompt_len = prompts.shape
         new_tokens = self.plan_lengths(prompt_len, max_new_tokens)
         sampling = tensor_parallel.agreed_sampling(sampling, self.model)  # every rank draws the same tokens
@@ -393,3 +395,4 @@ class Runner:
                         host.send(nxt)  # (B, 1)
                         token = nxt
                 yield tokens, arrived
+

@@ -176,6 +176,9 @@ def cli(capsys, *argv):
         (["--prompt", ""], "prompt is empty"),
         (["--prompt", "word " * 400], "context"),
         (["--device", "tpu"], "--device"),
+        (["--repetition_penalty", "0"], "repetition_penalty must be a number > 0"),
+        (["--presence_penalty", "3"], "presence_penalty must be a number in [-2, 2]"),
+        (["--min_p", "2"], "min_p must be a number in [0, 1]"),
     ],
 )
 def test_cli_bad_arguments_give_one_line(tiny_llm_checkpoint, capsys, extra, message):
@@ -183,6 +186,17 @@ def test_cli_bad_arguments_give_one_line(tiny_llm_checkpoint, capsys, extra, mes
     code, out, err = cli(capsys, *argv)
     assert code == 2 and "Traceback" not in err
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_cli_penalty_flags_reach_the_engine(tiny_llm_checkpoint, capsys, llm):
+    code, out, err = cli(capsys, "--checkpoint_path", str(tiny_llm_checkpoint[0]), "--prompt", "def add(a, b):",
+                         "--max_new_tokens", "12", "--temperature", "0", "--device", "cpu", "--repetition_penalty",
+                         "2.5", "--frequency_penalty", "1", "--presence_penalty", "0.5", "--min_p", "0.1")
+    assert code == 0 and "Traceback" not in err
+    settings = dict(repetition_penalty=2.5, frequency_penalty=1.0, presence_penalty=0.5, min_p=0.1)
+    expected = llm.generate("def add(a, b):", max_new_tokens=12, **settings)
+    assert out == "def add(a, b):" + expected.text + "\n"
+    assert expected.token_ids != llm.generate("def add(a, b):", max_new_tokens=12).token_ids
 
 
 def test_cli_missing_checkpoint(tmp_path, capsys):

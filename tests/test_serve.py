@@ -173,11 +173,20 @@ BAD = {"model": "tiny", "messages": MESSAGES}
 
 
 @pytest.mark.parametrize("path, body, status, param, code", [
-    ("/v1/chat/completions", {**BAD, "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter"),
+    ("/v1/chat/completions", {**BAD, "logit_bias": {"100000": 1}}, 400, "logit_bias", None),  # past the vocabulary
+    ("/v1/chat/completions", {**BAD, "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {**BAD, "logit_bias": {"five": 1}}, 400, "logit_bias", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"100000": -1}}, 400, "logit_bias", None),
+    ("/v1/chat/completions", {**BAD, "presence_penalty": -2.5}, 400, "presence_penalty", "invalid_value"),
+    ("/v1/chat/completions", {**BAD, "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value"),
+    ("/v1/chat/completions", {**BAD, "min_p": 1.5}, 400, "min_p", "invalid_value"),
+    ("/v1/chat/completions", {**BAD, "min_tokens": -1}, 400, "min_tokens", "invalid_value"),
+    ("/v1/chat/completions", {**BAD, "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens", None),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "stop_token_ids": [100000]}, 400, "stop_token_ids", None),
     ("/v1/chat/completions", {**BAD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
      None),  # the tiny template names no tool-call format
     ("/v1/chat/completions", {**BAD, "tool_choice": "required"}, 400, "tool_choice", None),
-    ("/v1/chat/completions", {**BAD, "frequency_penalty": 0.5}, 400, "frequency_penalty", "unsupported_parameter"),
+    ("/v1/chat/completions", {**BAD, "frequency_penalty": 2.5}, 400, "frequency_penalty", "invalid_value"),
     ("/v1/chat/completions", {**BAD, "temperature": "hot"}, 400, "temperature", "invalid_value"),
     ("/v1/chat/completions", {**BAD, "max_tokens": True}, 400, "max_tokens", "invalid_value"),
     ("/v1/chat/completions", {**BAD, "top_p": 1.5}, 400, "top_p", "invalid_value"),
@@ -457,3 +466,50 @@ def test_tensor_parallel_server_gives_one_process_text(tiny_chat_checkpoint):
         output = proc.communicate()[0]
     assert proc.returncode == 0 and "Traceback" not in output, output[-3000:]
     assert "rank 1:" in output  # the second rank loaded its part
+
+
+def test_sampling_parameters_are_accepted_and_applied(client, llm):
+    """OpenAI's penalties and logit_bias, and vLLM's extras as top-level body fields, reach the engine's sampler:
+    each reply equals LLM.generate's with the same settings and differs from the plain reply."""
+    ids = llm.chat_prompt(MESSAGES)
+    plain = greedy(llm, ids, 12, ignore_eos=True)
+    for fields in ({"presence_penalty": 1.5, "frequency_penalty": 1.0}, {"logit_bias": {"7": 6.0, "9": -100}},
+                   {"repetition_penalty": 3.0}):
+        reply = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=12,
+                                               **{k: v for k, v in fields.items() if k != "repetition_penalty"},
+                                               extra_body={"ignore_eos": True, **{k: v for k, v in fields.items()
+                                                                                  if k == "repetition_penalty"}})
+        settings = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in fields.items()}
+        want = greedy(llm, ids, 12, ignore_eos=True, **settings)
+        assert want.token_ids != plain.token_ids
+        assert reply.choices[0].message.content == want.text
+    hot = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.5, seed=2, max_tokens=12,
+                                         extra_body={"ignore_eos": True, "min_p": 1.0})
+    assert hot.choices[0].message.content == plain.text  # min_p=1 keeps only the most likely token
+
+
+def test_forced_tokens_min_tokens_stop_token_ids_and_special_tokens(client, llm):
+    """logit_bias forcing a token; min_tokens holding off an EOS the bias forces; a stop token id ending the reply
+    (its text kept with include_stop_str_in_output); a special token's text only with skip_special_tokens=false."""
+    word, eos, special = llm.encode_prompt("fox")[-1], llm.tokenizer.eos_ids[0], llm.tokenizer.bos_id
+    assert special in llm.tokenizer.special_ids and word not in llm.tokenizer.special_ids
+    forced = client.completions.create(model="tiny", prompt="abc", temperature=0, max_tokens=4,
+                                       logit_bias={str(word): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == llm.tokenizer.decode([word] * 4)
+    early = client.completions.create(model="tiny", prompt="abc", temperature=0, max_tokens=10,
+                                      logit_bias={str(eos): 100})
+    assert early.usage.completion_tokens == 0 and early.choices[0].finish_reason == "stop"
+    held = client.completions.create(model="tiny", prompt="abc", temperature=0, max_tokens=10,
+                                     logit_bias={str(eos): 100}, extra_body={"min_tokens": 6})
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+    body = {"logit_bias": {str(word): 100}, "extra_body": {"ignore_eos": True, "stop_token_ids": [word]}}
+    stopped = client.completions.create(model="tiny", prompt="abc", temperature=0, max_tokens=5, **body)
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
+    body["extra_body"]["include_stop_str_in_output"] = True
+    kept = client.completions.create(model="tiny", prompt="abc", temperature=0, max_tokens=5, **body)
+    assert kept.choices[0].text == llm.tokenizer.decode([word]) and kept.choices[0].finish_reason == "stop"
+    for skip, text in ((None, ""), (False, llm.tokenizer.decode([special] * 3))):
+        extra = {"ignore_eos": True} | ({} if skip is None else {"skip_special_tokens": skip})
+        reply = client.completions.create(model="tiny", prompt="abc", temperature=0, max_tokens=3,
+                                          logit_bias={str(special): 100}, extra_body=extra)
+        assert reply.choices[0].text == text and reply.usage.completion_tokens == 3

@@ -76,6 +76,20 @@ def test_bos_and_eos_flags(dir_fixture, request):
 
 
 @pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
+def test_special_ids_are_the_special_tokens_and_nothing_else(dir_fixture, request):
+    """special_ids (what skip_special_tokens leaves out of the text) hold BOS and EOS, and no id of plain text."""
+    from redline.streaming import TextStream
+
+    tok = load_tokenizer(request.getfixturevalue(dir_fixture))
+    plain = tok.encode("hello world", add_special_tokens=False)
+    assert {tok.bos_id, tok.eos_ids[0]} <= tok.special_ids and not set(plain) & tok.special_ids
+    ids = [tok.bos_id] + plain + [tok.eos_ids[0]]
+    for skip, want in ((True, tok.decode(plain)), (False, tok.decode(ids))):
+        stream = TextStream(tok, skip_special_tokens=skip)
+        assert "".join(stream.push(t) for t in ids) + stream.flush() == want
+
+
+@pytest.mark.parametrize("dir_fixture", TOKENIZER_DIRS)
 def test_accepts_the_directory_or_a_file_in_it(dir_fixture, request, tmp_path):
     directory = _copy(request.getfixturevalue(dir_fixture), tmp_path)
     checkpoint = directory / "model.safetensors"
