@@ -1,7 +1,7 @@
 """Redline and llama.cpp side by side on the CPU: the same GGUF file, the same threads, alternating in one process.
 
 python -m redline.benchmarks.bench_llama_cpp [--gguf FILE] [--rounds 5] [--tokens 128] [--threads 2] [--busy 1]
-    [--compiled] [--out FILE.json]
+    [--compiled] [--redline NAME=CHECKPOINT ...] [--out FILE.json]
 
 llama.cpp runs through llama-cpp-python (`pip install redline[llamacpp]`; build it with CMAKE_ARGS="-DGGML_NATIVE=ON"
 for this CPU's instructions). Redline runs through its documented path, `LLM.load(path, device="cpu",
@@ -11,7 +11,8 @@ runs it as the native Q4_1 import (int4 g32, no re-quantizing) and as its float3
 Every round runs each engine once, greedy, --tokens new tokens from the same prompt (llama.cpp's prompt cache reset
 first), and records decode tok/s (tokens after the first over the time after the first), prefill tok/s (prompt
 tokens over the time to the first token) and the 1-minute load average at that moment. Medians over the rounds.
-With --compiled, each Redline checkpoint also runs with its decode step compiled (LLM.load(..., compile=True):
+--redline adds Redline checkpoints of the same model to the comparison (for example quantize.py's int8 of a Q8_0
+file's conversion). With --compiled, each Redline checkpoint also runs with its decode step compiled (LLM.load(..., compile=True):
 torch.compile's CPU backend; the compile happens in the warm-up, outside the rates, and its seconds are recorded).
 With --busy N, the rounds run again with N CPU-bound processes on the same cores, and the table adds each engine's
 decode rate there as a share of its own idle rate (the same run).
@@ -153,6 +154,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
     p.add_argument("--threads", type=int, default=None, help="threads for both engines (default: the physical cores)")
     p.add_argument("--busy", type=int, default=0, help="then repeat with this many CPU-bound processes running")
+    p.add_argument("--redline", action="append", default=[], metavar="NAME=CHECKPOINT",
+                   help="also run this Redline checkpoint under NAME (repeatable)")
     p.add_argument("--compiled", action="store_true", help="also run each Redline checkpoint with its decode compiled")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ns = p.parse_args(argv)
@@ -160,6 +163,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--rounds and --threads must be positive, --tokens at least 2, --busy not negative")
     if ns.gguf is not None and not ns.gguf.is_file():
         p.error(f"--gguf {ns.gguf} is not a file")
+    extra = {}
+    for item in ns.redline:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            p.error(f"--redline takes NAME=CHECKPOINT with an existing checkpoint file, got {item!r}")
+        extra[name] = Path(path)
+    ns.redline = extra
     return ns
 
 
@@ -182,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     try:
         gguf, paths = redline_checkpoints(ns.gguf)
+        paths.update(ns.redline)
         result = run(gguf, paths, ns.rounds, ns.tokens, ns.threads or physical_cores(), ns.busy, ns.compiled)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -42,3 +42,12 @@ def test_without_llama_cpp_python_the_error_says_how_to_install_it(tmp_path):
 def test_cpu_instruction_sets_are_named_from_the_cpus_flags():
     sets = bench.cpu_instruction_sets()
     assert all(s in bench.ISA_FLAGS for s in sets)
+
+
+def test_extra_redline_checkpoints_are_named_files(tmp_path):
+    ckpt = tmp_path / "model.int8.safetensors"
+    ckpt.write_bytes(b"")
+    assert bench.parse_args(["--redline", f"int8={ckpt}"]).redline == {"int8": ckpt}
+    for bad in ("int8", f"={ckpt}", f"int8={tmp_path / 'missing.safetensors'}"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--redline", bad])
