@@ -28,10 +28,10 @@ full for the first; for the others Triton runs up to its TTGIR, which must equal
 configuration is compiled in full), and ptxas assembles the first target's PTX for their own arch, so their
 registers are their own. Compile tasks run on every CPU, the longest first.
 
---sample compiles about a sixth of it: of the configurations that share a kernel, pointer dtypes, num_warps,
-num_stages, specialization and IR family, only the one the dispatcher sized largest (shared-memory estimate, then
-tile). It keeps every code path Triton lowers differently and the configurations nearest the targets' limits, and
-drops the smaller tiles of each; CI runs it (about 12 minutes on 2 cores), a kernel change runs the whole check.
+--sample compiles about a thirteenth of it: of the configurations that share a kernel, its pointer dtypes and an IR
+family, only the one the dispatcher sized largest (shared-memory estimate, then tile, then warps x stages): every
+kernel in every dtype on every target, at the configuration nearest the target's limits; CI runs it (about 10
+minutes on 2 cores), and a kernel or dispatcher change runs the whole check.
 
 Prints one line per kernel configuration and target, and exits 1 if any fails (2 on bad arguments). The default
 targets take about 60 minutes on 2 cores, close to half of it the int4 GEMV's configurations; compiled kernels land
@@ -623,16 +623,16 @@ def _tasks(targets: tuple[str, ...], captured: list[list[Launch]]) -> list[list[
 
 
 def sampled(tasks: list[list[Job]]) -> list[list[Job]]:
-    """One task per kernel, pointer dtypes, launch options, specialization and IR family: the configuration the
-    dispatcher sized largest (shared-memory estimate, then the product of its tile constexprs), in tasks' order."""
-    best: dict[tuple, tuple[tuple[int, int], list[Job]]] = {}
+    """One task per kernel, pointer dtypes and IR family: the configuration the dispatcher sized largest
+    (shared-memory estimate, then the product of its tile constexprs, then warps x stages), in tasks' order."""
+    best: dict[tuple, tuple[tuple[int, int, int], list[Job]]] = {}
     for task in tasks:
         _, target, launch, _ = task[0]
         family = ir_family(target_caps(target)) or target
-        tiles = re.sub(r" [A-Z][A-Z0-9_]*=\S+", "", launch.summary)  # the summary without its constexprs
-        key = (family, launch.kernel, tiles)
+        key = (family, launch.kernel, launch.summary.split(")", 1)[0])  # "kernel(pointer dtypes"
+        warps, stages = (int(v) for v in re.search(r" warps=(\d+) stages=(\d+)", launch.summary).groups())
         size = (_estimate(launch, target_caps(target)) or 0,
-                math.prod(int(v) for v in re.findall(r" [A-Z][A-Z0-9_]*=(\d+)", launch.summary)))
+                math.prod(int(v) for v in re.findall(r" [A-Z][A-Z0-9_]*=(\d+)", launch.summary)), warps * stages)
         if key not in best or size > best[key][0]:
             best[key] = (size, task)
     kept = {id(task) for _, task in best.values()}
@@ -684,8 +684,8 @@ def parse_args(argv: list[str] | None) -> CheckArgs:
     parser.add_argument("--kernels", default=",".join(KERNEL_GROUPS),
                         help=f"comma-separated kernel groups to check (default {','.join(KERNEL_GROUPS)})")
     parser.add_argument("--sample", action="store_true",
-                        help="compile only the largest configuration of each kernel, dtypes, launch options and "
-                             "specialization (about a sixth; CI runs it)")
+                        help="compile only the largest configuration of each kernel and pointer dtypes per target "
+                             "family (about a thirteenth; CI runs it)")
     ns = parser.parse_args(argv)
     targets = tuple(dict.fromkeys(t.strip() for t in ns.targets.split(",") if t.strip()))
     if not targets:
