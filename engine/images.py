@@ -16,7 +16,6 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from PIL import Image
 
 from redline.engine.batch import Sequence as Seq
@@ -117,33 +116,3 @@ def refusal(args: VisionArgs | None, request_images: Sequence[ImageInput], tenso
     if len(request_images) > MAX_IMAGES_PER_REQUEST:
         return f"more than {MAX_IMAGES_PER_REQUEST} images in one request"
     return None
-
-
-def chunk_images(chunks: Sequence[Any], cu: Sequence[int], args: Any, device: torch.device) -> Any:
-    """The model.PagedImages of a step's chunks (cu: where each chunk's rows begin; one more entry, the padding
-    sequence, may follow), or None when no chunk holds prompt tokens of a request with images."""
-    from redline.model import PagedImages
-    from redline.rope import mrope_table
-
-    embeds, rows, rope_rows, ropes = [], [], [], []
-    spans: list[tuple[tuple[int, int], ...]] = []
-    for chunk, begin in zip(chunks, cu):
-        images = chunk.seq.images
-        media = images.media if images is not None else None
-        start, end = chunk.start, min(chunk.start + chunk.length, chunk.seq.prompt_len)
-        if media is None or start >= end:
-            spans.append(())
-            continue
-        inside = (media.slots >= start) & (media.slots < end)  # (N,) this chunk's image tokens
-        embeds.append(media.embeds[inside])
-        rows.append(media.slots[inside] - start + begin)
-        if media.rope_positions is not None:
-            ropes.append(mrope_table(args, media.rope_positions[:, start:end]))  # (end - start, 2, Dr/2)
-            rope_rows.append(torch.arange(begin, begin + end - start, device=device))
-        spans.append(tuple((s, s + n) for s, n in images.runs) if images.bidirectional else ())
-    if not embeds:
-        return None
-    spans += [()] * (len(cu) - 1 - len(spans))  # the padding sequence, if any
-    return PagedImages(torch.cat(embeds).to(device), torch.cat(rows).to(device),
-                       torch.cat(rope_rows) if ropes else None, torch.cat(ropes).to(device) if ropes else None,
-                       tuple(spans) if any(spans) else None)

@@ -3,7 +3,7 @@ and one token per sampling row with that row's own settings."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from redline.runner.decode_graphs import mark_dynamic, pages_bucket
-from redline.model import PagedContext, PagedKVCache, Transformer
+from redline.model import PagedContext, PagedImages, PagedKVCache, Transformer
+from redline.rope import mrope_table
 from redline.sampling import argmax_rows, sample_rows
 
 if TYPE_CHECKING:  # the engine's batch type; the runner reads its fields only
@@ -95,8 +96,6 @@ def step_batch(chunks: list[Chunk], kv: PagedKVCache, device: torch.device,
     long_, i32 = torch.long, torch.int32
     images = None
     if any(c.seq.images is not None for c in chunks):
-        from redline.engine.images import chunk_images
-
         images = chunk_images(chunks, cu, kv.args, device)
     context = PagedContext(
         positions=on_device(positions, long_, device),
@@ -423,3 +422,30 @@ def registered_paged_ops() -> tuple[Any, Any]:
     kernel config fits, they run the references."""
     importlib.import_module("redline.kernels.paged_attention")
     return torch.ops.redline.paged_prefill_attention, torch.ops.redline.paged_decode_attention
+
+
+def chunk_images(chunks: Sequence[Any], cu: Sequence[int], args: Any, device: torch.device) -> Any:
+    """The model.PagedImages of a step's chunks (cu: where each chunk's rows begin; one more entry, the padding
+    sequence, may follow), or None when no chunk holds prompt tokens of a request with images."""
+    embeds, rows, rope_rows, ropes = [], [], [], []
+    spans: list[tuple[tuple[int, int], ...]] = []
+    for chunk, begin in zip(chunks, cu):
+        images = chunk.seq.images
+        media = images.media if images is not None else None
+        start, end = chunk.start, min(chunk.start + chunk.length, chunk.seq.prompt_len)
+        if media is None or start >= end:
+            spans.append(())
+            continue
+        inside = (media.slots >= start) & (media.slots < end)  # (N,) this chunk's image tokens
+        embeds.append(media.embeds[inside])
+        rows.append(media.slots[inside] - start + begin)
+        if media.rope_positions is not None:
+            ropes.append(mrope_table(args, media.rope_positions[:, start:end]))  # (end - start, 2, Dr/2)
+            rope_rows.append(torch.arange(begin, begin + end - start, device=device))
+        spans.append(tuple((s, s + n) for s, n in images.runs) if images.bidirectional else ())
+    if not embeds:
+        return None
+    spans += [()] * (len(cu) - 1 - len(spans))  # the padding sequence, if any
+    return PagedImages(torch.cat(embeds).to(device), torch.cat(rows).to(device),
+                       torch.cat(rope_rows) if ropes else None, torch.cat(ropes).to(device) if ropes else None,
+                       tuple(spans) if any(spans) else None)

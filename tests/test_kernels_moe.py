@@ -380,7 +380,8 @@ def test_use_kernels_swaps_quantized_moe_layers_for_their_kernel_modules(scheme)
 @pytest.mark.parametrize("scheme", ["float", "int8", "int4"])
 def test_use_cpu_kernels_runs_only_the_chosen_experts_on_their_stored_weights(scheme):
     """On the CPU the chosen experts run on their stored (int8 / int4 / float) weights, one (token, expert) pair at a
-    time for a few tokens and grouped by expert for more, with the module's own results to fp32 rounding."""
+    time for a few tokens and grouped by expert for more, with the module's own results to fp32 rounding (int4: to
+    the int4 kernel's int16 activation codes, 1e-4 relative)."""
     layer = tiny_layer(scheme)
     xs = [torch.randn(1, n, 64) for n in (1, 3, moe.CPU_LOOP_TOKENS + 5)]
     want = [layer(x) for x in xs]
@@ -391,8 +392,9 @@ def test_use_cpu_kernels_runs_only_the_chosen_experts_on_their_stored_weights(sc
         raise AssertionError("the CPU path gathered expert weights")
 
     layer.expert_weights = gathered
+    tolerance = 1e-4 if scheme == "int4" else 1e-5
     for x, w in zip(xs, want):
-        assert torch.allclose(layer(x), w, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(layer(x), w, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("scheme", ["float", "int8", "int4"])
