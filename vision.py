@@ -512,6 +512,13 @@ def copy_vision_file(source: Path, target: Path) -> None:
 def read_vision_args(checkpoint: Path) -> VisionArgs | None:
     """The VisionArgs in the metadata of the vision file beside a checkpoint file (no tensor is read); None when the
     checkpoint has none. A front end reads them to expand a prompt's images without loading the tower."""
+    read = vision_file(checkpoint, with_tensors=False)
+    return None if read is None else read[0]
+
+
+def vision_file(checkpoint: Path, with_tensors: bool) -> tuple[VisionArgs, dict[str, Tensor]] | None:
+    """(the VisionArgs, and with_tensors its tensors) of the vision file beside a checkpoint file; None when the
+    checkpoint has none; a file that does not read is a one-line ValueError."""
     from safetensors import SafetensorError, safe_open
 
     path = vision_path(Path(checkpoint))
@@ -520,25 +527,19 @@ def read_vision_args(checkpoint: Path) -> VisionArgs | None:
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-        return VisionArgs.from_dict(json.loads(meta["redline_vision"]))
+            tensors = {name: f.get_tensor(name) for name in f.keys()} if with_tensors else {}
+        return VisionArgs.from_dict(json.loads(meta["redline_vision"])), tensors
     except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path} is not a readable Redline vision file ({exc}); re-convert the checkpoint") from None
 
 
 def load_vision_tower(checkpoint: Path, device: torch.device | str, dtype: torch.dtype) -> VisionTower | None:
     """The tower stored beside a checkpoint file, in dtype on device; None when the checkpoint has none."""
-    from safetensors import SafetensorError, safe_open
-
-    path = vision_path(Path(checkpoint))
-    if not path.is_file():
+    read = vision_file(checkpoint, with_tensors=True)
+    if read is None:
         return None
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        args = VisionArgs.from_dict(json.loads(meta["redline_vision"]))
-    except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path} is not a readable Redline vision file ({exc}); re-convert the checkpoint") from None
+    args, tensors = read
+    path = vision_path(Path(checkpoint))
     with torch.device("meta"):
         tower = vision_tower(args)
     own = tower.state_dict()
