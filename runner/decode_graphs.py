@@ -54,11 +54,18 @@ def pick_tokens(logits: Tensor, greedy: bool, positions: Tensor, temperature: Te
     and its token is counted in its slot."""
     if masks is not None:
         logits = apply_masks(logits, masks)
+    return chosen_tokens(logits, greedy, temperature, top_k, top_p, seed, positions + 1, penalties)
+
+
+def chosen_tokens(logits: Tensor, greedy: bool, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor,
+                  position: Tensor, penalties: tuple[Any, Tensor] | None = None) -> Tensor:
+    """tokens (B,) from logits (B, V): the argmax when greedy, else sample_rows with the rows' settings (B,) at the
+    new tokens' positions (B,). penalties (runner.penalties.PenaltySlots, the rows' slots (B,) int64): each row's
+    bias, bans, penalties and min_p apply first, and its token is counted in its slot."""
     min_p = None
     if penalties is not None:
         logits, min_p = penalties[0].apply(logits, penalties[1])
-    tokens = argmax_rows(logits) if greedy else sample_rows(logits, temperature, top_k, top_p, seed, positions + 1,
-                                                             min_p)
+    tokens = argmax_rows(logits) if greedy else sample_rows(logits, temperature, top_k, top_p, seed, position, min_p)
     if penalties is not None:
         penalties[0].count(penalties[1], tokens)
     return tokens

@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from redline.runner.decode_graphs import mark_dynamic, pages_bucket
+from redline.runner.decode_graphs import chosen_tokens, mark_dynamic, pages_bucket
 from redline.model import PagedContext, PagedImages, PagedKVCache, Transformer
 from redline.rope import mrope_table
-from redline.sampling import argmax_rows, sample_rows
 
 if TYPE_CHECKING:  # the engine's batch type; the runner reads its fields only
     from redline.engine.batch import Chunk
@@ -230,17 +229,8 @@ def sample_tokens(logits: Tensor, settings: RowSettings, all_greedy: bool = Fals
     """logits (B, V) -> tokens (B,), each row with its own settings; all_greedy skips the sampler's sort. penalties:
     (runner.penalties.PenaltySlots, the rows' slots (B,)): the rows' bias, bans, penalties and min_p apply, and
     the tokens are counted in their slots."""
-    min_p = None
-    if penalties is not None:
-        logits, min_p = penalties[0].apply(logits, penalties[1])
-    if all_greedy:
-        tokens = argmax_rows(logits)
-    else:
-        tokens = sample_rows(logits, settings.temperature, settings.top_k, settings.top_p, settings.seed,
-                             settings.position, min_p)
-    if penalties is not None:
-        penalties[0].count(penalties[1], tokens)
-    return tokens
+    return chosen_tokens(logits, all_greedy, settings.temperature, settings.top_k, settings.top_p, settings.seed,
+                         settings.position, penalties)
 
 
 def chosen_logprobs(logits: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor | None, Tensor | None]:

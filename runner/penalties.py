@@ -105,7 +105,8 @@ class PenaltySlots:
         slots (B,) int64."""
         presence, frequency, repetition, min_p = self.params[slots].unbind(1)  # (B,) each
         early = (self.generated[slots] < self.min_tokens[slots]).unsqueeze(1)  # (B, 1)
-        banned = torch.where(early, self.banned[slots], torch.zeros_like(self.banned[slots]))  # (B, M)
+        banned = self.banned[slots]  # (B, M)
+        banned = torch.where(early, banned, torch.zeros_like(banned))
         out = penalized_logits(logits.float(), self.counts[slots], self.in_prompt[slots], presence, frequency,
                                repetition, self.bias_ids[slots], self.bias[slots], self.banned_ids[slots], banned)
         return out, min_p
