@@ -243,23 +243,20 @@ class SamplingRequest(Strict):
         if top_k is not None and vocab_size is not None and top_k >= vocab_size:
             top_k = None
         top_p = self.top_p if self.top_p is not None and self.top_p < 1 else None
-        for name, ids in (("logit_bias", [int(k) for k in self.logit_bias or {}]),
-                          ("stop_token_ids", self.stop_token_ids or [])):
-            bad = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
-            if bad is not None:
-                raise invalid(f"{name} names token id {bad}, outside the model's vocabulary (0..{vocab_size - 1})",
-                              name)
         skip = self.skip_special_tokens if self.skip_special_tokens is not None else not parsed
         penalties = {name: getattr(self, name) for name in ("presence_penalty", "frequency_penalty",
                                                             "repetition_penalty", "min_p")
                      if getattr(self, name) is not None}
         try:
-            return GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, stop=stops, seed=self.seed, ignore_eos=self.ignore_eos,
-                                     logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-                                     min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
-                                     include_stop_str_in_output=self.include_stop_str_in_output,
-                                     skip_special_tokens=skip, **penalties, **extra)
+            options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                        top_p=top_p, stop=stops, seed=self.seed, ignore_eos=self.ignore_eos,
+                                        logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                                        min_tokens=self.min_tokens, stop_token_ids=tuple(self.stop_token_ids or ()),
+                                        include_stop_str_in_output=self.include_stop_str_in_output,
+                                        skip_special_tokens=skip, **penalties, **extra)
+            if vocab_size is not None:
+                options.check_vocabulary(vocab_size)  # "logit_bias names token id ...": the param is its first word
+            return options
         except ValueError as exc:
             message = str(exc)
             name = message.split()[0]
