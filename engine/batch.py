@@ -82,3 +82,8 @@ class Chunk:
     @property
     def samples(self) -> bool:
         return self.start + self.length == self.seq.num_tokens
+
+    @property
+    def prefills_images(self) -> bool:
+        """The chunk holds prompt tokens of a request with images (its step splices their embeddings)."""
+        return self.seq.images is not None and self.start < self.seq.prompt_len

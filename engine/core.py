@@ -547,7 +547,7 @@ class EngineCore:
         """Whether this step runs as a captured decode graph: decode rows only, no logprobs asked for."""
         if not self.paged.fits_graph(len(chunks)):
             return False
-        if any(c.seq.images is not None and c.start < c.seq.prompt_len for c in chunks):  # a prompt token of images
+        if any(c.prefills_images for c in chunks):
             return False
         return all(c.length == 1 and c.samples and not (c.seq.state.request.logprobs
                                                         or c.seq.state.request.top_logprobs) for c in chunks)

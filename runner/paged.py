@@ -336,7 +336,7 @@ class PagedModel:
     def step(self, chunks: list[Chunk], wants_prompt: set[int]) -> tuple[Tensor, dict[int, tuple[int, int]], Any]:
         """Run the model on chunks (eagerly, through the compiled prefill step, or as a prefill graph): logits
         (L, V) fp32, each prompt-logprob chunk's [begin, end) rows, and the rows of the sampling chunks."""
-        with_images = any(c.seq.images is not None and c.start < c.seq.prompt_len for c in chunks)
+        with_images = any(c.prefills_images for c in chunks)
         graphs = self.prefill_graphs and not wants_prompt and not with_images
         bucket = self.prefill_graphs.bucket(chunks) if graphs else None
         if bucket is not None:  # one short chunk: a replayed graph; its logits row 0 is the chunk's last token
