@@ -23,23 +23,27 @@
 #   bash benchmarks/gpu_run.sh serve-json # 64 streams of 512/256 without, then with, a JSON schema on every request
 #   bash benchmarks/gpu_run.sh tp         # 2 GPUs: Llama-2-70B bf16 and int8 batch-1 decode at TP2, Llama-3-8B at TP2
 #                                         # against one GPU, the all-reduce's share of a step, then the 2-GPU tests
+#   bash benchmarks/gpu_run.sh fp8        # Llama-3-8B fixed 1,024 x 128/128 in bf16 then FP8, batch 1 bf16/int8/fp8
+#   bash benchmarks/gpu_run.sh fp8-mixed  # the mixed workload in bf16 then FP8
+#   bash benchmarks/gpu_run.sh tp4        # 4 GPUs: Llama-2-70B bf16 and Llama-3.1-405B int4 g128 batch-1 decode at TP4
 #   bash benchmarks/gpu_run.sh tp-serving # 2 GPUs: the engine at TP2 on Llama-3.1-70B bf16, fixed 1,024 x 128/128
 #   bash benchmarks/gpu_run.sh tp-serve   # 2 GPUs: serve.py --tensor-parallel 2 on it under bench_serve.py, 256 x 128/128
 #
-# SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
+# PORT moves the server parts off 8321 (8322 for tp-serve), so that parts can run side by side on one machine's
+# GPUs (CUDA_VISIBLE_DEVICES and RESULTS apart). SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
 # SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
 # RESULTS (default benchmarks/results/gpu-run) receives every JSON, log and plot; the last line of each part prints
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|families|moe|serve|serve-offline|serve-json|frontdoor|frontdoor-pair|frontdoor-offline|hf-int4|vision|tp|tp-serving|tp-serve}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|fp8|fp8-mixed|tp4|families|moe|serve|serve-offline|serve-json|frontdoor|frontdoor-pair|frontdoor-offline|hf-int4|vision|tp|tp-serving|tp-serve}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
 RESULTS=${RESULTS:-benchmarks/results/gpu-run}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ -z "${WHEELS_INSTALLED:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -67,7 +71,8 @@ run() {  # run NAME COMMAND...: the command's output goes to RESULTS/NAME.log an
 
 case $part in
 tests)
-    run gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/
+    # Files whose imports this machine lacks (the server's clients) are reported and skipped, not fatal.
+    run gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors --durations 20 tests/
     ;;
 engine)
     bench=benchmarks/bench_serving.py
@@ -102,7 +107,7 @@ moe)
         --json "$RESULTS/engine-mixed-qwen3-30b-a3b.json"
     ;;
 serve)
-    port=8321
+    port=${PORT:-8321}
     start_server "$RESULTS/server.log" $extra  # /health is 200 once the model is loaded and its graphs captured
     trap 'kill $server 2>/dev/null' EXIT
     url="--base-url http://127.0.0.1:$port"
@@ -119,7 +124,7 @@ serve)
 serve-json)
     # Random weights need a tokenizer for grammars: one trained on this repository's text (no download).
     run bench-tokenizer python3 benchmarks/bench_tokenizer.py --out "$RESULTS/bench-tokenizer" --vocab-size 32000
-    port=8321
+    port=${PORT:-8321}
     python3 serve.py --random-weights "$model" --dtype bfloat16 --port $port --tokenizer "$RESULTS/bench-tokenizer" \
         $extra >"$RESULTS/server-json.log" 2>&1 &
     server=$!
@@ -141,7 +146,7 @@ serve-json)
     kill -TERM $server && wait $server
     ;;
 frontdoor)
-    port=8321
+    port=${PORT:-8321}
     cache=${COMPILE_CACHE:-/tmp/redline-compile-cache}
     capture=${CAPTURE_TOKENS:-2048}
     rm -rf "$cache"
@@ -163,7 +168,7 @@ frontdoor)
     done
     ;;
 frontdoor-pair)
-    port=8321
+    port=${PORT:-8321}
     cache=${COMPILE_CACHE:-/tmp/redline-compile-cache}
     capture=${CAPTURE_TOKENS:-2048}
     start_server "$RESULTS/server.log" --max-running 512 --capture-tokens "$capture" --compile-cache "$cache" $extra
@@ -234,6 +239,33 @@ tp)
     echo "== the tables (Llama-3-8B TP2 against one GPU, 70B at TP2, the all-reduce's share of a step)"
     [ -n "$reports" ] && python3 benchmarks/bench.py --merge "$reports" | tee "$RESULTS/tp-table.md"
     ;;
+fp8)
+    # FP8 (W8A8) beside bf16: the fixed workload, then batch-1 decode beside int8, one call on one GPU.
+    for quant in none fp8; do
+        run engine-fixed-$quant python3 benchmarks/bench_serving.py --model Llama-3-8B --workload fixed \
+            --num-requests 1024 --quant $quant --json "$RESULTS/engine-fixed-$quant.json"
+    done
+    run decode-fp8 python3 benchmarks/bench.py --model Llama-3-8B --quant none,int8,fp8 --runs 3 --new-tokens 200 \
+        --json "$RESULTS/decode-fp8.json"
+    ;;
+fp8-mixed)
+    for quant in none fp8; do
+        run engine-mixed-$quant python3 benchmarks/bench_serving.py --model Llama-3-8B --workload mixed \
+            --quant $quant --json "$RESULTS/engine-mixed-$quant.json"
+    done
+    ;;
+tp4)
+    # 4 GPUs: Llama-2-70B bf16 at TP4 and Llama-3.1-405B int4 g128 at TP4, batch-1 decode.
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    [ "$gpus" -ge 4 ] || { echo "the tp4 part needs 4 GPUs; this machine has $gpus" >&2; exit 2; }
+    launch="python3 -m torch.distributed.run --nproc_per_node 4 --master_addr 127.0.0.1 --master_port 29519"
+    decode="--runs 3 --new-tokens 128"
+    run tp4-70b timeout "${TP_SECONDS:-280}" $launch benchmarks/bench.py --tp 4 --model Llama-2-70B --quant none \
+        --all-reduce nccl,oneshot $decode --json "$RESULTS/tp4-70b.json"
+    run tp4-405b timeout "${TP_SECONDS:-280}" $launch benchmarks/bench.py --tp 4 --model Llama-3.1-405B --quant int4 \
+        --groupsize 128 --all-reduce oneshot $decode --json "$RESULTS/tp4-405b.json"
+    ;;
 tp-serving)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     run tp-serving-70b python3 -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
@@ -242,7 +274,7 @@ tp-serving)
     ;;
 tp-serve)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    port=8322
+    port=${PORT:-8322}
     python3 serve.py --random-weights "${TP_MODEL:-Llama-3.1-70B}" --dtype bfloat16 --tensor-parallel 2 \
         --port $port $extra >"$RESULTS/tp-server.log" 2>&1 &
     server=$!
@@ -259,7 +291,7 @@ tp-serve)
     ;;
 *)
     echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor," \
-        "frontdoor-pair, frontdoor-offline, hf-int4, vision, serve-json, tp, tp-serving or tp-serve" >&2
+        "frontdoor-pair, frontdoor-offline, hf-int4, vision, serve-json, fp8, fp8-mixed, tp, tp4, tp-serving or tp-serve" >&2
     exit 2
     ;;
 esac
