@@ -420,7 +420,8 @@ def report_line(run: dict[str, Any]) -> str:
             f"{run['duration_s']:.1f} s | {run['request_throughput']:.2f} req/s, {run['output_tok_s']:.1f} out tok/s"
             f" | TTFT p50/p90/p99 {fmt(run['ttft_ms'])} ms | TPOT {fmt(run['tpot_ms'])} ms | "
             f"ITL {fmt(run['itl_ms'])} ms" + (f" | TTFT with a picture {fmt(run['ttft_image_ms'])} ms, text only "
-                                             f"{fmt(run['ttft_text_ms'])} ms" if "ttft_image_ms" in run else ""))
+                                             f"{fmt(run['ttft_text_ms'])} ms" if "ttft_image_ms" in run else "")
+            + (f" | first error: {run['errors'][0]}" if run.get("errors") else ""))
 
 
 def fmt(dist: dict[str, float]) -> str:

@@ -2,8 +2,9 @@
 # Parts of gpu_run.sh side by side on the GPUs of one machine: each argument is GPUS:PART[,PART...], the parts of one
 # argument run one after the other on those GPUs, the arguments at the same time. From the repository root:
 #
-#   bash benchmarks/gpu_side_by_side.sh 0,1:tp 2:tests 3:serve-json,vision
+#   bash benchmarks/gpu_side_by_side.sh 0,1:tp 2:tests@0/2 3:tests@1/2,serve-json
 #
+# (tests@i/n: the i-th of n shares of the GPU test files.) Every result is also packed into RESULTS.tar.gz.
 # Each argument gets its own CUDA_VISIBLE_DEVICES, results folder (RESULTS/GPUS-PART), server port and log
 # (RESULTS/GPUS-PART.log). SECONDS_LEFT (default 570) bounds every part: a part still running then is stopped, and
 # the others' results stay. Timings of parts that share a machine are each on their own GPUs, but they share its
@@ -25,11 +26,14 @@ for group in "$@"; do
     parts=${group#*:}
     [ "$gpus" != "$group" ] && [ -n "$parts" ] || { echo "bad argument '$group': use GPUS:PART[,PART...]" >&2; exit 2; }
     (
-        for part in ${parts//,/ }; do
-            name="gpu${gpus//,/}-$part"
+        for spec in ${parts//,/ }; do
+            part=${spec%%@*}  # tests@i/n: the i-th of n shares of the GPU test files
+            shard=$([ "$spec" != "$part" ] && echo "${spec#*@}" || echo 0/1)
+            name="gpu${gpus//,/}-$part${shard/\//of}"
+            [ "$shard" = 0/1 ] && name="gpu${gpus//,/}-$part"
             left=$(( limit - SECONDS ))
             [ $left -gt 5 ] || { echo "== $name: no time left" >>"$RESULTS/$name.log"; continue; }
-            CUDA_VISIBLE_DEVICES=$gpus RESULTS="$RESULTS/$name" PORT=$(( 8400 + slot )) TP_SECONDS=$(( left - 10 )) \
+            TEST_SHARD=$shard CUDA_VISIBLE_DEVICES=$gpus RESULTS="$RESULTS/$name" PORT=$(( 8400 + slot )) TP_SECONDS=$(( left - 10 )) \
                 timeout -k 10 $left bash benchmarks/gpu_run.sh "$part" >"$RESULTS/$name.log" 2>&1
             echo "== $name: exit status $? after $SECONDS s" >>"$RESULTS/$name.log"
         done
@@ -38,6 +42,8 @@ for group in "$@"; do
     slot=$(( slot + 1 ))
 done
 wait "${pids[@]}"
+# One archive of every result beside the logs (a device run may bring back only a few files).
+tar -czf "$RESULTS.tar.gz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
 for log in "$RESULTS"/*.log; do
     echo "===== $log (last lines)"
     tail -n 25 "$log"

@@ -14,6 +14,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+# A GPU test's page pool in tokens: room for its prompts, not most of the GPU. A pool sized from free memory stays
+# allocated until the test's objects are collected, and the next test's pool would find no room.
+GPU_TEST_KV_TOKENS = 8192
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory_after_gpu_tests(request):
+    """After each GPU test, collect its objects and give their cached blocks back, so tests share one GPU."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 # --- model and checkpoint fixtures (owner: model/checkpoint) ---
 from pathlib import Path
 
@@ -35,8 +51,8 @@ HF_VARIANTS: dict[str, dict] = {
 def prefill_then_decode_logits(model, ids: torch.Tensor, prompt_len: int, cache_len: int = 64) -> torch.Tensor:
     """Logits (B, T, vocab) of a fresh cache: ids[:, :prompt_len] as one prefill, then one token per step."""
     model.setup_caches(ids.shape[0], cache_len)
-    steps = [model(ids[:, :prompt_len], torch.arange(prompt_len))]
-    steps += [model(ids[:, p:p + 1], torch.tensor([p])) for p in range(prompt_len, ids.shape[1])]
+    steps = [model(ids[:, :prompt_len], torch.arange(prompt_len, device=ids.device))]
+    steps += [model(ids[:, p:p + 1], torch.tensor([p], device=ids.device)) for p in range(prompt_len, ids.shape[1])]
     return torch.cat(steps, dim=1)
 
 

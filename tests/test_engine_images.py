@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from test_vision import PICTURES, picture, prompt_ids
+from conftest import GPU_TEST_KV_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_gpu_engine_with_images_equals_generate(multimodal_checkpoint, n_images)
     from redline.generate import LLM
 
     family, _, _, _, path = multimodal_checkpoint
-    llm = LLM.load(path, device="cuda", dtype="float32", compile=True)
+    llm = LLM.load(path, device="cuda", dtype="float32", compile=True, max_kv_tokens=GPU_TEST_KV_TOKENS)
     prompts = [prompt_ids(family, 0), prompt_ids(family, n_images), prompt_ids(family, 1)]
     images = [None, PICTURES[:n_images], [PICTURES[1]]]
     want = [llm.generate(p, images=i, max_new_tokens=8, ignore_eos=True).token_ids for p, i in zip(prompts, images)]

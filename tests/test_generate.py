@@ -8,6 +8,7 @@ import torch
 
 from redline import generate
 from redline.generate import LLM, EngineConfig, GenerateArgs, GenerationOptions, main, nucleus_keep_mask, sample
+from conftest import GPU_TEST_KV_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +281,9 @@ def test_compiled_decode_never_recompiles_on_cpu(tiny_llm_checkpoint, llm):
 def test_gpu_compiled_greedy_equals_eager(tiny_llm_checkpoint):
     from torch._dynamo.utils import counters
 
-    eager = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="bfloat16", compile=False)
-    compiled = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="bfloat16", compile=True, compile_prefill=True)
+    path, pool = tiny_llm_checkpoint[0], GPU_TEST_KV_TOKENS
+    eager = LLM.load(path, device="cuda", dtype="bfloat16", compile=False, max_kv_tokens=pool)
+    compiled = LLM.load(path, device="cuda", dtype="bfloat16", compile=True, compile_prefill=True, max_kv_tokens=pool)
     prompts = ["def fibonacci(n):", "import numpy as np\n" * 5, "x"]
     for prompt in prompts:  # each power-of-two prefill bucket compiles once, by design
         compiled.generate(prompt, max_new_tokens=4, ignore_eos=True)

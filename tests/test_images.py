@@ -33,9 +33,20 @@ def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
     return buffer.getvalue()
 
 
+def transformers_composites_alpha() -> bool:
+    """Whether the installed transformers turns a transparent pixel white (as Redline does) before its processors
+    see it; older versions dropped the alpha channel instead."""
+    from transformers.image_transforms import convert_to_rgb
+
+    clear = Image.new("RGBA", (1, 1), (255, 0, 0, 0))
+    return np.asarray(convert_to_rgb(clear))[0, 0].tolist() == [255, 255, 255]
+
+
 @pytest.mark.parametrize("size", [(896, 896), (640, 480), (37, 1200)])
 @pytest.mark.parametrize("mode", ["RGB", "RGBA", "L"])
 def test_gemma_tiles_equal_its_image_processor(size, mode):
+    if mode == "RGBA" and not transformers_composites_alpha():
+        pytest.skip("this transformers drops the alpha channel; Redline composites onto white, as later ones do")
     processor = pil_image_processor("Gemma3")(size={"height": 896, "width": 896})
     image = photo(*size, mode=mode)
     want = processor(images=[image], return_tensors="pt")["pixel_values"][0]

@@ -10,6 +10,7 @@ import redline.kernels  # noqa: F401  (registers torch.ops.redline.*)
 from redline.kernels.device import fp8_refusal, simulated, target_caps
 from redline.kernels.linear import KernelFp8Linear, fp8_gemm_backend, swap_linears
 from redline.quantize import Fp8Linear, dequantize_fp8, fp8_linear_reference, quantize_fp8
+from conftest import GPU_TEST_KV_TOKENS
 
 # GPU kernels against the fp32 reference: the same e4m3 codes and scales, fp32 accumulation; what differs is the
 # summation order and the output rounding (bf16: 2**-8 relative).
@@ -131,7 +132,8 @@ def test_gpu_fused_decode_runs_an_fp8_model(tiny_llm_checkpoint):
 
     path = tiny_llm_checkpoint[0]
     reference = LLM.load(path, device="cpu", quantize="fp8")
-    fused = LLM.load(path, device="cuda", dtype=torch.float32, quantize="fp8", compile=False)
+    fused = LLM.load(path, device="cuda", dtype=torch.float32, quantize="fp8", compile=False,
+                     max_kv_tokens=GPU_TEST_KV_TOKENS)
     ids = [5, 9, 13, 17, 21, 25]
     assert fused.generate(ids, max_new_tokens=8, temperature=0).token_ids == \
         reference.generate(ids, max_new_tokens=8, temperature=0).token_ids

@@ -16,6 +16,7 @@ from redline.model import ModelArgs, Transformer
 from redline.quantize import load_model
 from redline import speculative
 from redline.speculative import CostGate, Draft, PromptLookupDraft, ReplayDraft, filtered_probs
+from conftest import GPU_TEST_KV_TOKENS
 
 # Greedy equality is checked on these prompts: repetitive text (prompt lookup finds matches), code, and raw ids.
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The quick brown",
@@ -133,7 +134,8 @@ def test_gpu_speculation_equals_plain_greedy(tiny_llm_checkpoint):
     """On the GPU, float32 with the kernels: the compiled verify graph (tensor-core kernel for k+1 rows, SDPA) keeps
     plain greedy output with every draft source; in bf16 the multi-row kernels round differently from the batch-1
     GEMV, so only float32 promises token equality."""
-    target = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="float32", compile=True)
+    target = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="float32", compile=True,
+                      max_kv_tokens=GPU_TEST_KV_TOKENS)
     draft = noisy_llm(tiny_llm_checkpoint[0], 0.1, device="cuda", dtype="float32", compile=True)
     for prompt in PROMPTS[:4]:
         plain = greedy(target, prompt)

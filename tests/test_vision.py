@@ -10,7 +10,7 @@ from PIL import Image
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import MULTIMODAL_NEWLINES, MULTIMODAL_TOKENS  # noqa: E402
+from conftest import GPU_TEST_KV_TOKENS, MULTIMODAL_NEWLINES, MULTIMODAL_TOKENS  # noqa: E402
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:
@@ -256,7 +256,7 @@ def test_gpu_kernels_and_compile_give_transformers_greedy_tokens(multimodal_chec
     from redline.vision import prompt_images
 
     family, _, hf_model, processor, path = multimodal_checkpoint
-    llm = LLM.load(path, device="cuda", dtype="float32", compile=True)
+    llm = LLM.load(path, device="cuda", dtype="float32", compile=True, max_kv_tokens=GPU_TEST_KV_TOKENS)
     assert llm.kernels and next(llm.vision.parameters()).is_cuda
     images, prompt = PICTURES[:n_images], prompt_ids(family, n_images)
     ours = llm.generate(prompt, images=images, max_new_tokens=8, temperature=0.0, ignore_eos=True).token_ids
