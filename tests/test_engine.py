@@ -550,7 +550,7 @@ def test_gpu_decode_graphs_give_the_static_path_tokens(kernels):
     made = ready.capture_graphs(120)  # 120 tokens: 8 pages of 16, widths 2, 4 and 8, buckets up to --max-running
     buckets = [b for b in BATCH_BUCKETS if b <= ready.core.settings.max_running]
     assert made == 3 * len(buckets) and len(ready.graphs.graphs) == made
-    with ready._lock:
+    with ready.paused():  # all five arrive before the first step
         handles = [ready.add_request(p, o) for p, o in zip(prompts, options)]
     assert [h.result(timeout=120).token_ids for h in handles] == want
     with pytest.raises(RuntimeError, match="before the first request"):
