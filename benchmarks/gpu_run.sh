@@ -2,7 +2,8 @@
 # The GPU measurements behind BENCHMARKS.md's serving, family and MoE tables, in parts that each fit a 10-minute
 # call on one GPU (an H200 for the published tables). Run from the repository root:
 #
-#   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu)
+#   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu), one process per file; TEST_SHARD=i/n
+#                                         # runs the i-th of n shares (gpu_side_by_side.sh spreads them over GPUs)
 #   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
 #   bash benchmarks/gpu_run.sh engine-eager  # fixed, mixed and prefix again with eager prefill steps
 #   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4

@@ -15,7 +15,11 @@ set -uo pipefail
 RESULTS=${RESULTS:-benchmarks/results/gpu-run}
 limit=${SECONDS_LEFT:-570}
 mkdir -p "$RESULTS"
-if compgen -G ".whl/*.whl" >/dev/null; then  # once, before the parts start (gpu_run.sh then skips it)
+for group in "$@"; do  # every argument checked before any part starts
+    [ "${group%%:*}" != "$group" ] && [ -n "${group#*:}" ] \
+        || { echo "bad argument '$group': use GPUS:PART[,PART...]" >&2; exit 2; }
+done
+if [ -z "${WHEELS_INSTALLED:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then  # once (gpu_run.sh then skips it)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} WHEELS_INSTALLED=1
 fi
@@ -24,7 +28,6 @@ slot=0
 for group in "$@"; do
     gpus=${group%%:*}
     parts=${group#*:}
-    [ "$gpus" != "$group" ] && [ -n "$parts" ] || { echo "bad argument '$group': use GPUS:PART[,PART...]" >&2; exit 2; }
     (
         for spec in ${parts//,/ }; do
             part=${spec%%@*}  # tests@i/n: the i-th of n shares of the GPU test files

@@ -627,3 +627,40 @@ def tools_grammar_compiler(sp_tokenizer_dir):
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     yield compiler
     compiler.shutdown()
+
+
+# --- engine fixtures: the tiny checkpoint loaded for the engine's tests (test_engine.py, test_penalties.py) ---
+@pytest.fixture(scope="module")
+def llm(tiny_llm_checkpoint):
+    from redline.generate import LLM
+
+    return LLM.load(tiny_llm_checkpoint[0], device="cpu", max_kv_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(tiny_llm_checkpoint):
+    from redline.generate import LLM
+
+    return LLM.load(tiny_llm_checkpoint[0], device="cpu", compile=True)
+
+
+def random_gpu_llm(compile: bool, kernels: bool):
+    """A random debug-tiny model on the GPU, its weights drawn wide enough that greedy tokens are stable."""
+    from redline.generate import LLM
+    from redline.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_name("debug-tiny")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    llm = LLM(model.to("cuda"), None, "cuda", compile=compile, kernels=kernels)
+    llm.max_kv_tokens = 4096  # a pool for these prompts, not most of the GPU (other GPU tests may share it)
+    return llm
+
+
+def token_prompts(llm, count: int, length: int) -> list[list[int]]:
+    """Distinct prompts of token ids, of different lengths."""
+    g = torch.Generator().manual_seed(length)
+    vocab = llm.tokenizer.vocab_size
+    return [torch.randint(3, vocab, (length + 7 * i,), generator=g).tolist() for i in range(count)]
