@@ -381,11 +381,20 @@ def check_layer_count(names: Iterable[str], n_layer: int, source: str) -> None:
                          f"together, re-download or re-convert them")
 
 
+def meta_model(args: ModelArgs) -> Transformer:
+    """args' model on the meta device, for a checkpoint's (or the caller's random) weights to replace. The embedding's
+    random initialization is skipped: normal_ on a meta tensor runs torch's Python reference, whose first call
+    imports torch._dynamo, about 3 s of a CPU server's start for values nobody reads."""
+    from unittest import mock
+
+    with torch.device("meta"), mock.patch.object(torch.nn.Embedding, "reset_parameters", lambda self: None):
+        return Transformer(args)
+
+
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor of an unquantized Redline checkpoint and its shape (read off a model built on the meta device,
     so each family's extra tensors are included)."""
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = meta_model(args)
     return {name: tuple(t.shape) for name, t in model_state_dict(model).items()}
 
 

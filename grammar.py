@@ -16,7 +16,7 @@ import asyncio
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -176,12 +176,25 @@ def token_bytes(tokenizer: Any) -> tuple[list[bytes], list[int]]:
 class GrammarCompiler:
     """Compiles grammars in a thread pool (cached by their text) for one tokenizer."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, threads: int = COMPILE_THREADS) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer: Any, vocab_size: int, threads: int = COMPILE_THREADS,
+                 load: Callable[[], Any] | None = None) -> None:
+        """tokenizer: the model's; or None with load, a function that loads it on first use (by warm(), in the
+        pool), so that an engine core's start does not wait for it."""
+        if (tokenizer is None) == (load is None):
+            raise ValueError("GrammarCompiler takes a tokenizer or a function that loads one, not both or neither")
+        self._tokenizer, self._load, self.vocab_size = tokenizer, load, vocab_size
+        self._load_lock = threading.Lock()
         self._lltokenizer: Any = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="redline-grammar")
+
+    @property
+    def tokenizer(self) -> Any:
+        with self._load_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._load()
+            return self._tokenizer
 
     def warm(self) -> None:
         """Build the llguidance tokenizer in the pool now (a second for a large vocabulary), not on first use."""

@@ -265,6 +265,18 @@ class KVCache(nn.Module):
         self.v[:batch, :, :length] = v
 
 
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> Tensor:
+    """torch.zeros(shape), except on the CPU: there the memory is an anonymous mapping, whose pages the OS hands out
+    zeroed when they are first written, so a page pool costs no time or memory until it fills (zeroing a 1.5 GB pool
+    took 1-2 s of a CPU server's start)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import mmap
+
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class PagedKVCache:
     """A pool of fixed-size pages that many sequences share: k and v, one (num_pages, page_size, Hkv, D) tensor
     per layer each, and the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns
@@ -283,8 +295,8 @@ class PagedKVCache:
         # One tensor per layer (not one (n_layer, ...) tensor): a compiled step then writes each layer's pages in
         # place, where a write into a slice of one big tensor made inductor copy the whole cache.
         shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layer)]
+        self.k = [pool_zeros(shape, dtype, device) for _ in range(args.n_layer)]
+        self.v = [pool_zeros(shape, dtype, device) for _ in range(args.n_layer)]
         self.rope = rope_table(args, args.block_size, device)  # (block_size, 2, Dr/2)
         local = args.local_rope_base > 0 and any(args.layer_windows)  # windowed layers' own rope base
         self.rope_local = rope_table(args, args.block_size, device, local=True) if local else self.rope[:0]

@@ -33,8 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, checkpoint_inputs, load_tensors, model_state_dict,
-                                read_checkpoint_info, resolve_checkpoint_path, run_cli, save_checkpoint)
+from redline.checkpoint import (CheckpointInfo, check_checkpoint_output, checkpoint_inputs, load_tensors, meta_model,
+                                model_state_dict, read_checkpoint_info, resolve_checkpoint_path, run_cli, save_checkpoint)
 from redline.model import ModelArgs, MoEFeedForward, Transformer
 from redline.tokenizer import copy_tokenizer_files, tokenizer_files_to_copy
 from redline.vision import check_vision_copy, copy_vision_file
@@ -523,8 +523,7 @@ def load_model(info: CheckpointInfo, device: torch.device | str, dtype: torch.dt
     """Build the model that the checkpoint describes, with its quantization's module structure, and load its
     weights (no extra copies, no guessing)."""
     dtype = dtype or info.dtype
-    with torch.device("meta"):
-        model = Transformer(info.args)
+    model = meta_model(info.args)
     prepare_quantized_structure(model, info.quantization)
     tensors = load_tensors(info, device)
     own = model_state_dict(model)

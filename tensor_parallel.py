@@ -44,7 +44,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from redline.checkpoint import CheckpointInfo, model_state_dict
+from redline.checkpoint import CheckpointInfo, meta_model, model_state_dict
 from redline.model import ModelArgs, MoEFeedForward, Transformer
 from redline.quantize import prepare_quantized_structure
 from redline.sampling import SEED_LIMIT, SamplingParams
@@ -293,8 +293,7 @@ class SliceReader:
 
 def structure(args: ModelArgs, quantization: dict[str, Any]) -> Transformer:
     """A meta-device model of these args with the checkpoint's quantization structure."""
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = meta_model(args)
     prepare_quantized_structure(model, quantization)
     return model
 

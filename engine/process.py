@@ -199,14 +199,15 @@ def vision_tower(source: ModelSource, runner: Any) -> Any:
 
 
 def grammar_compiler(source: ModelSource, runner: Any) -> Any:
-    """The core's grammar compiler over the model's tokenizer (loaded here: the core otherwise needs none), or None
-    without a tokenizer."""
+    """The core's grammar compiler over the model's tokenizer (the core otherwise needs none; it is loaded in the
+    compiler's pool, not before the core is ready), or None without a tokenizer."""
     if source.tokenizer_path is None:
         return None
     from redline.grammar import GrammarCompiler
     from redline.tokenizer import load_tokenizer
 
-    return GrammarCompiler(load_tokenizer(source.tokenizer_path), runner.model.args.vocab_size)
+    path = source.tokenizer_path
+    return GrammarCompiler(None, runner.model.args.vocab_size, load=lambda: load_tokenizer(path))
 
 
 def graph_progress() -> Callable[[int, int], None]:

@@ -224,3 +224,20 @@ def test_random_metadata_gives_a_result_or_one_clear_error(tmp_path, redline_fil
     assert isinstance(info.quantization, dict) and isinstance(info.scheme, str)
     assert info.args.q_size > 0
     assert info.args.rope_scaling is None or hasattr(info.args.rope_scaling, "factor")
+
+
+def test_meta_model_has_the_models_tensors_and_leaves_no_trace():
+    """meta_model builds the same tensors as Transformer on the meta device, without importing the compiler stack
+    (checked in a fresh interpreter), and leaves nn.Embedding's own initialization in place."""
+    from redline.checkpoint import meta_model
+    from redline.model import ModelArgs, Transformer
+
+    args = ModelArgs.from_name("debug-tiny")
+    with torch.device("meta"):
+        want = {n: t.shape for n, t in Transformer(args).state_dict().items()}
+    assert {n: t.shape for n, t in meta_model(args).state_dict().items()} == want
+    assert torch.nn.Embedding(4, 2).weight.std() > 0  # initialized as usual outside it
+    code = ("import sys; from redline.checkpoint import meta_model; from redline.model import ModelArgs; "
+            "meta_model(ModelArgs.from_name('debug-tiny')); print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

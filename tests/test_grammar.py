@@ -195,3 +195,26 @@ def test_grammar_rows_run_in_the_decode_graph_steps(tiny_llm_checkpoint, grammar
     finally:
         engine.shutdown()
         compiler.shutdown()
+
+
+def test_a_compiler_loads_its_tokenizer_once_on_first_use(sp_tokenizer_dir):
+    """GrammarCompiler(None, vocab, load=...) calls load once, when a grammar first needs the tokenizer (the engine
+    core's start does not wait for it); a compiler takes a tokenizer or a loader, not both."""
+    from redline.grammar import GrammarCompiler
+    from redline.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(sp_tokenizer_dir)
+    calls = []
+
+    def load():
+        calls.append(1)
+        return tokenizer
+
+    compiler = GrammarCompiler(None, tokenizer.vocab_size, load=load)
+    assert calls == []
+    text = reply_grammar(json_schema_lark({"type": "integer"}), None)
+    assert compiler.compile_now(text).vocab_size == tokenizer.vocab_size
+    compiler.compile_now(text)
+    assert compiler.tokenizer is tokenizer and calls == [1]
+    with pytest.raises(ValueError, match="not both or neither"):
+        GrammarCompiler(tokenizer, 8, load=load)
