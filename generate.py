@@ -95,12 +95,13 @@ class LLM:
     def load(cls, path: str | os.PathLike, *, device: str | torch.device | None = None, dtype: str | None = None,
              compile: bool | None = None, compile_prefill: bool = False, quantize: str | None = None,
              kernels: bool | None = None, fuse: bool | None = None, name: str | None = None,
-             max_kv_tokens: int | None = None, threads: int | None = None) -> LLM:
+             max_kv_tokens: int | None = None, threads: int | None = None, kv_cache_dtype: str = "auto") -> LLM:
         """Load a Redline checkpoint (file or folder); its tokenizer is found beside it. max_kv_tokens caps the
-        batching engine's page pool (LLM.engine, generate_batch); threads sets torch's CPU threads (default: the
-        physical cores, on the CPU)."""
+        batching engine's page pool (LLM.engine, generate_batch) and kv_cache_dtype sets its pages' elements ("auto":
+        the model's dtype; "fp8": e4m3 with calibrated scales, twice the tokens); threads sets torch's CPU threads
+        (default: the physical cores, on the CPU)."""
         return cls.from_config(path, EngineConfig(device, dtype, compile, compile_prefill, quantize, kernels, fuse,
-                                                  name, max_kv_tokens, threads))
+                                                  name, max_kv_tokens, threads, kv_cache_dtype))
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, config: EngineConfig) -> LLM:
@@ -114,6 +115,10 @@ class LLM:
         llm = cls(model, tokenizer, device, compile, config.compile_prefill, info, config.kernels, config.name,
                   config.fuse)
         llm.max_kv_tokens = config.max_kv_tokens
+        from redline.engine.kv_pages import kv_dtype
+
+        kv_dtype(config.kv_cache_dtype, model.cache_dtype, device)  # refused here, not at the first batch
+        llm.kv_cache_dtype = config.kv_cache_dtype
         if world is None:  # a multimodal checkpoint's tower, kept in the activations' dtype (never quantized)
             llm.vision = load_vision_tower(info.path, device, model.cache_dtype)
         return llm
@@ -350,6 +355,7 @@ class LLM:
     # -- batching ------------------------------------------------------------------------------------------------------
 
     max_kv_tokens: int | None = None  # the engine's page pool in tokens; None: sized from free memory
+    kv_cache_dtype: str = "auto"  # the engine's pages: "auto" (the model's dtype) or "fp8"
 
     @property
     def engine(self) -> Engine:
@@ -358,7 +364,7 @@ class LLM:
 
         with _ENGINE_LOCK:
             if self.__dict__.get("_engine") is None or self._engine.closed:
-                self._engine = Engine(self, max_kv_tokens=self.max_kv_tokens)
+                self._engine = Engine(self, max_kv_tokens=self.max_kv_tokens, kv_cache_dtype=self.kv_cache_dtype)
             return self._engine
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]],
@@ -507,11 +513,13 @@ def parse_args(argv: Sequence[str] | None) -> GenerateArgs:
     p.add_argument("--draft_quantize", default=None, help="quantize the draft on load: int8, int4 or int4-gG")
     p.add_argument("--speculate_k", type=int, default=None, help="tokens drafted per verify step; None means 5")
     p.add_argument("--threads", type=int, default=None, help="CPU threads; None means the physical cores")
+    p.add_argument("--kv_cache_dtype", "--kv-cache-dtype", default="auto",
+                   help="the batching engine's KV pages (penalties run it): auto (the model's dtype) or fp8 (e4m3)")
     p.add_argument("--image", type=Path, action="append", default=[],
                    help="an image file for the prompt's next image placeholder (repeatable; multimodal checkpoints)")
     ns = p.parse_args(argv)
     engine = EngineConfig(ns.device, ns.dtype, ns.compile, ns.compile_prefill, ns.quantize, ns.kernels, ns.fuse,
-                          threads=ns.threads)
+                          threads=ns.threads, kv_cache_dtype=ns.kv_cache_dtype)
     lookup = ns.prompt_lookup
     options = GenerationOptions(
         ns.max_new_tokens, ns.temperature, ns.top_k, ns.top_p, tuple(ns.stop), ns.seed,

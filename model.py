@@ -23,6 +23,11 @@ from redline.rope import (ROPE_TYPES, RopeScaling, apply_rope, mrope_table, rope
                           rope_table)
 
 NORM_PLACEMENTS = ("pre", "sandwich", "post")
+# The paged cache's element types: "auto" stores the activations' dtype, "fp8" e4m3 codes with a fixed scale per
+# layer and KV head (docs/kv-cache-fp8.md says why).
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_KV_MAX = 448.0  # the largest finite e4m3 value: codes are clamped to it, so a cast never makes inf or nan
 QK_NORMS = ("none", "head", "full")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -282,6 +287,9 @@ class PagedKVCache:
     per layer each, and the rope table of every position the model reads (block_size, 2, D/2) fp32. The engine owns
     it.
 
+    dtype: the pages' element type; FP8_KV_DTYPE (e4m3) pages hold k / k_scale[layer] per KV head (and v likewise),
+    where k_scale and v_scale are one (Hkv,) fp32 tensor per layer, fixed for the pool's life (1.0 until the owner
+    calibrates them, before the first step): a token's stored bytes never depend on the rest of its batch.
     ops: (prefill, decode) attention functions with the signatures of paged_prefill_attention and
     paged_decode_attention (the GPU's redline:: kernels, set from outside); None: those plain PyTorch references."""
 
@@ -297,6 +305,10 @@ class PagedKVCache:
         shape = (num_pages, page_size, args.n_kv_heads, args.head_dim)
         self.k = [pool_zeros(shape, dtype, device) for _ in range(args.n_layer)]
         self.v = [pool_zeros(shape, dtype, device) for _ in range(args.n_layer)]
+        self.fp8 = dtype == FP8_KV_DTYPE
+        ones = [torch.ones(args.n_kv_heads, device=device) for _ in range(2 * args.n_layer)] if self.fp8 else None
+        self.k_scale: list[Tensor] | None = ones[:args.n_layer] if ones else None  # per layer (Hkv,) fp32
+        self.v_scale: list[Tensor] | None = ones[args.n_layer:] if ones else None
         self.rope = rope_table(args, args.block_size, device)  # (block_size, 2, Dr/2)
         local = args.local_rope_base > 0 and any(args.layer_windows)  # windowed layers' own rope base
         self.rope_local = rope_table(args, args.block_size, device, local=True) if local else self.rope[:0]
@@ -304,13 +316,50 @@ class PagedKVCache:
         self.ops = ops
         self.args = args
 
+    def scales(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        """The layer's (k_scale, v_scale), (Hkv,) fp32 each; (None, None) for pages of the activations' dtype."""
+        if self.k_scale is None:
+            return None, None
+        return self.k_scale[layer], self.v_scale[layer]
+
+    def set_scales(self, k_scale: Tensor, v_scale: Tensor) -> None:
+        """Fix the fp8 pages' scales, (n_layer, Hkv) each, copied in place (captured graphs keep their addresses);
+        call before any page is written."""
+        if self.k_scale is None:
+            raise ValueError("only an fp8 KV cache has scales")
+        expected = (len(self.k_scale), self.k_scale[0].shape[0])
+        if k_scale.shape != expected or v_scale.shape != expected:
+            raise ValueError(f"KV scales must be (n_layer, n_kv_heads) = {expected}, got {tuple(k_scale.shape)} and "
+                             f"{tuple(v_scale.shape)}")
+        if not (torch.isfinite(k_scale).all() and torch.isfinite(v_scale).all() and (k_scale > 0).all()
+                and (v_scale > 0).all()):
+            raise ValueError("KV scales must be finite and positive")
+        for layer, (ks, vs) in enumerate(zip(k_scale, v_scale)):
+            self.k_scale[layer].copy_(ks)
+            self.v_scale[layer].copy_(vs)
+
+
+def quantized_kv(x: Tensor, scale: Tensor) -> Tensor:
+    """x (..., Hkv, D) as e4m3 codes of x / scale, scale (Hkv,) fp32 per KV head; clamped to +-448 first, so a value
+    past the calibrated range saturates instead of becoming inf or nan."""
+    return (x.float() / scale[:, None]).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
+def dequantized_kv(codes: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """Cached keys or values (..., Hkv, D) in dtype: e4m3 codes times their KV head's scale (Hkv,) in fp32, or
+    (scale None) the cache's own values."""
+    if scale is None:
+        return codes.to(dtype)
+    return (codes.float() * scale[:, None]).to(dtype)
+
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, cu_seqlens_q: Tensor,
                             seq_lens: Tensor, scale: float,
                             host_lens: tuple[list[int], list[int]] | None = None,
                             singles: tuple[Tensor, Tensor] | None = None, window: int = 0,
                             softcap: float = 0.0,
-                            spans: tuple[tuple[tuple[int, int], ...], ...] | None = None) -> Tensor:
+                            spans: tuple[tuple[tuple[int, int], ...], ...] | None = None,
+                            k_scale: Tensor | None = None, v_scale: Tensor | None = None) -> Tensor:
     """Attention of the flattened queries q (T, H, D) of S sequences over their pages; the reference of
     redline::paged_prefill_attention. k_cache, v_cache (num_pages, page_size, Hkv, D); block_tables (S, max_pages),
     cu_seqlens_q (S + 1,) and seq_lens (S,) int32. Query j of sequence s sits at position seq_lens[s] - q_len + j
@@ -320,7 +369,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     device). Sequences with one query (decode rows) go through paged_decode_attention together, the others one by
     one; singles: those sequences' indices and their query rows (B,) each, when the caller has them on the device.
     window > 0: a query sees only the last `window` positions up to its own; softcap as in attention(). spans: per
-    sequence, [start, end) position ranges whose queries see all their keys (an image's tokens, Gemma 3)."""
+    sequence, [start, end) position ranges whose queries see all their keys (an image's tokens, Gemma 3). k_scale,
+    v_scale (Hkv,) fp32: the caches hold e4m3 codes, dequantized with them after the load."""
     q_lens, k_lens = host_lens if host_lens is not None else (cu_seqlens_q.diff().tolist(), seq_lens.tolist())
     page_size = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -333,14 +383,14 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     rows, tokens = singles  # (B,) each
     if rows.numel():
         out[tokens] = paged_decode_attention(q[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows], scale,
-                                             window, softcap)
+                                             window, softcap, k_scale, v_scale)
     for s, n_keys in enumerate(k_lens):
         begin, end = starts[s], starts[s + 1]
         if end - begin == 1:
             continue
         pages = block_tables[s, :-(-n_keys // page_size)].long()  # (P,)
-        keys = k_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)  # (Hkv, K, D)
-        values = v_cache[pages].flatten(0, 1)[:n_keys].transpose(0, 1)
+        keys = dequantized_kv(k_cache[pages].flatten(0, 1)[:n_keys], k_scale, q.dtype).transpose(0, 1)  # (Hkv, K, D)
+        values = dequantized_kv(v_cache[pages].flatten(0, 1)[:n_keys], v_scale, q.dtype).transpose(0, 1)
         q_pos = torch.arange(n_keys - (end - begin), n_keys, device=q.device)  # (Q,)
         key_pos = torch.arange(n_keys, device=q.device).unsqueeze(0)  # (1, K)
         mask = key_pos <= q_pos.unsqueeze(1)  # (Q, K)
@@ -357,16 +407,17 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                           scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0, k_scale: Tensor | None = None,
+                           v_scale: Tensor | None = None) -> Tensor:
     """One query per sequence, q (B, H, D), at position seq_lens[b] - 1; the reference of
     redline::paged_decode_attention. Every row's pages are gathered into one padded batch and masked past its
     length (and, with a window, before its last `window` keys): no host synchronisation, so a CUDA graph can hold
-    it. Returns (B, H, D)."""
+    it. k_scale, v_scale (Hkv,) fp32: e4m3 caches, dequantized after the load. Returns (B, H, D)."""
     batch, max_pages = block_tables.shape
     page_size = k_cache.shape[1]
     pages = block_tables.long()  # (B, P)
-    keys = k_cache[pages].flatten(1, 2).transpose(1, 2)  # (B, Hkv, P * page_size, D)
-    values = v_cache[pages].flatten(1, 2).transpose(1, 2)
+    keys = dequantized_kv(k_cache[pages].flatten(1, 2), k_scale, q.dtype).transpose(1, 2)  # (B, Hkv, P * page_size, D)
+    values = dequantized_kv(v_cache[pages].flatten(1, 2), v_scale, q.dtype).transpose(1, 2)
     key_pos = torch.arange(max_pages * page_size, device=q.device)  # (P * page_size,)
     visible = key_pos < seq_lens.view(-1, 1)  # (B, P * page_size)
     if window:
@@ -397,6 +448,9 @@ class PagedContext:
         """Write k, v (N, Hkv, D) into this layer's pages, then attend with q (N, H, D); returns (N, H, D). scale 0:
         D ** -0.5; a soft-cap runs the PyTorch references (the GPU kernels do not implement it)."""
         k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]  # (num_pages, page_size, Hkv, D)
+        k_scale, v_scale = self.kv.scales(self.layer)  # (Hkv,) fp32 each for e4m3 pages, else None
+        if k_scale is not None:
+            k, v = quantized_kv(k, k_scale), quantized_kv(v, v_scale)
         page, offset = self.slot_mapping // self.kv.page_size, self.slot_mapping % self.kv.page_size  # (N,)
         k_cache.index_put_((page, offset), k)
         v_cache.index_put_((page, offset), v)
@@ -405,13 +459,14 @@ class PagedContext:
         if self.kv.ops is not None and not softcap and spans is None:
             prefill, decode = self.kv.ops
             if self.decode:
-                return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window)
-            return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale, window)
+                return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window, k_scale, v_scale)
+            return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale, window,
+                           k_scale, v_scale)
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window,
-                                          softcap)
+                                          softcap, k_scale, v_scale)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-                                       scale, self.host_lens, self.singles, window, softcap, spans)
+                                       scale, self.host_lens, self.singles, window, softcap, spans, k_scale, v_scale)
 
 
 @dataclass(frozen=True)

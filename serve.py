@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from redline import __version__
 from redline.engine import EngineClient, EngineSettings
-from redline.engine.core import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
+from redline.engine.core import COMPILE_PREFILL_HELP, KV_CACHE_DTYPE_HELP, PREFILL_GRAPHS_HELP
 from redline.engine.messages import Ready
 from redline.engine.process import CoreProcess, ModelSource
 from redline.engine.requests import Limits, merged
@@ -1013,6 +1013,7 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
     engine.add_argument("--max-kv-tokens", type=int, default=SERVE_ENGINE.max_kv_tokens,
                         help="KV cache size in tokens; None means from free GPU memory, or a few contexts on the "
                              "CPU")
+    engine.add_argument("--kv-cache-dtype", default=SERVE_ENGINE.kv_cache_dtype, help=KV_CACHE_DTYPE_HELP)
     engine.add_argument("--max-running", type=int, default=SERVE_ENGINE.max_running,
                         help="requests decoded together at most; decode graphs are made up to this many rows "
                              "(512: about 40 more graphs than 256)")
@@ -1058,9 +1059,9 @@ def parse_args(argv: Sequence[str] | None) -> ServeSettings:
         raise FileNotFoundError(f"{ns.checkpoint_path} does not exist; pass a Redline checkpoint (make demo-model "
                                 "writes checkpoints/smollm2/float32/model.safetensors)")
     fields = vars(ns)
-    engine_fields = {name: fields.pop(name) for name in ("max_kv_tokens", "max_running", "prefill_chunk",
-                                                         "compile_prefill", "prefill_graphs", "max_queue",
-                                                         "min_step_s", "capture_tokens")}
+    engine_fields = {name: fields.pop(name) for name in ("max_kv_tokens", "kv_cache_dtype", "max_running",
+                                                         "prefill_chunk", "compile_prefill", "prefill_graphs",
+                                                         "max_queue", "min_step_s", "capture_tokens")}
     try:
         engine = EngineSettings(**engine_fields)
     except ValueError as exc:  # EngineSettings names its fields; the command line names its flags

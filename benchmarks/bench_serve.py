@@ -62,6 +62,7 @@ class BenchServeConfig:
     device: str | None = None
     dtype: str | None = None
     max_kv_tokens: int | None = None
+    kv_cache_dtype: str = "auto"  # --offline: the engine's pages, "auto" (the model's dtype) or "fp8"
     max_running: int = 256
     compile_prefill: bool | None = None  # --offline: the engine's steps with prompt chunks compiled; None: its rule
     capture_tokens: int | None = None  # --offline: decode graphs captured up front for sequences up to this long
@@ -339,7 +340,8 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
     from redline.serve import ServeSettings
 
     engine_settings = EngineSettings(max_kv_tokens=cfg.max_kv_tokens, max_running=cfg.max_running, max_queue=None,
-                                     compile_prefill=cfg.compile_prefill, capture_tokens=cfg.capture_tokens)
+                                     compile_prefill=cfg.compile_prefill, capture_tokens=cfg.capture_tokens,
+                                     kv_cache_dtype=cfg.kv_cache_dtype)
     if cfg.vision_model is not None:
         engine = vision_engine(cfg, engine_settings)
     else:
@@ -574,6 +576,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchServeConfig:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-kv-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="--offline: the engine's KV pages, auto or fp8 (e4m3)")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--capture-tokens", type=int, default=None,
                    help="--offline: capture decode graphs up front for sequences up to this many tokens (as serve.py)")

@@ -5,6 +5,7 @@
     python benchmarks/bench_serving.py --model Llama-3-8B --workload mixed [--compare hf --hf-requests 64]
     python benchmarks/bench_serving.py --model debug-tiny --device cpu --dtype float32 --num-requests 16
     python benchmarks/bench_serving.py --model Llama-3-8B --workload fixed --quant fp8
+    python benchmarks/bench_serving.py --model Llama-3.1-8B --workload long --kv-cache-dtype fp8 --max-running 4
     torchrun --nproc_per_node 2 benchmarks/bench_serving.py --model Llama-3.1-70B --workload fixed  # tensor parallel
 
 Workloads (EOS ignored, so every request makes exactly its output length):
@@ -13,7 +14,11 @@ Workloads (EOS ignored, so every request makes exactly its output length):
 - single: one request of 128 prompt and 256 output tokens through the engine, against LLM.generate (the static
   path, compiled and fused as the LLM is) in the same process: decode tok/s after the first token, median of 3;
 - prefix: a 4,000-token first turn, then a second turn that repeats it with a reply and 64 new tokens: time to
-  first token of each (median of 3 pairs), after the same graph capture and warm-up as serve.py's start-up.
+  first token of each (median of 3 pairs), after the same graph capture and warm-up as serve.py's start-up;
+- long: N requests (default 4) of --prompt-tokens (default 32,000) prompt tokens and 128 output tokens: the decode
+  inter-token latency at that context, the median of the steps that only decode (every row past its prefill).
+--kv-cache-dtype fp8 stores the pages as e4m3 (twice the tokens in the same memory); the report names the pool's
+capacity in tokens either way.
 All requests are queued at once. Reported: output tok/s and total tok/s (prompt + output) over the wall time from
 the first add_request to the last result; the step time distribution; peak KV pages in use; preemptions; and the
 roofline of the run: the sum over its steps of max(bytes read / measured read bandwidth, FLOPs / measured bf16
@@ -47,7 +52,7 @@ from redline.benchmarks.bench_env import environment
 from redline.benchmarks.bench_model import QUANT_CHOICES, build_random_model, param_counts
 from redline.checkpoint import dtype_from_name, write_atomically
 from redline.engine import Engine
-from redline.engine.core import COMPILE_PREFILL_HELP, PREFILL_GRAPHS_HELP
+from redline.engine.core import COMPILE_PREFILL_HELP, KV_CACHE_DTYPE_HELP, PREFILL_GRAPHS_HELP
 from redline.engine.batch import Chunk
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK
 from redline.generate import LLM
@@ -55,7 +60,11 @@ from redline.model import ModelArgs
 from redline.options import GenerationOptions
 from redline.runner import expert_bytes
 
-WORKLOADS = ("fixed", "mixed", "single", "prefix")
+WORKLOADS = ("fixed", "mixed", "single", "prefix", "long")
+# The "long" workload: requests of this many prompt tokens by default (--prompt-tokens), each making this many.
+LONG_PROMPT_TOKENS = 32000
+LONG_OUTPUT_TOKENS = 128
+LONG_DEFAULT_REQUESTS = 4
 # The "prefix" workload: a first chat turn of this many tokens, then a second turn that repeats it and adds a reply
 # and a new message (the prefix cache should serve the shared part).
 PREFIX_TOKENS = 4000
@@ -72,12 +81,15 @@ class Request:
     output_len: int
 
 
-def make_requests(workload: str, count: int, vocab: int, seed: int) -> list[Request]:
+def make_requests(workload: str, count: int, vocab: int, seed: int,
+                  prompt_tokens: int = LONG_PROMPT_TOKENS) -> list[Request]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(count):
         if workload == "fixed":
             prompt_len, output_len = 128, 128
+        elif workload == "long":
+            prompt_len, output_len = prompt_tokens, LONG_OUTPUT_TOKENS
         else:
             prompt_len, output_len = torch.randint(MIXED_RANGE[0], MIXED_RANGE[1] + 1, (2,), generator=gen).tolist()
         out.append(Request(torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), output_len))
@@ -173,6 +185,7 @@ def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
     prompt_tokens = sum(len(r.prompt) for r in requests)
     ms = sorted(s * 1e3 for s in log.seconds)
     stepped = sum(log.seconds)
+    decode_ms = [s * 1e3 for s, d in zip(log.seconds, log.decode_only) if d]  # each: one token of every row
 
     def pct(p: float) -> float:
         return ms[min(len(ms) - 1, int(p * len(ms)))]
@@ -182,6 +195,8 @@ def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
         "output_tok_s": made / wall, "total_tok_s": (made + prompt_tokens) / wall, "steps": len(ms),
         "step_ms": {"mean": statistics.fmean(ms), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": ms[-1]},
         "peak_kv_pages": max(log.pages_used), "kv_pages_total": engine.pool.num_pages,
+        "kv_capacity_tokens": engine.pool.capacity_tokens, "kv_cache_dtype": str(engine.core.kv_dtype)[6:],
+        "decode_itl_ms_p50": statistics.median(decode_ms) if decode_ms else None,
         "preemptions": engine.stats().preemptions,
         "roofline_pct": 100 * sum(log.min_seconds) / stepped if stepped and engine.costs else None,
         "step_time_share_of_wall": stepped / wall, "steps_by_kind": log.by_kind(),
@@ -271,12 +286,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Serving throughput of Redline's batching engine on random weights.")
     p.add_argument("--model", default="Llama-3-8B", help="a registry name (model.MODEL_REGISTRY)")
     p.add_argument("--workload", choices=WORKLOADS, default="fixed")
-    p.add_argument("--num-requests", type=int, default=None, help="default: 1024 (fixed), 256 (mixed)")
+    p.add_argument("--num-requests", type=int, default=None, help="default: 1024 (fixed), 256 (mixed), 4 (long)")
+    p.add_argument("--prompt-tokens", type=int, default=LONG_PROMPT_TOKENS, help="the long workload's prompts")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quant", choices=QUANT_CHOICES, default="none",
                    help="weights: none (the --dtype), int8, int4 or fp8 (W8A8 e4m3; an sm89+ GPU)")
     p.add_argument("--max-kv-tokens", type=int, default=None, help="default: from free GPU memory")
+    p.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
@@ -292,9 +309,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None)
     ns = p.parse_args(argv)
     if ns.num_requests is None:
-        ns.num_requests = 1024 if ns.workload == "fixed" else MIXED_DEFAULT_REQUESTS
-    if ns.num_requests < 1 or (ns.hf_requests is not None and ns.hf_requests < 1):
-        raise ValueError("--num-requests and --hf-requests must be positive")
+        ns.num_requests = {"fixed": 1024, "long": LONG_DEFAULT_REQUESTS}.get(ns.workload, MIXED_DEFAULT_REQUESTS)
+    if ns.num_requests < 1 or ns.prompt_tokens < 1 or (ns.hf_requests is not None and ns.hf_requests < 1):
+        raise ValueError("--num-requests, --prompt-tokens and --hf-requests must be positive")
     return ns
 
 
@@ -367,7 +384,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
     dtype = dtype_from_name(ns.dtype)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
                          prefill_chunk=ns.prefill_chunk, compile_prefill=ns.compile_prefill,
-                         prefill_graphs=ns.prefill_graphs)
+                         prefill_graphs=ns.prefill_graphs, kv_cache_dtype=ns.kv_cache_dtype)
     if world is not None and world.rank != 0:
         engine.follow()
         return {}
@@ -377,7 +394,7 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
         peak = fp8_matmul_peak_flops(device) if ns.quant == "fp8" else matmul_peak_flops(device, dtype)
-        engine.costs = StepCosts(args, llm.bytes_per_token, model.cache_dtype.itemsize, bandwidth,
+        engine.costs = StepCosts(args, llm.bytes_per_token, engine.core.kv_dtype.itemsize, bandwidth,
                                  peak, sum(b for _, b in expert_bytes(model)))
     report: dict[str, Any] = {"env": environment(device, argv), "model": ns.model, "workload": ns.workload,
                               "settings": {k: v for k, v in vars(ns).items() if k != "json"},
@@ -388,7 +405,8 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
         report["single"] = run_single(llm, engine, args.vocab_size, ns.seed)
         engine.shutdown()
         return report
-    requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed) if ns.workload != "prefix" else []
+    requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed,
+                             ns.prompt_tokens) if ns.workload != "prefix" else []
     longest = max((len(r.prompt) + r.output_len for r in requests), default=PREFIX_TOKENS + PREFIX_TURN_TOKENS)
     start = time.perf_counter()
     graphs = engine.capture_graphs(longest)
@@ -440,7 +458,11 @@ def format_report(report: dict[str, Any]) -> str:
              f"  {r['steps']} steps, ms: mean {s['mean']:.2f}, p50 {s['p50']:.2f}, p90 {s['p90']:.2f}, "
              f"p99 {s['p99']:.2f}, max {s['max']:.2f}",
              f"  peak KV pages {r['peak_kv_pages']} of {r['kv_pages_total']}, preemptions {r['preemptions']}, "
-             f"decode steps launched before the step before them was read: {r.get('steps_launched_ahead', 0)}"]
+             f"decode steps launched before the step before them was read: {r.get('steps_launched_ahead', 0)}",
+             f"  KV cache {r['kv_cache_dtype']}: {r['kv_capacity_tokens']} tokens"]
+    if report["workload"] == "long" and r["decode_itl_ms_p50"] is not None:
+        lines.append(f"  decode ITL p50 {r['decode_itl_ms_p50']:.2f} ms at {r['prompt_tokens'] // r['requests']} "
+                     f"prompt tokens x {r['requests']} rows (the steps that only decode)")
     for kind, k in r["steps_by_kind"].items():
         roof_k = f", {k['roofline_pct']:.1f}% of roofline" if k["roofline_pct"] is not None else ""
         lines.append(f"  {kind.replace('_', ' ')} steps: {k['steps']}, {k['seconds']:.2f} s{roof_k}")

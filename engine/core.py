@@ -26,10 +26,11 @@ from redline.engine.batch import Chunk
 from redline.engine.batch import Sequence as Seq
 from redline.engine.images import encode_images, seq_images
 from redline.engine.images import refusal as image_refusal
-from redline.engine.kv_pages import PagePool, pool_pages
+from redline.engine.kv_pages import PagePool, kv_dtype, pool_pages
 from redline.engine.messages import CoreOutput, CoreRequest
 from redline.engine.requests import EngineStats, Limits
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
+from redline.model import KV_CACHE_DTYPES
 from redline.options import GenerationStats
 from redline.runner.paged import (GrammarMasks, PagedModel, RowSettings, chosen_logprobs, compile_prefill_default,
                                   on_device, sample_tokens)
@@ -38,6 +39,8 @@ from redline.sampling import SEED_LIMIT, TOP_P_DISABLED
 
 PREFILL_GRAPHS_HELP = ("replay steps that prefill one chunk of under 512 tokens and nothing else (a chat's next turn) "
                        "as CUDA graphs; needs the compiled prefill steps")
+KV_CACHE_DTYPE_HELP = ("the paged KV cache's element type: auto (the model's dtype) or fp8 (e4m3 with a fixed scale "
+                       "per layer and KV head, calibrated at start-up: twice the tokens in the same memory)")
 COMPILE_PREFILL_HELP = ("compile the steps with prompt chunks, once with dynamic sizes at start-up (default: where the "
                         "decode steps compile, on a GPU with the kernels, and the model has no soft-caps)")
 
@@ -50,6 +53,7 @@ class EngineSettings:
     max_running: int = 256  # requests decoded together at most (decode graphs are made up to this many rows)
     max_queue: int | None = None  # requests waiting at most; more are refused (EngineFull)
     page_size: int = 16  # tokens a KV page holds
+    kv_cache_dtype: str = "auto"  # the pages' element type: "auto" (the model's dtype) or "fp8" (e4m3 and scales)
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens one step computes at most
     compile_prefill: bool | None = None  # steps with prompt chunks compiled; None: where it pays
     prefill_graphs: bool = False  # steps that prefill one short chunk replayed as CUDA graphs
@@ -65,6 +69,8 @@ class EngineSettings:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not self.min_step_s >= 0:
             raise ValueError(f"min_step_s must be >= 0 seconds, got {self.min_step_s!r}")
 
@@ -136,7 +142,8 @@ class EngineCore:
         model = runner.model
         args = model.args
         self.block_size, self.vocab_size, self.device = args.block_size, args.vocab_size, runner.device
-        num_pages = pool_pages(args, settings.page_size, model.cache_dtype, self.device, settings.max_kv_tokens,
+        self.kv_dtype = kv_dtype(settings.kv_cache_dtype, model.cache_dtype, self.device)  # the pages' elements
+        num_pages = pool_pages(args, settings.page_size, self.kv_dtype, self.device, settings.max_kv_tokens,
                                settings.max_running)
         # Tensor parallel: every rank makes this core over its model; rank 0's runs the requests and sends each model
         # call to the others, which run it on their heads (follow). Each rank's pages hold its share of the KV heads,
@@ -149,7 +156,8 @@ class EngineCore:
         compile_prefill = compile_prefill_default(runner, settings.compile_prefill)
         scratch = self.pool.reserve() if runner.compile or compile_prefill else None
         self.paged = PagedModel(runner, num_pages, settings.page_size, scratch, compile_prefill,
-                                settings.prefill_graphs, settings.max_running, settings.capture_tokens, ranks)
+                                settings.prefill_graphs, settings.max_running, settings.capture_tokens, ranks,
+                                self.kv_dtype)
         self._flight: Flight | None = None  # the decode step on the device, not read yet
         self.steps_followed = 0  # decode steps launched before the step before them was read
         # Called as each step's tokens reach the host, with its chunks and its seconds (from the later of its

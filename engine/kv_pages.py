@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from redline.model import ModelArgs
+from redline.model import FP8_KV_DTYPE, KV_CACHE_DTYPES, ModelArgs
 from redline.sampling import is_int
 
 # Share of the GPU memory free at start-up that the pool takes; the rest is left for activations and graphs.
@@ -43,8 +43,23 @@ def page_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
     return digest.digest()
 
 
+def kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pages' element type for --kv-cache-dtype `name`: the model's activations' dtype ("auto"), or e4m3
+    ("fp8") where the device runs it (kernels/device.py; else a ValueError naming the fix)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if name == "auto":
+        return model_dtype
+    from redline.kernels.device import kv_fp8_refusal
+
+    if (refusal := kv_fp8_refusal(device)) is not None:
+        raise ValueError(refusal)
+    return FP8_KV_DTYPE
+
+
 def page_bytes(args: ModelArgs, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page across all layers, k and v."""
+    """Bytes of one page across all layers, k and v, of `dtype` elements (e4m3: one byte, so twice the tokens of
+    bf16 pages fit the same memory; its per-head scales are a few bytes per layer, not counted)."""
     return 2 * args.n_layer * page_size * args.n_kv_heads * args.head_dim * torch.empty((), dtype=dtype).element_size()
 
 

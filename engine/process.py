@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from redline.checkpoint import dtype_name
 from redline.engine.core import EngineCore, EngineSettings
 from redline.engine.messages import (Abort, CoreOutput, CoreRequest, Failed, FromCore, Outputs, Ready, Shutdown, Stats,
                                      StatsQuery, ToCore)
@@ -170,7 +171,8 @@ def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> 
     begin = time.perf_counter()
     core = EngineCore(runner, EngineSettings(**config.engine), sink, grammar_compiler(config.model, runner),
                       vision_tower(config.model, runner))
-    log(f"KV cache: {core.pool.num_pages} pages of {core.pool.page_size} tokens ({core.pool.capacity_tokens} tokens)")
+    log(f"KV cache: {core.pool.num_pages} pages of {core.pool.page_size} tokens ({core.pool.capacity_tokens} tokens, "
+        f"{dtype_name(core.kv_dtype)})")
     if config.capture_graphs and core.paged.graphs is not None:
         log("capturing decode graphs")
         made = core.capture_graphs(progress=graph_progress())

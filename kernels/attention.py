@@ -345,7 +345,8 @@ def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedCo
         layer = context.layer
         out = torch.ops.redline.paged_decode_attention_qkv(
             qkv.reshape(rows, -1), context.kv.k[layer], context.kv.v[layer], rope, context.block_tables,
-            context.seq_lens, a.attention_scale, attn.window, *(norms or (None, None, 0.0)))  # (N, H, D)
+            context.seq_lens, a.attention_scale, attn.window, *(norms or (None, None, 0.0)),
+            *context.kv.scales(layer))  # (N, H, D)
         return out.reshape(1, rows, a.q_size)
     q, k, v = split_rotated_qkv(qkv, rope, a.n_head, a.n_kv_heads, a.head_dim,
                                 None if attn.q_norm is None else attn.normed_qk)  # (1, N, heads, D) each

@@ -138,6 +138,17 @@ def fp8_refusal(device: torch.device | str) -> str | None:
             f"{caps.vendor} {caps.arch}. Load the unquantized checkpoint with quantize='int8' instead, or run on the CPU")
 
 
+def kv_fp8_refusal(device: torch.device | str) -> str | None:
+    """Why an FP8 (e4m3) KV cache cannot run on `device`, or None when it can: the CPU runs the dequantizing
+    references and an NVIDIA GPU of compute capability 8.9 or newer the paged kernels' e4m3 loads; any other GPU is
+    refused (never a slow fallback)."""
+    caps = device_caps(device)
+    if caps.vendor == "cpu" or caps.supports_fp8:
+        return None
+    return (f"--kv-cache-dtype fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); this one is "
+            f"{caps.vendor} {caps.arch}. Use --kv-cache-dtype auto (the model's dtype) on it")
+
+
 @functools.cache
 def triton_importable() -> bool:
     """Triton is installed (checked without importing it)."""

@@ -34,6 +34,12 @@ cu_seqlens_q[s] // BLOCK_T + s, which leaves room for each chunk's tiles whateve
 T // BLOCK_T + S + 1 tiles cover them all; each program finds its sequence by a binary search of cu_seqlens_q on
 the device, and the few numbers that fall between chunks exit.
 
+An e4m3 cache (KV_FP8) holds codes with one fp32 scale per KV head for k and for v: a program reads one KV head, so
+it loads its two scales once, converts each loaded K/V tile to the queries' dtype (exact: every e4m3 value is a
+bf16, fp16 and fp32 value) and multiplies the scores by the key scale (folded into qk_scale, in fp32) and its output
+by the value scale: the dequantized cache's math, with one multiply per score instead of one per element. The qkv
+decode writes its new key and value as model.quantized_kv does (divided by the scale, clamped to +-448, rounded).
+
 All read lengths and tables on the device only (no host sync), so all are CUDA-graph capturable. A query row with
 no keys (seq_lens 0: a padding row of a batch bucket) gets zeros (and writes no key), as in the references. Configs
 come from configs.py, fitted to the GPU's shared memory; only kernels/paged_attention.py imports this module, lazily.
@@ -81,6 +87,20 @@ def _page_rows(table_row, s_idx, s_ok, stride_p, stride_s, PAGE_SIZE: tl.constex
 
 
 @triton.jit
+def _kv_scales(ks_ptr, vs_ptr, kvh, KV_FP8: tl.constexpr):
+    """KV head kvh's key and value scales of an e4m3 cache; 1.0 each for a cache of the queries' dtype."""
+    if KV_FP8:
+        return tl.load(ks_ptr + kvh), tl.load(vs_ptr + kvh)
+    return 1.0, 1.0
+
+
+@triton.jit
+def _fp8_codes(x, scale):
+    """x / scale clamped to the finite e4m3 range and rounded to e4m3 (model.quantized_kv)."""
+    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
 def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """One key block into the online softmax of q's rows; keep (rows, BLOCK_S) marks the keys each row attends to.
     A row without any key so far keeps m_i = -inf, l_i = 0 and acc = 0 (nothing here computes -inf - -inf); keep
@@ -101,18 +121,19 @@ def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION: 
 # multiple of 16 otherwise, each a pause of a second or two the first time a step meets it).
 @triton.jit(do_not_specialize=("stride_tb", "max_keys", "num_splits"))
 def _paged_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, rope_ptr, qn_ptr, kn_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, rope_ptr, qn_ptr, kn_ptr, ks_ptr, vs_ptr,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
     stride_ob, stride_oh, max_keys, num_splits, qk_scale, window, norm_eps,
     N_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW: tl.constexpr, ROPE_QKV: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr,
+    WINDOW: tl.constexpr, ROPE_QKV: tl.constexpr, QK_NORM: tl.constexpr, ROT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """ROPE_QKV: q_ptr is the raw qkv projection (B, (H + 2 Hkv) D) of each row's new token, at position
     seq_lens[b] - 1; rope_ptr holds each row's cos/sin (B, 2, ROT/2) fp32. The kernel rotates the first ROT features
     of the queries and the new key (QK_NORM: RMS-normalized per head first, weights qn_ptr / kn_ptr (D,), eps
     norm_eps), and the split that owns the position stores the key and value in their page slot before it reads the
-    cache (no other program reads that slot). A row without keys writes nothing."""
+    cache (no other program reads that slot). A row without keys writes nothing. KV_FP8: the caches hold e4m3
+    codes, ks_ptr / vs_ptr (Hkv,) fp32 their scales."""
     pid_group = tl.program_id(0)  # b * Hkv + kv head
     split = tl.program_id(1)
     b = (pid_group // N_KV_HEADS).to(tl.int64)
@@ -131,16 +152,19 @@ def _paged_split_kernel(
     table_row = table_ptr + b * stride_tb
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
+    k_scale, v_scale = _kv_scales(ks_ptr, vs_ptr, kvh, KV_FP8)
     if ROPE_QKV:
         HALF: tl.constexpr = ROT // 2
         cos, sin = _rope_row(rope_ptr + b * ROT, offs_d, HALF, ROT == HEAD_DIM)  # (D,) each
         qkv_row = q_ptr + b * stride_qb
         q = _token_queries(qkv_row, heads, row_ok, offs_d, cos, sin, HALF, QK_NORM, qn_ptr, norm_eps,
-                           N_KV_HEADS * GROUP, HEAD_DIM, k_ptr.dtype.element_ty)  # (BLOCK_G, D)
+                           N_KV_HEADS * GROUP, HEAD_DIM, q_ptr.dtype.element_ty)  # (BLOCK_G, D)
         if split == active - 1:  # this split holds the row's position: store its key and value first
             pos = length - 1
             k_new, v_new = _token_key_value(qkv_row, kvh, offs_d, cos, sin, HALF, QK_NORM, kn_ptr, norm_eps,
-                                            N_KV_HEADS * GROUP, N_KV_HEADS, HEAD_DIM, k_ptr.dtype.element_ty)  # (D,)
+                                            N_KV_HEADS * GROUP, N_KV_HEADS, HEAD_DIM, q_ptr.dtype.element_ty)  # (D,)
+            if KV_FP8:
+                k_new, v_new = _fp8_codes(k_new, k_scale), _fp8_codes(v_new, v_scale)
             pos_page = tl.load(table_row + pos // PAGE_SIZE).to(tl.int64)
             tl.store(k_base + pos_page * stride_kp + (pos % PAGE_SIZE) * stride_ks + offs_d, k_new)
             tl.store(v_base + pos_page * stride_vp + (pos % PAGE_SIZE) * stride_vs + offs_d, v_new)
@@ -160,13 +184,16 @@ def _paged_split_kernel(
         s_ok = _seen(s_idx, length, lo, WINDOW)  # the row's keys (in its window) only are loaded
         slot = s_idx % PAGE_SIZE
         k = tl.load(k_base + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :], mask=s_ok[:, None],
-                    other=0.0)  # (BLOCK_S, D)
+                    other=0.0).to(q.dtype)  # (BLOCK_S, D)
         v = tl.load(v_base + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :], mask=s_ok[:, None],
-                    other=0.0)
+                    other=0.0).to(q.dtype)
         s_next = s_idx + BLOCK_S
         page = tl.load(table_row + s_next // PAGE_SIZE, mask=s_next < length, other=0).to(tl.int64)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, s_ok[None, :], m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, s_ok[None, :], m_i, l_i, acc, qk_scale * k_scale,
+                                             DOT_PRECISION)
         s_idx = s_next
+    if KV_FP8:
+        acc = acc * v_scale  # the codes' weighted sum times the head's value scale
 
     if SINGLE_SPLIT:
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)  # no keys: zeros
@@ -229,11 +256,12 @@ def _chunk_of_tile(cu_ptr, pid, n_seqs, n_steps, BLOCK_T: tl.constexpr):
 
 @triton.jit(do_not_specialize=("stride_tb", "n_seqs", "n_steps", "max_keys"))
 def _paged_prefill_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr, ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_tb,
     stride_ot, stride_oh, n_seqs, n_steps, max_keys, qk_scale, window,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // GROUP_P2  # query tokens per tile
     kvh = tl.program_id(1).to(tl.int64)
@@ -261,6 +289,8 @@ def _paged_prefill_kernel(
         table_row = table_ptr + s.to(tl.int64) * stride_tb
         k_base = k_ptr + kvh * stride_kh
         v_base = v_ptr + kvh * stride_vh
+        k_scale, v_scale = _kv_scales(ks_ptr, vs_ptr, kvh, KV_FP8)
+        qk_scale = qk_scale * k_scale  # an e4m3 cache: the scores of the codes times the head's key scale
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -275,21 +305,23 @@ def _paged_prefill_kernel(
             s_idx = blk * BLOCK_N + offs_n  # (BLOCK_N,) all valid, all visible
             k_rows = _page_rows(table_row, s_idx, None, stride_kp, stride_ks, PAGE_SIZE)
             v_rows = _page_rows(table_row, s_idx, None, stride_vp, stride_vs, PAGE_SIZE)
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :])  # (BLOCK_N, D)
-            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :]).to(q.dtype)  # (BLOCK_N, D)
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :]).to(q.dtype)
             m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_PRECISION)
         for blk in range(first_block, tl.cdiv(hi, BLOCK_N)):
             s_idx = blk * BLOCK_N + offs_n
             s_ok = s_idx < hi
             k_rows = _page_rows(table_row, s_idx, s_ok, stride_kp, stride_ks, PAGE_SIZE)
             v_rows = _page_rows(table_row, s_idx, s_ok, stride_vp, stride_vs, PAGE_SIZE)
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0).to(q.dtype)
             keep = (s_idx[None, :] <= q_pos[:, None]) & s_ok[None, :]  # causal, within the valid keys
             if WINDOW:
                 keep = keep & (s_idx[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
+        if KV_FP8:
+            acc = acc * v_scale
         out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
         out_rows = (q_start + tok.to(tl.int64)) * stride_ot + heads * stride_oh
         tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -313,45 +345,56 @@ def _device_context(t: torch.Tensor):
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, config: AttentionConfig | None = None,
-                           window: int = 0) -> torch.Tensor:
+                           window: int = 0, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale q k^T) v over each row's keys 0..seq_lens[b]-1; q (B, H, D), caches (num_pages, page_size, Hkv,
-    D) with unit stride along D, block_tables (B, max_pages), seq_lens (B,). Returns (B, H, D) contiguous. The
-    caller (kernels/paged_attention.py) validates."""
+    D) with unit stride along D (e4m3 codes with k_scale, v_scale (Hkv,) fp32), block_tables (B, max_pages),
+    seq_lens (B,). Returns (B, H, D) contiguous. The caller (kernels/paged_attention.py) validates."""
     q = _unit_stride(q)
-    return _launch_decode(q, q.shape[1], q.stride(1), k_cache, v_cache, block_tables, seq_lens, scale, config, window)
+    return _launch_decode(q, q.shape[1], q.stride(1), k_cache, v_cache, block_tables, seq_lens, scale, config, window,
+                          kv_scales=_scales(k_scale, v_scale))
 
 
 def paged_decode_attention_qkv(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                rope_rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                                scale: float, config: AttentionConfig | None = None, window: int = 0,
                                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                               norm_eps: float = 0.0) -> torch.Tensor:
+                               norm_eps: float = 0.0, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rope, page write and attention of each row's new token: qkv (B, (H + 2 Hkv) D) raw projections at positions
     seq_lens - 1, rope_rows (B, 2, R/2) fp32 their cos/sin (the first R <= D features of each head rotate). Writes
     the rotated key and the value of row b at slot (seq_lens[b] - 1) % page_size of page
     block_tables[b, (seq_lens[b] - 1) // page_size] and returns the attention over its keys 0..seq_lens[b]-1,
-    (B, H, D) contiguous. q_norm, k_norm (D,): per-head RMS norms (eps norm_eps) of q and k before rope. The caller
-    (kernels/paged_attention.py) validates."""
+    (B, H, D) contiguous. q_norm, k_norm (D,): per-head RMS norms (eps norm_eps) of q and k before rope. k_scale,
+    v_scale (Hkv,) fp32: e4m3 caches. The caller (kernels/paged_attention.py) validates."""
     head_dim, n_kv_heads = k_cache.shape[3], k_cache.shape[2]
     qkv = _unit_stride(qkv)  # each row's H + 2 Hkv heads of D elements, back to back
     norms = (q_norm.contiguous(), k_norm.contiguous(), norm_eps) if q_norm is not None else None
     return _launch_decode(qkv, qkv.shape[1] // head_dim - 2 * n_kv_heads, head_dim, k_cache, v_cache, block_tables,
-                          seq_lens, scale, config, window, rope_rows.contiguous(), norms)
+                          seq_lens, scale, config, window, rope_rows.contiguous(), norms, _scales(k_scale, v_scale))
+
+
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An e4m3 cache's (k_scale, v_scale), contiguous fp32 (Hkv,) each; None for a cache of the queries' dtype."""
+    return None if k_scale is None else (k_scale.float().contiguous(), v_scale.float().contiguous())
 
 
 def _launch_decode(q: torch.Tensor, n_heads: int, stride_qh: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, config: AttentionConfig | None,
                    window: int, rope: torch.Tensor | None = None,
-                   qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                   qk_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Run the split (and combine) kernels; returns (B, H, D). q is (B, H, D) queries (stride_qh apart), or with
-    rope given the raw (B, (H + 2 Hkv) D) projections (rope_rows (B, 2, R/2) contiguous)."""
+    rope given the raw (B, (H + 2 Hkv) D) projections (rope_rows (B, 2, R/2) contiguous). kv_scales: the (Hkv,)
+    scales of e4m3 caches."""
     batch, head_dim = q.shape[0], k_cache.shape[3]
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
     max_keys = block_tables.shape[1] * page_size
     group = n_heads // n_kv_heads
     caps = device_caps(q.device)
     if config is None:
-        config = fitted_attention_config(batch, n_heads, n_kv_heads, max_keys, head_dim, k_cache.element_size(), caps)
+        config = fitted_attention_config(batch, n_heads, n_kv_heads, max_keys, head_dim,
+                                         max(q.element_size(), k_cache.element_size()), caps)
     if config is None:  # kernels.paged_attention checks first and takes the reference
         raise ValueError(f"no paged decode-attention config fits this GPU's shared memory for head_dim {head_dim}")
     block_tables, seq_lens = _unit_stride(block_tables), seq_lens.contiguous()
@@ -369,7 +412,7 @@ def _launch_decode(q: torch.Tensor, n_heads: int, stride_qh: int, k_cache: torch
     with _device_context(q):
         _paged_split_kernel[(batch * n_kv_heads, splits)](
             q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc, q if rope is None else rope,
-            *(qk_norms[:2] if qk_norms else (q, q)),
+            *(qk_norms[:2] if qk_norms else (q, q)), *(kv_scales or (q, q)),
             q.stride(0), stride_qh, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), max_keys, splits, scale * LOG2E, window, qk_norms[2] if qk_norms else 0.0,
@@ -377,7 +420,7 @@ def _launch_decode(q: torch.Tensor, n_heads: int, stride_qh: int, k_cache: torch
             BLOCK_G=max(DOT_MIN_ROWS, triton.next_power_of_2(group)), BLOCK_S=config.block_s, PAGE_SIZE=page_size,
             HEAD_DIM=head_dim, DOT_PRECISION=_dot_precision(q.dtype, caps), ROPE_QKV=rope is not None,
             QK_NORM=qk_norms is not None, ROT=head_dim if rope is None else 2 * rope.shape[-1],
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            KV_FP8=kv_scales is not None, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:
             _paged_combine_kernel[(batch * n_heads,)](
@@ -390,10 +433,11 @@ def _launch_decode(q: torch.Tensor, n_heads: int, stride_qh: int, k_cache: torch
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            config: PagedPrefillConfig | None = None, window: int = 0) -> torch.Tensor:
+                            config: PagedPrefillConfig | None = None, window: int = 0,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of S flattened query chunks over their paged keys (window > 0: each query over the last
-    `window` positions up to its own); q (T, H, D), block_tables (S,
-    max_pages), cu_seqlens_q (S + 1,), seq_lens (S,). Returns (T, H, D); rows past cu_seqlens_q[S] are zeros. The
+    `window` positions up to its own); q (T, H, D), block_tables (S, max_pages), cu_seqlens_q (S + 1,), seq_lens
+    (S,); k_scale, v_scale (Hkv,) fp32 with e4m3 caches. Returns (T, H, D); rows past cu_seqlens_q[S] are zeros. The
     caller (kernels/paged_attention.py) validates."""
     n_tokens, n_heads, head_dim = q.shape
     page_size, n_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -401,7 +445,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = n_heads // n_kv_heads
     caps = device_caps(q.device)
     if config is None:
-        config = fitted_paged_prefill_config(group, head_dim, k_cache.element_size(), caps)
+        config = fitted_paged_prefill_config(group, head_dim, max(q.element_size(), k_cache.element_size()), caps)
     if config is None:
         raise ValueError(f"no paged prefill-attention config fits this GPU's shared memory for head_dim {head_dim}")
     group_p2 = triton.next_power_of_2(group)
@@ -416,13 +460,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     with _device_context(q):
         # sequence s's tiles start at cu_seqlens_q[s] // block_t + s (_chunk_of_tile): this grid covers them all
         _paged_prefill_kernel[(n_tokens // block_t + n_seqs + 1, n_kv_heads)](
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out, *(_scales(k_scale, v_scale) or (q, q)),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), n_seqs, n_seqs.bit_length(), block_tables.shape[1] * page_size,
             scale * LOG2E, window, GROUP=group, GROUP_P2=group_p2, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
-            DOT_PRECISION=_dot_precision(q.dtype, caps), WINDOW=window > 0, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            DOT_PRECISION=_dot_precision(q.dtype, caps), WINDOW=window > 0, KV_FP8=k_scale is not None,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from redline.runner.decode_graphs import chosen_tokens, mark_dynamic, pages_bucket
-from redline.model import PagedContext, PagedImages, PagedKVCache, Transformer
+from redline.model import FP8_KV_MAX, PagedContext, PagedImages, PagedKVCache, Transformer
 from redline.rope import mrope_table
 
 if TYPE_CHECKING:  # the engine's batch type; the runner reads its fields only
@@ -256,9 +256,11 @@ class PagedModel:
 
     def __init__(self, runner: Any, num_pages: int, page_size: int, scratch_page: int | None,
                  compile_prefill: bool, prefill_graphs: bool, max_rows: int,
-                 graph_tokens: int | None = None, ranks: Any = None) -> None:
+                 graph_tokens: int | None = None, ranks: Any = None, kv_dtype: torch.dtype | None = None) -> None:
         """ranks: with tensor parallel, the tensor_parallel.StepChannel of this rank's engine: on rank 0 each model
-        call is sent to the other ranks before it runs; the others run them in follow()."""
+        call is sent to the other ranks before it runs; the others run them in follow(). kv_dtype: the pages'
+        element type (None: the model's dtype); e4m3 pages get their scales from calibrated_kv_scales here, before
+        any step (every rank runs the same calibration, so their all-reduces meet)."""
         from redline.kernels import FusedDecode
         from redline.runner.decode_graphs import DecodeGraphs, TokenReader
         from redline.runner.prefill_graphs import PrefillGraphs
@@ -277,7 +279,9 @@ class PagedModel:
         self.model, self.device, self.vocab_bias = model, device, runner.vocab_bias
         kernel_ops = paged_attention_ops(runner.kernels)
         ops = kernel_ops or (registered_paged_ops() if compile_prefill else None)
-        self.kv = PagedKVCache(args, num_pages, page_size, model.cache_dtype, device, ops)
+        self.kv = PagedKVCache(args, num_pages, page_size, kv_dtype or model.cache_dtype, device, ops)
+        if self.kv.fp8:
+            self.kv.set_scales(*calibrated_kv_scales(model, runner.vocab_bias))
         # Steps with prompt chunks, compiled once with dynamic sizes (their attention is the ops: the references'
         # host lists would specialize every step).
         self.prefill_step = compiled_prefill(device) if compile_prefill else None
@@ -377,6 +381,40 @@ class PagedModel:
                                 self.prefill_step)
                 else:
                     raise RuntimeError(f"rank 0 sent an unknown step {kind!r}")
+
+
+# The calibration of an fp8 KV cache's scales: one prefill of this many token ids, drawn from a generator of this
+# seed (the same ids for every start of a model, so its pages' bytes are too), through pages of the model's dtype;
+# each layer's and KV head's largest |k| and |v| times the margin become e4m3's largest value, 448. The margin of 2
+# leaves room for keys larger than the calibration's at the cost of one of e4m3's 16 binades at the small end
+# (docs/kv-cache-fp8.md).
+KV_CALIBRATION_TOKENS = 256
+KV_CALIBRATION_SEED = 0
+KV_SCALE_MARGIN = 2.0
+
+
+def calibrated_kv_scales(model: Transformer, vocab_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The fp8 KV cache's (k_scale, v_scale), (n_layer, Hkv) fp32 each: amax * KV_SCALE_MARGIN / 448 per layer and
+    KV head over one prefill of KV_CALIBRATION_TOKENS fixed pseudo-random ids (of the ids the tokenizer decodes,
+    where vocab_bias says which); a head that never stored a non-zero value gets 1.0."""
+    args, device = model.args, model.norm.weight.device
+    vocab = args.vocab_size if vocab_bias is None else int(torch.isfinite(vocab_bias).sum())
+    length = min(KV_CALIBRATION_TOKENS, args.block_size)
+    page_size = 16
+    pages = -(-length // page_size)
+    probe = PagedKVCache(args, pages, page_size, model.cache_dtype, device)  # the references' attention
+    ids = torch.randint(vocab, (1, length), generator=torch.Generator().manual_seed(KV_CALIBRATION_SEED))
+    positions = torch.arange(length, device=device)  # (T,) one sequence from position 0, in pages 0..pages-1
+    context = PagedContext(positions=positions, slot_mapping=positions,
+                           block_tables=torch.arange(pages, dtype=torch.int32, device=device)[None],
+                           seq_lens=torch.tensor([length], dtype=torch.int32, device=device),
+                           cu_seqlens_q=torch.tensor([0, length], dtype=torch.int32, device=device), kv=probe,
+                           host_lens=([length], [length]),
+                           singles=(torch.zeros(0, dtype=torch.long, device=device),) * 2)
+    with torch.inference_mode():
+        model(ids.to(device), context.positions, logits_at=torch.tensor([length - 1], device=device), context=context)
+    amax = [torch.stack([pool.abs().amax(dim=(0, 1, 3)).float() for pool in pools]) for pools in (probe.k, probe.v)]
+    return tuple(torch.where(a > 0, a * KV_SCALE_MARGIN / FP8_KV_MAX, 1.0) for a in amax)  # (n_layer, Hkv) each
 
 
 def compile_prefill_default(runner: Any, requested: bool | None) -> bool:
