@@ -35,10 +35,11 @@ T // BLOCK_T + S + 1 tiles cover them all; each program finds its sequence by a 
 the device, and the few numbers that fall between chunks exit.
 
 An e4m3 cache (KV_FP8) holds codes with one fp32 scale per KV head for k and for v: a program reads one KV head, so
-it loads its two scales once, converts each loaded K/V tile to the queries' dtype (exact: every e4m3 value is a
-bf16, fp16 and fp32 value) and multiplies the scores by the key scale (folded into qk_scale, in fp32) and its output
-by the value scale: the dequantized cache's math, with one multiply per score instead of one per element. The qkv
-decode writes its new key and value as model.quantized_kv does (divided by the scale, clamped to +-448, rounded).
+it loads its two scales once, converts each loaded K/V tile to the queries' dtype through fp32 (exact: every e4m3
+value is a bf16, fp16 and fp32 value) and multiplies the scores by the key scale (folded into qk_scale, in fp32)
+and its output by the value scale: the dequantized cache's math, with one multiply per score instead of one per
+element. The qkv decode writes its new key and value as model.quantized_kv does (divided by the scale, clamped to
++-448, rounded).
 
 All read lengths and tables on the device only (no host sync), so all are CUDA-graph capturable. A query row with
 no keys (seq_lens 0: a padding row of a batch bucket) gets zeros (and writes no key), as in the references. Configs
@@ -95,9 +96,19 @@ def _kv_scales(ks_ptr, vs_ptr, kvh, KV_FP8: tl.constexpr):
 
 
 @triton.jit
+def _tile(x, dtype: tl.constexpr):
+    """A loaded K/V tile in the queries' dtype; e4m3 codes through fp32 (exact either way: sm89 has no direct e4m3 to
+    bf16 conversion, which Triton lowers through an fp16 to bf16 one that only sm90 has)."""
+    if x.dtype == tl.float8e4nv:
+        return x.to(tl.float32).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def _fp8_codes(x, scale):
-    """x / scale clamped to the finite e4m3 range and rounded to e4m3 (model.quantized_kv)."""
-    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(tl.float8e4nv)
+    """x / scale (an IEEE division, as torch's) clamped to the finite e4m3 range and rounded to e4m3
+    (model.quantized_kv)."""
+    return tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -183,10 +194,10 @@ def _paged_split_kernel(
     for _ in range(first, last):
         s_ok = _seen(s_idx, length, lo, WINDOW)  # the row's keys (in its window) only are loaded
         slot = s_idx % PAGE_SIZE
-        k = tl.load(k_base + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :], mask=s_ok[:, None],
-                    other=0.0).to(q.dtype)  # (BLOCK_S, D)
-        v = tl.load(v_base + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :], mask=s_ok[:, None],
-                    other=0.0).to(q.dtype)
+        k = _tile(tl.load(k_base + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                          mask=s_ok[:, None], other=0.0), q.dtype)  # (BLOCK_S, D)
+        v = _tile(tl.load(v_base + (page * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+                          mask=s_ok[:, None], other=0.0), q.dtype)
         s_next = s_idx + BLOCK_S
         page = tl.load(table_row + s_next // PAGE_SIZE, mask=s_next < length, other=0).to(tl.int64)
         m_i, l_i, acc = _online_softmax_step(q, k, v, s_ok[None, :], m_i, l_i, acc, qk_scale * k_scale,
@@ -305,16 +316,16 @@ def _paged_prefill_kernel(
             s_idx = blk * BLOCK_N + offs_n  # (BLOCK_N,) all valid, all visible
             k_rows = _page_rows(table_row, s_idx, None, stride_kp, stride_ks, PAGE_SIZE)
             v_rows = _page_rows(table_row, s_idx, None, stride_vp, stride_vs, PAGE_SIZE)
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :]).to(q.dtype)  # (BLOCK_N, D)
-            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :]).to(q.dtype)
+            k = _tile(tl.load(k_base + k_rows[:, None] + offs_d[None, :]), q.dtype)  # (BLOCK_N, D)
+            v = _tile(tl.load(v_base + v_rows[:, None] + offs_d[None, :]), q.dtype)
             m_i, l_i, acc = _online_softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_PRECISION)
         for blk in range(first_block, tl.cdiv(hi, BLOCK_N)):
             s_idx = blk * BLOCK_N + offs_n
             s_ok = s_idx < hi
             k_rows = _page_rows(table_row, s_idx, s_ok, stride_kp, stride_ks, PAGE_SIZE)
             v_rows = _page_rows(table_row, s_idx, s_ok, stride_vp, stride_vs, PAGE_SIZE)
-            k = tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0).to(q.dtype)
-            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0).to(q.dtype)
+            k = _tile(tl.load(k_base + k_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0), q.dtype)
+            v = _tile(tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0), q.dtype)
             keep = (s_idx[None, :] <= q_pos[:, None]) & s_ok[None, :]  # causal, within the valid keys
             if WINDOW:
                 keep = keep & (s_idx[None, :] > q_pos[:, None] - window)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from redline.kernels import paged_attention
+from redline.model import FP8_KV_DTYPE
 
 PAGE_SIZES = (8, 16, 32, 64, 128)  # the page sizes the kernels take (paged_attention.MIN_PAGE_SIZE..MAX_PAGE_SIZE)
 # Prefill layouts: (sequences, flattened query tokens); the kernels' constexprs do not depend on them, but their
@@ -88,19 +89,22 @@ def _pools(page_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -
 
 
 def paged_attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype], decode_batches: Iterable[int],
-                          cache_lengths: Iterable[int]) -> list[str]:
+                          cache_lengths: Iterable[int], fp8_cache: bool = False) -> list[str]:
     """Run the paged launchers (decode from q and from the raw qkv, prefill) on meta tensors for every model shape
     (objects with name, n_heads, n_kv_heads and head_dim), dtype, page size, decode batch and key capacity (block
     table width x page size), and prefill layout, on a large pool (a small one for batch 1 and the prefills), setting
-    record.call before each; returns the calls that take the reference (no kernel or no config fits)."""
+    record.call before each; returns the calls that take the reference (no kernel or no config fits). fp8_cache: the
+    pools hold e4m3 codes with their per-head scales (the kernels' KV_FP8 variants; targets with FP8 only)."""
     from redline.kernels import triton_paged_attention as tpa
 
     fallbacks = []
     cache_lengths = tuple(cache_lengths)
     for model, dtype, page_size in itertools.product(models, dtypes, PAGE_SIZES):
         h, hkv, d = model.n_heads, model.n_kv_heads, model.head_dim
-        label = f"{model.name} paged {str(dtype)[6:]} page={page_size}"
-        large, small = _pools(page_size, hkv, d, dtype)
+        label = f"{model.name} paged {str(dtype)[6:]}{' fp8-cache' if fp8_cache else ''} page={page_size}"
+        large, small = _pools(page_size, hkv, d, FP8_KV_DTYPE if fp8_cache else dtype)
+        scale = _meta(hkv, dtype=torch.float32)  # (Hkv,) one per KV head
+        scales = {"k_scale": scale, "v_scale": scale} if fp8_cache else {}
         for batch, keys, pool in itertools.product(decode_batches, cache_lengths, (large, small)):
             if pool is small and batch != 1:
                 continue
@@ -114,17 +118,18 @@ def paged_attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype
             lens = _meta(batch, dtype=torch.int32)
             qkv = _meta(batch, (h + 2 * hkv) * d, dtype=dtype)  # the fused decode's form: the same configs
             rope, partial = (_meta(batch, 2, half, dtype=torch.float32) for half in (d // 2, 3 * d // 8))
-            tpa.paged_decode_attention(q, pool, pool, tables, lens, 0.1, config)
-            tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config)
+            tpa.paged_decode_attention(q, pool, pool, tables, lens, 0.1, config, **scales)
+            tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config, **scales)
             if keys == max(cache_lengths):  # one more variant of each config: a sliding-window layer's decode, and the
                 # fused form's per-head q/k norms (Qwen3) and partial rotary (Phi-3's 3/4 of each head)
                 record.call += " window, q/k norms, partial rotary"
-                tpa.paged_decode_attention(q, pool, pool, tables, lens, 0.1, config, window=1024)
-                tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config, window=1024)
+                tpa.paged_decode_attention(q, pool, pool, tables, lens, 0.1, config, window=1024, **scales)
+                tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config, window=1024,
+                                               **scales)
                 norm = _meta(d, dtype=dtype)
                 tpa.paged_decode_attention_qkv(qkv, pool, pool, rope, tables, lens, 0.1, config, q_norm=norm,
-                                               k_norm=norm, norm_eps=1e-6)
-                tpa.paged_decode_attention_qkv(qkv, pool, pool, partial, tables, lens, 0.1, config)
+                                               k_norm=norm, norm_eps=1e-6, **scales)
+                tpa.paged_decode_attention_qkv(qkv, pool, pool, partial, tables, lens, 0.1, config, **scales)
         for (seqs, tokens), pool in itertools.product(PREFILL_LAYOUTS, (large, small)):
             record.call = f"{label} prefill sequences={seqs} tokens={tokens} pool={pool.shape[0]}"
             q = _meta(tokens, h, d, dtype=dtype)
@@ -135,5 +140,5 @@ def paged_attention_calls(record, models: Iterable, dtypes: Iterable[torch.dtype
             tables = _meta(seqs, max(cache_lengths) // page_size, dtype=torch.int32)
             for window in (0, 1024):  # full layers and sliding-window ones
                 tpa.paged_prefill_attention(q, pool, pool, tables, _meta(seqs + 1, dtype=torch.int32),
-                                            _meta(seqs, dtype=torch.int32), 0.1, config, window)
+                                            _meta(seqs, dtype=torch.int32), 0.1, config, window, **scales)
     return fallbacks

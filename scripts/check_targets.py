@@ -389,6 +389,9 @@ def target_launches(name: str, device_index: int = 1000, models: tuple[ModelShap
                 fallbacks += attention_calls(record, models, FLOAT_DTYPES, DECODE_BATCHES, CACHE_LENGTHS, MAX_PROMPT)
             if "paged" in groups:
                 fallbacks += paged_attention_calls(record, models, FLOAT_DTYPES, DECODE_BATCHES, CACHE_LENGTHS)
+                if caps.supports_fp8:  # the e4m3 KV cache (--kv-cache-dtype fp8): the same kernels' KV_FP8 variants
+                    fallbacks += paged_attention_calls(record, models, FLOAT_DTYPES, DECODE_BATCHES, CACHE_LENGTHS,
+                                                       fp8_cache=True)
             if "moe" in groups:
                 fallbacks += moe_calls(record, MOE_MODELS, FLOAT_DTYPES)
     finally:
@@ -534,20 +537,28 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
     if kernel == "_int4_dot_kernel":
         return configs.int4_dot_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["BLOCK_K"], options["num_stages"],
                                            _pointer_bytes(signature["x_ptr"]), named["G"], named["SWAP"], caps)
-    if kernel == "_paged_prefill_kernel":
+    if kernel == "_paged_prefill_kernel":  # e4m3 caches' tiles are sized as the queries' (paged_attention.tile_bytes)
         return configs.paged_prefill_smem_bytes(named["BLOCK_M"], named["BLOCK_N"], named["HEAD_DIM"],
-                                                _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)
+                                                _tile_bytes(signature), options["num_stages"], caps)
     if kernel.startswith("_grouped_"):  # the float and int8 kernels, and the int4 ones (tiles converted to x's dtype)
         return grouped_moe_smem(kernel, named, options, _pointer_bytes(signature["h_ptr"]), caps)
     if kernel in ("_split_kernel", "_paged_split_kernel"):
         return configs.attention_smem_bytes(named["BLOCK_G"], named["BLOCK_S"], named["HEAD_DIM"],
-                                            _pointer_bytes(signature["k_ptr"]), options["num_stages"], caps)
+                                            _tile_bytes(signature), options["num_stages"], caps)
     return None
 
 
 def _pointer_bytes(pointer_type: str) -> int:
+    if pointer_type.startswith("*fp8"):  # *fp8e4nv, *fp8e5, ...: one byte
+        return 1
     bits = int(re.search(r"(\d+)$", pointer_type).group(1))
     return bits // 8
+
+
+def _tile_bytes(signature: dict[str, str]) -> int:
+    """Bytes of an attention kernel's K/V tile element: the cache's, or the queries' where larger (e4m3 tiles are
+    converted to the queries' dtype for the dots)."""
+    return max(_pointer_bytes(signature["q_ptr"]), _pointer_bytes(signature["k_ptr"]))
 
 
 def _checked(target: str, launch: Launch, binary: Binary, seconds: float) -> Result:
