@@ -304,6 +304,18 @@ tp-serve)
         --input-len 128 --output-len 128 --vocab-size 128256 --json "$RESULTS/tp-serve-256.json"
     kill -TERM $server && wait $server
     ;;
+fp8-kv)
+    # The e4m3 KV cache (--kv-cache-dtype fp8) beside the model-dtype one on random Llama-3.1-8B weights (Llama-3-8B's
+    # shapes, with the context for 32k prompts): each run prints its pool's capacity in tokens (the same share of free
+    # memory) and the decode ITL of 4 rows at 32,000 prompt tokens; then the e4m3-cache GPU tests.
+    for kv in auto fp8; do
+        run "fp8-kv-long-$kv" python3 benchmarks/bench_serving.py --model Llama-3.1-8B --workload long \
+            --num-requests 4 --prompt-tokens 32000 --max-running 4 --kv-cache-dtype $kv \
+            --json "$RESULTS/fp8-kv-long-$kv.json"
+    done
+    run fp8-kv-tests python3 -m pytest -q -m gpu -p no:cacheprovider -k fp8 tests/test_kernels_paged_attention.py \
+        tests/test_kv_fp8.py
+    ;;
 *)
     echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor," \
         "frontdoor-pair, frontdoor-offline, hf-int4, vision, serve-json, fp8, fp8-mixed, tp, tp4, tp-serving or tp-serve" >&2

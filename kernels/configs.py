@@ -398,16 +398,23 @@ def _amd_int4_dot_config(cfg: Int4DotConfig, group_size: int) -> Int4DotConfig:
 
 
 def attention_smem_bytes(block_g: int, block_s: int, head_dim: int, elt_bytes: int, num_stages: int,
-                         caps: DeviceCaps) -> int:
+                         caps: DeviceCaps, kv_bytes: int = 0) -> int:
     """Shared memory the split attention kernel needs: num_stages - 1 buffered K and V tiles (one without
-    pipelining) and the fp32 query and probability tiles of the dots."""
+    pipelining) and the fp32 query and probability tiles of the dots. kv_bytes: the cache's element size where it
+    differs from the queries' elt_bytes (an e4m3 cache, 1): its tiles are buffered as codes, and one K and one V tile
+    converted to the queries' dtype are staged for the dots (sm89, fp32 queries: 90,112 B where the codes alone
+    would count 78,848)."""
     del caps  # NVIDIA and AMD measured alike (scripts/check_targets.py checks this estimate on every target)
-    kv = 2 * block_s * head_dim * elt_bytes * max(num_stages - 1, 1)
+    kv_bytes = kv_bytes or elt_bytes
+    kv = 2 * block_s * head_dim * kv_bytes * max(num_stages - 1, 1)
+    if kv_bytes != elt_bytes:
+        kv += 2 * block_s * head_dim * elt_bytes
     return kv + block_g * (head_dim + block_s) * 4 + ATTENTION_SMEM_MARGIN
 
 
 def fitted_attention_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: int, head_dim: int,
-                            elt_bytes: int, caps: DeviceCaps, num_stages: int = 0) -> AttentionConfig | None:
+                            elt_bytes: int, caps: DeviceCaps, num_stages: int = 0,
+                            kv_bytes: int = 0) -> AttentionConfig | None:
     """attention_config's choice for caps' SM count (with num_stages pipeline stages where given), with its stages
     and then its key blocks cut until it fits the shared memory (and PIPELINE_SMEM_BYTES); None when nothing fits:
     the caller takes the reference."""
@@ -419,7 +426,7 @@ def fitted_attention_config(batch: int, n_heads: int, n_kv_heads: int, seq_len: 
     block_s = cfg.block_s
     while block_s >= 16:
         for stages in range(cfg.num_stages, 0, -1):
-            if attention_smem_bytes(block_g, block_s, head_dim, elt_bytes, stages, caps) <= limit:
+            if attention_smem_bytes(block_g, block_s, head_dim, elt_bytes, stages, caps, kv_bytes) <= limit:
                 splits = max(1, min(cfg.num_splits, math.ceil(seq_len / block_s)))
                 return AttentionConfig(splits, block_s, cfg.num_warps, stages)
         block_s //= 2

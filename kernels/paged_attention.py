@@ -101,13 +101,14 @@ def _decode_config(batch: int, n_heads: int, dtype: torch.dtype, device: torch.d
     if not _kernel_supported(dtype, k_cache, v_cache):
         return None
     max_keys = block_tables.shape[1] * k_cache.shape[1]
-    return fitted_attention_config(batch, n_heads, k_cache.shape[2], max(max_keys, 1), k_cache.shape[3],
-                                   tile_bytes(dtype, k_cache), device_caps(device), PAGED_DECODE_STAGES)
+    q_bytes = torch.empty((), dtype=dtype).element_size()
+    return fitted_attention_config(batch, n_heads, k_cache.shape[2], max(max_keys, 1), k_cache.shape[3], q_bytes,
+                                   device_caps(device), PAGED_DECODE_STAGES, k_cache.element_size())
 
 
 def tile_bytes(dtype: torch.dtype, k_cache: Tensor) -> int:
-    """Bytes an element of the kernels' K/V tiles takes in shared memory: e4m3 tiles are converted to the queries'
-    dtype for the dots, so they are sized as those (the configs of an fp8 cache are its query dtype's)."""
+    """Bytes an element of the prefill kernel's K/V tiles takes in shared memory: e4m3 tiles are converted to the
+    queries' dtype for the dots, so they are sized as those (its configs over an fp8 cache are its query dtype's)."""
     return max(torch.empty((), dtype=dtype).element_size(), k_cache.element_size())
 
 

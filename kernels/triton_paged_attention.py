@@ -55,6 +55,7 @@ import triton.language as tl
 
 from .configs import AttentionConfig, PagedPrefillConfig, fitted_attention_config, fitted_paged_prefill_config
 from .device import device_caps
+from .triton_fp8 import _round_to_e4m3
 from .triton_attention import (COMBINE_SPLIT_TILE, DOT_MIN_ROWS, LOG2E, _rope_row, _seen, _token_key_value,
                                _token_queries)
 
@@ -106,9 +107,9 @@ def _tile(x, dtype: tl.constexpr):
 
 @triton.jit
 def _fp8_codes(x, scale):
-    """x / scale (an IEEE division, as torch's) clamped to the finite e4m3 range and rounded to e4m3
-    (model.quantized_kv)."""
-    return tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0).to(tl.float8e4nv)
+    """x / scale (an IEEE division, as torch's) clamped to the finite e4m3 range and rounded to e4m3 (ties to even,
+    in fp32 first: the cast is then exact, as torch's in model.quantized_kv, on the GPU and in the interpreter)."""
+    return _round_to_e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0)).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -404,8 +405,8 @@ def _launch_decode(q: torch.Tensor, n_heads: int, stride_qh: int, k_cache: torch
     group = n_heads // n_kv_heads
     caps = device_caps(q.device)
     if config is None:
-        config = fitted_attention_config(batch, n_heads, n_kv_heads, max_keys, head_dim,
-                                         max(q.element_size(), k_cache.element_size()), caps)
+        config = fitted_attention_config(batch, n_heads, n_kv_heads, max_keys, head_dim, q.element_size(), caps,
+                                         kv_bytes=k_cache.element_size())
     if config is None:  # kernels.paged_attention checks first and takes the reference
         raise ValueError(f"no paged decode-attention config fits this GPU's shared memory for head_dim {head_dim}")
     block_tables, seq_lens = _unit_stride(block_tables), seq_lens.contiguous()

@@ -542,9 +542,10 @@ def _estimate(launch: Launch, caps: DeviceCaps) -> int | None:
                                                 _tile_bytes(signature), options["num_stages"], caps)
     if kernel.startswith("_grouped_"):  # the float and int8 kernels, and the int4 ones (tiles converted to x's dtype)
         return grouped_moe_smem(kernel, named, options, _pointer_bytes(signature["h_ptr"]), caps)
-    if kernel in ("_split_kernel", "_paged_split_kernel"):
+    if kernel in ("_split_kernel", "_paged_split_kernel"):  # the queries' element size, and the cache's (e4m3: 1)
         return configs.attention_smem_bytes(named["BLOCK_G"], named["BLOCK_S"], named["HEAD_DIM"],
-                                            _tile_bytes(signature), options["num_stages"], caps)
+                                            _pointer_bytes(signature["q_ptr"]), options["num_stages"], caps,
+                                            _pointer_bytes(signature["k_ptr"]))
     return None
 
 

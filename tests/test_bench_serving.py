@@ -29,7 +29,8 @@ def test_mixed_lengths_stay_in_range():
 
 def test_bad_flags_are_one_line(capsys):
     assert bench_serving.main(["--num-requests", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --num-requests and --hf-requests must be positive"
+    want = "error: --num-requests, --prompt-tokens and --hf-requests must be positive"
+    assert capsys.readouterr().err.strip() == want
 
 
 def test_prefix_workload_serves_the_second_turn_from_the_cache(tmp_path, capsys):
@@ -79,6 +80,23 @@ def test_fixed_workload_runs_fp8_weights(capsys):
                                "2", "--max-kv-tokens", "512", "--quant", "fp8"])
     out = capsys.readouterr().out
     assert code == 0 and "debug-tiny fp8 fixed: 2 requests, 256 output tokens" in out
+
+
+def test_long_workload_with_an_fp8_kv_cache_reports_its_capacity_and_decode_itl(tmp_path, capsys):
+    """--workload long --kv-cache-dtype fp8: long prompts through e4m3 pages; the report names the pool's dtype and
+    capacity, and the decode inter-token latency of the steps that only decode."""
+    path = tmp_path / "long.json"
+    code = bench_serving.main(["--model", "debug-tiny", "--device", "cpu", "--dtype", "float32", "--workload", "long",
+                               "--num-requests", "2", "--prompt-tokens", "100", "--max-kv-tokens", "512",
+                               "--kv-cache-dtype", "fp8", "--json", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "debug-tiny long: 2 requests, 256 output tokens" in out
+    assert "KV cache float8_e4m3fn: 512 tokens" in out and "decode ITL p50" in out
+    r = json.loads(path.read_text())["redline"]
+    assert r["kv_cache_dtype"] == "float8_e4m3fn" and r["kv_capacity_tokens"] == 512
+    assert r["prompt_tokens"] == 200 and 0 < r["decode_itl_ms_p50"] <= r["step_ms"]["max"]
+    assert bench_serving.main(["--model", "debug-tiny", "--device", "cpu", "--kv-cache-dtype", "fp16x"]) == 2
+    assert "kv_cache_dtype must be one of auto, fp8" in capsys.readouterr().err
 
 
 def test_fixed_workload_under_torchrun_runs_on_two_ranks(tmp_path):

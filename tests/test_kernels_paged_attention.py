@@ -541,22 +541,19 @@ def test_fp8_cache_ops_under_torch_compile_fullgraph_cpu():
 
 
 def fp8_qkv_case(n_heads=4, n_kv_heads=2, head_dim=64, page_size=8, dtype=torch.float32, device="cpu"):
-    """A qkv_batch whose new keys and values are exact e4m3 codes times power-of-two scales (some past 448, to be
-    clamped) and whose rope turns nothing, so every write is exact: Triton's interpreter rounds fp32 to e4m3 wrongly
-    when the rounding carries into the next power of two (127.9 -> 64), which the GPU does not. The old pages are
-    the batch's own codes. Returns (batch, qkv, rope, k codes, v codes, k_scale, v_scale)."""
+    """A qkv_batch over e4m3 pages whose new keys and values reach 20 x 448 times their power-of-two scales (the
+    larger ones clamped), and whose rope turns nothing: the pages written by the kernel and by the reference must be
+    equal byte for byte, which a rope rounded differently (Triton's and torch's arithmetic) could otherwise break
+    in a rare last bit. Returns (batch, qkv, rope, k codes, v codes, k_scale, v_scale)."""
     lengths = [0, 1, 37, 150, 8, 9]
     batch, qkv, rope, _ = qkv_batch(lengths, n_heads, n_kv_heads, head_dim, page_size, None, dtype, device)
     ks = torch.full((n_kv_heads,), 2.0 ** -4, device=device)
     vs = torch.full((n_kv_heads,), 2.0 ** -3, device=device)
-    gen = torch.Generator().manual_seed(3)
-    new = (torch.randn(len(lengths), 2 * n_kv_heads * head_dim, generator=gen) * 60)
+    new = torch.randn(len(lengths), 2 * n_kv_heads * head_dim, generator=torch.Generator().manual_seed(3)) * 60
     new[:, ::17] *= 20  # past 448: clamped
-    codes = new.clamp(-448, 448).to(FP8_KV_DTYPE).float()
-    codes = torch.where(codes.abs() < 2.0 ** -6, 0.0, codes)  # no subnormals (the interpreter flushes them)
     scales = torch.cat([ks.cpu().repeat_interleave(head_dim), vs.cpu().repeat_interleave(head_dim)])
     qkv = qkv.clone()
-    qkv[:, n_heads * head_dim:] = (torch.where(new.abs() > 448, new, codes) * scales).to(dtype).to(device)
+    qkv[:, n_heads * head_dim:] = (new * scales).to(dtype).to(device)
     rope = torch.stack([torch.ones_like(rope[:, 0]), torch.zeros_like(rope[:, 1])], dim=1)  # cos 1, sin 0
     k8 = quantized_kv(batch.k_cache.nan_to_num(), ks)
     v8 = quantized_kv(batch.v_cache.nan_to_num(), vs)
@@ -568,15 +565,15 @@ def test_fp8_qkv_reference_writes_the_codes_and_attends_like_the_unfused_steps()
     pools = (k8.clone(), v8.clone())
     got = torch.ops.redline.paged_decode_attention_qkv(qkv, *pools, rope, batch.block_tables, batch.seq_lens, 0.125,
                                                        0, None, None, 0.0, ks, vs)
-    # The unfused steps over the dequantized pools, with the new keys and values clamped to 448 times their scale
-    # (the rope turns nothing, and the rest are exact codes): the same pages and the same attention.
-    clamped = qkv.clone()
-    keys, values = clamped[:, 4 * 64:6 * 64], clamped[:, 6 * 64:]  # (B, Hkv D) each
-    keys.clamp_(-448 * ks[0], 448 * ks[0])
-    values.clamp_(-448 * vs[0], 448 * vs[0])
+    # The unfused steps over the dequantized pools, with the new keys and values as their e4m3 codes would give them
+    # back (the rope turns nothing): the same pages and the same attention.
+    rounded = qkv.clone()
+    keys, values = rounded[:, 4 * 64:6 * 64], rounded[:, 6 * 64:]  # (B, Hkv D) each
+    keys.copy_(dequantized(quantized_kv(keys.view(-1, 2, 64), ks), ks).flatten(1))
+    values.copy_(dequantized(quantized_kv(values.view(-1, 2, 64), vs), vs).flatten(1))
     deq = PagedBatch(dequantized(k8, ks), dequantized(v8, vs), batch.block_tables, batch.seq_lens, batch.dense_k,
                      batch.dense_v)
-    want, want_k, want_v = unfused_decode_qkv(clamped, rope, deq, 4, 0.125)
+    want, want_k, want_v = unfused_decode_qkv(rounded, rope, deq, 4, 0.125)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(dequantized(pools[0], ks), want_k, atol=0, rtol=0)
     torch.testing.assert_close(dequantized(pools[1], vs), want_v, atol=0, rtol=0)
@@ -652,7 +649,7 @@ def run_interpreted_fp8_case(op: str, bound: bool, dtype: torch.dtype) -> float:
     error against fp32 attention over the true keys over fp8_output_bound."""
     from redline.kernels import triton_paged_attention as tpa
 
-    if op == "qkv":  # its output and both pools after its writes (exact codes: fp8_qkv_case)
+    if op == "qkv":  # its output and both pools after its writes, byte for byte (fp8_qkv_case)
         batch, qkv, rope, k8, v8, ks, vs = fp8_qkv_case(dtype=dtype)
         pools, want_pools = [k8.clone(), v8.clone()], [k8.clone(), v8.clone()]
         cfg = configs.AttentionConfig(num_splits=5, block_s=16, num_warps=4, num_stages=1)
