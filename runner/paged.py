@@ -386,7 +386,7 @@ class PagedModel:
 # The calibration of an fp8 KV cache's scales: one prefill of this many token ids, drawn from a generator of this
 # seed (the same ids for every start of a model, so its pages' bytes are too), through pages of the model's dtype;
 # each layer's and KV head's largest |k| and |v| times the margin become e4m3's largest value, 448. The margin of 2
-# leaves room for keys larger than the calibration's at the cost of one of e4m3's 16 binades at the small end
+# leaves room for keys larger than the calibration's at the cost of one of e4m3's binades at the small end
 # (docs/kv-cache-fp8.md).
 KV_CALIBRATION_TOKENS = 256
 KV_CALIBRATION_SEED = 0
