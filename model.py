@@ -316,10 +316,11 @@ class PagedKVCache:
         self.ops = ops
         self.args = args
 
-    def scales(self, layer: int) -> tuple[Tensor | None, Tensor | None]:
-        """The layer's (k_scale, v_scale), (Hkv,) fp32 each; (None, None) for pages of the activations' dtype."""
+    def scales(self, layer: int) -> tuple[Tensor, Tensor] | tuple[()]:
+        """The layer's (k_scale, v_scale), (Hkv,) fp32 each, the attention ops' last two arguments; () for pages of
+        the activations' dtype (the ops' calls then stay as they were)."""
         if self.k_scale is None:
-            return None, None
+            return ()
         return self.k_scale[layer], self.v_scale[layer]
 
     def set_scales(self, k_scale: Tensor, v_scale: Tensor) -> None:
@@ -448,9 +449,9 @@ class PagedContext:
         """Write k, v (N, Hkv, D) into this layer's pages, then attend with q (N, H, D); returns (N, H, D). scale 0:
         D ** -0.5; a soft-cap runs the PyTorch references (the GPU kernels do not implement it)."""
         k_cache, v_cache = self.kv.k[self.layer], self.kv.v[self.layer]  # (num_pages, page_size, Hkv, D)
-        k_scale, v_scale = self.kv.scales(self.layer)  # (Hkv,) fp32 each for e4m3 pages, else None
-        if k_scale is not None:
-            k, v = quantized_kv(k, k_scale), quantized_kv(v, v_scale)
+        scales = self.kv.scales(self.layer)  # e4m3 pages: (k_scale, v_scale), (Hkv,) fp32 each; else ()
+        if scales:
+            k, v = quantized_kv(k, scales[0]), quantized_kv(v, scales[1])
         page, offset = self.slot_mapping // self.kv.page_size, self.slot_mapping % self.kv.page_size  # (N,)
         k_cache.index_put_((page, offset), k)
         v_cache.index_put_((page, offset), v)
@@ -459,14 +460,14 @@ class PagedContext:
         if self.kv.ops is not None and not softcap and spans is None:
             prefill, decode = self.kv.ops
             if self.decode:
-                return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window, k_scale, v_scale)
+                return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window, *scales)
             return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale, window,
-                           k_scale, v_scale)
+                           *scales)
         if self.decode:
             return paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window,
-                                          softcap, k_scale, v_scale)
+                                          softcap, *scales)
         return paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens,
-                                       scale, self.host_lens, self.singles, window, softcap, spans, k_scale, v_scale)
+                                       scale, self.host_lens, self.singles, window, softcap, spans, *scales)
 
 
 @dataclass(frozen=True)
