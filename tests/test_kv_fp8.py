@@ -144,6 +144,24 @@ def test_the_pool_holds_twice_the_bf16_tokens_in_the_same_memory(llm, monkeypatc
     fp8.shutdown()
 
 
+def test_the_flag_reaches_the_pages_from_each_front_end(tiny_llm_checkpoint, llm):
+    """serve.py's --kv-cache-dtype (its engine settings), generate.py's (the LLM's engine), LLM.load's keyword."""
+    from redline import generate, serve
+
+    path = str(tiny_llm_checkpoint[0])
+    assert serve.parse_args(["--checkpoint_path", path, "--kv-cache-dtype", "fp8"]).engine.kv_cache_dtype == "fp8"
+    assert serve.parse_args(["--checkpoint_path", path]).engine.kv_cache_dtype == "auto"
+    cli = generate.parse_args(["--checkpoint_path", path, "--prompt", "A", "--kv_cache_dtype", "fp8"])
+    assert cli.engine.kv_cache_dtype == "fp8"
+    loaded = LLM.from_config(path, cli.engine)
+    assert loaded.engine.paged.kv.fp8 and not llm.engine.paged.kv.fp8
+    loaded.engine.shutdown()
+    fp8 = LLM.load(path, device="cpu", kv_cache_dtype="fp8", max_kv_tokens=64)
+    results = fp8.generate_batch(["A", "The quick"], max_new_tokens=4, ignore_eos=True)
+    assert fp8.engine.paged.kv.fp8 and [len(r.token_ids) for r in results] == [4, 4]
+    fp8.engine.shutdown()
+
+
 @pytest.mark.parametrize("make", [lambda: EngineSettings(kv_cache_dtype="fp16x"),
                                   lambda: LLM.load("unused", kv_cache_dtype="fp16x")])
 def test_an_unknown_kv_cache_dtype_is_one_line_naming_the_choices(make):
