@@ -9,13 +9,14 @@ project's own launchers run on meta tensors under that target's capability descr
 (bf16, fp16, fp32; int8 weights, int4 weights in every group size the quantizer offers, and on targets with FP8 the
 e4m3 weights with per-channel and 128 x 128 block scales, with the per-token quantizer and the FP8 tensor-core
 kernel at every tile height it takes), row count 1-256,
-decode batch, cache length and prompt length up to 2048, paged-attention page size and prefill layout
-(scripts/attention_target_calls.py), for the shapes of the demo model (SmolLM2-135M), Llama-2-7B, Llama-3-8B and
-Llama-3-70B, and the MoE op on three MoE models (scripts/moe_target_calls.py) (--kernels limits the check to some
-kernel groups: linear, attention, paged, moe). A Triton JIT hook records each launch instead of compiling it
-(nothing runs). Each configuration is then compiled for the target (Triton's own compiler: ptxas for NVIDIA, the
-LLVM AMDGPU backend for AMD) and its shared memory (LDS on AMD) and registers are checked against the target's
-limits, and its shared memory against the dispatcher's estimate (which keeps them within the limit at run time).
+decode batch, cache length and prompt length up to 2048, paged-attention page size and prefill layout (on targets
+with FP8 also over an e4m3 KV cache; scripts/attention_target_calls.py), for the shapes of the demo model
+(SmolLM2-135M), Llama-2-7B, Llama-3-8B and Llama-3-70B, and the MoE op on three MoE models
+(scripts/moe_target_calls.py) (--kernels limits the check to some kernel groups: linear, attention, paged, moe).
+A Triton JIT hook records each launch instead of compiling it (nothing runs). Each configuration is then compiled
+for the target (Triton's own compiler: ptxas for NVIDIA, the LLVM AMDGPU backend for AMD) and its shared memory (LDS
+on AMD) and registers are checked against the target's limits, and its shared memory against the dispatcher's
+estimate (which keeps them within the limit at run time).
 
 A configuration is what Triton compiles: the kernel, its argument dtypes and specialization (integers and pointers
 divisible by 16 or not; on AMD, tensors within 32-bit offsets or not), its constexprs, num_warps, num_stages and

@@ -64,6 +64,10 @@ def test_each_target_gets_the_paths_it_supports(launches):
     # the int4 tensor-core kernel converts nibbles with inline PTX on NVIDIA only
     assert _find(sm90, "_int4_dot_kernel", "PTX=True") and not _find(sm90, "_int4_dot_kernel", "PTX=False")
     assert not _find(gfx90a, "_int4_dot_kernel", "PTX=True")
+    # the paged kernels over an e4m3 KV cache on targets with FP8 only
+    assert _find(sm90, "_paged_split_kernel", "fp8e4nv", "KV_FP8=True", "ROPE_QKV=True")
+    assert _find(sm90, "_paged_prefill_kernel", "fp8e4nv", "KV_FP8=True")
+    assert not any(_find(amd, "", "KV_FP8=True") for amd in (gfx90a, gfx942))
 
 
 @pytest.mark.parametrize("target", ["sm90", "gfx90a", "gfx942"])

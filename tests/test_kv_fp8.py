@@ -15,6 +15,8 @@ from redline.kernels.device import simulated, target_caps
 from redline.model import FP8_KV_DTYPE, ModelArgs
 from redline.runner.paged import calibrated_kv_scales
 
+from conftest import GPU_TEST_KV_TOKENS
+
 # Real text for the demo model: the share of its greedy continuations that equal the fp32 cache's (measured:
 # 14 of 16 over 16 new tokens; 6 of 16 over 48, which diverge after 32 tokens on average).
 DEMO_PROMPTS = ["The capital of France is", "def quicksort(arr):", "Once upon a time, in a small village,",
@@ -204,8 +206,8 @@ def test_gpu_fp8_engine_gives_the_bf16_engines_tokens_on_most_prompts(tiny_llm_c
         pytest.skip(refusal)
     gpu = LLM.load(tiny_llm_checkpoint[0], device="cuda", dtype="bfloat16")
     prompts = token_prompts(gpu, 16, 9, seed=5)
-    want = greedy_once(gpu, prompts, 16, max_kv_tokens=4096)
-    engine = Engine(gpu, max_kv_tokens=4096, kv_cache_dtype="fp8")
+    want = greedy_once(gpu, prompts, 16, max_kv_tokens=GPU_TEST_KV_TOKENS)
+    engine = Engine(gpu, max_kv_tokens=GPU_TEST_KV_TOKENS, kv_cache_dtype="fp8")
     got = greedy(engine, prompts, 16)
     assert sum(a == b for a, b in zip(got, want)) >= 10, first_differences(got, want)
     assert [greedy(engine, [p], 16)[0] for p in prompts[:4]] == got[:4]
