@@ -26,6 +26,7 @@
 #                                         # against one GPU, the all-reduce's share of a step, then the 2-GPU tests
 #   bash benchmarks/gpu_run.sh fp8        # Llama-3-8B fixed 1,024 x 128/128 in bf16 then FP8, batch 1 bf16/int8/fp8
 #   bash benchmarks/gpu_run.sh fp8-mixed  # the mixed workload in bf16 then FP8
+#   bash benchmarks/gpu_run.sh tp-tests   # 2 GPUs: the tensor-parallel GPU tests alone
 #   bash benchmarks/gpu_run.sh tp4        # 4 GPUs: Llama-2-70B bf16 and Llama-3.1-405B int4 g128 batch-1 decode at TP4
 #   bash benchmarks/gpu_run.sh tp-serving # 2 GPUs: the engine at TP2 on Llama-3.1-70B bf16, fixed 1,024 x 128/128
 #   bash benchmarks/gpu_run.sh tp-serve   # 2 GPUs: serve.py --tensor-parallel 2 on it under bench_serve.py, 256 x 128/128
@@ -37,7 +38,7 @@
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|fp8|fp8-mixed|tp4|families|moe|serve|serve-offline|serve-json|frontdoor|frontdoor-pair|frontdoor-offline|hf-int4|vision|tp|tp-serving|tp-serve}
+part=${1:?usage: bash benchmarks/gpu_run.sh tests|engine|engine-eager|fp8|fp8-mixed|tp4|tp-tests|families|moe|serve|serve-offline|serve-json|frontdoor|frontdoor-pair|frontdoor-offline|hf-int4|vision|tp|tp-serving|tp-serve}
 model=${SERVE_MODEL:-Llama-3-8B}
 vocab=${SERVE_VOCAB:-128256}
 extra=${SERVE_ARGS:-}
@@ -269,6 +270,11 @@ fp8-mixed)
             --quant $quant --json "$RESULTS/engine-mixed-$quant.json"
     done
     ;;
+tp-tests)
+    # The 2-GPU tests alone (the tp part runs them last, when its measurements leave time).
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    run tp-tests python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_tensor_parallel.py
+    ;;
 tp4)
     # 4 GPUs: Llama-2-70B bf16 at TP4 and Llama-3.1-405B int4 g128 at TP4, batch-1 decode.
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -319,7 +325,7 @@ fp8-kv)
     ;;
 *)
     echo "unknown part '$part'; use tests, engine, engine-eager, families, moe, serve, serve-offline, frontdoor," \
-        "frontdoor-pair, frontdoor-offline, hf-int4, vision, serve-json, fp8, fp8-mixed, tp, tp4, tp-serving or tp-serve" >&2
+        "frontdoor-pair, frontdoor-offline, hf-int4, vision, serve-json, fp8, fp8-mixed, fp8-kv, tp, tp-tests, tp4, tp-serving or tp-serve" >&2
     exit 2
     ;;
 esac
