@@ -32,6 +32,12 @@ QK_NORMS = ("none", "head", "full")
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 
+def check_kv_cache_dtype(name: str) -> None:
+    """A ValueError in one line unless `name` is one of KV_CACHE_DTYPES."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     dim: int = 4096

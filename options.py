@@ -15,7 +15,7 @@ from torch import Tensor
 
 from redline.checkpoint import dtype_from_name
 from redline.kernels.linear import PROMPT_SMALL_M
-from redline.model import KV_CACHE_DTYPES
+from redline.model import check_kv_cache_dtype
 from redline.profiling import ProfileConfig
 from redline.quantize import parse_quant_spec
 from redline.sampling import SamplingParams, is_int
@@ -119,8 +119,7 @@ class EngineConfig:
                 raise ValueError(f"{flag} must be True, False or None, got {getattr(self, flag)!r}")
         if self.max_kv_tokens is not None and (not is_int(self.max_kv_tokens) or self.max_kv_tokens < 1):
             raise ValueError(f"max_kv_tokens must be a positive integer, got {self.max_kv_tokens!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.fuse and self.kernels is False:
             raise ValueError("fuse=True needs the Triton kernels; drop kernels=False (--no-kernels) or fuse")
         if self.compile_prefill and self.compile is False:

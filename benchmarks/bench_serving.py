@@ -50,7 +50,7 @@ import torch
 from redline import tensor_parallel
 from redline.benchmarks.bench_env import environment
 from redline.benchmarks.bench_model import QUANT_CHOICES, build_random_model, param_counts
-from redline.checkpoint import dtype_from_name, write_atomically
+from redline.checkpoint import dtype_from_name, dtype_name, write_atomically
 from redline.engine import Engine
 from redline.engine.core import COMPILE_PREFILL_HELP, KV_CACHE_DTYPE_HELP, PREFILL_GRAPHS_HELP
 from redline.engine.batch import Chunk
@@ -195,7 +195,7 @@ def run_redline(engine: TimedEngine, requests: list[Request]) -> dict[str, Any]:
         "output_tok_s": made / wall, "total_tok_s": (made + prompt_tokens) / wall, "steps": len(ms),
         "step_ms": {"mean": statistics.fmean(ms), "p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99), "max": ms[-1]},
         "peak_kv_pages": max(log.pages_used), "kv_pages_total": engine.pool.num_pages,
-        "kv_capacity_tokens": engine.pool.capacity_tokens, "kv_cache_dtype": str(engine.core.kv_dtype)[6:],
+        "kv_capacity_tokens": engine.pool.capacity_tokens, "kv_cache_dtype": dtype_name(engine.core.kv_dtype),
         "decode_itl_ms_p50": statistics.median(decode_ms) if decode_ms else None,
         "preemptions": engine.stats().preemptions,
         "roofline_pct": 100 * sum(log.min_seconds) / stepped if stepped and engine.costs else None,

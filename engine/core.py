@@ -30,7 +30,7 @@ from redline.engine.kv_pages import PagePool, kv_dtype, pool_pages
 from redline.engine.messages import CoreOutput, CoreRequest
 from redline.engine.requests import EngineStats, Limits
 from redline.engine.scheduler import DEFAULT_PREFILL_CHUNK, Scheduler
-from redline.model import KV_CACHE_DTYPES
+from redline.model import check_kv_cache_dtype
 from redline.options import GenerationStats
 from redline.runner.paged import (GrammarMasks, PagedModel, RowSettings, chosen_logprobs, compile_prefill_default,
                                   on_device, sample_tokens)
@@ -69,8 +69,7 @@ class EngineSettings:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not self.min_step_s >= 0:
             raise ValueError(f"min_step_s must be >= 0 seconds, got {self.min_step_s!r}")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from redline.model import FP8_KV_DTYPE, KV_CACHE_DTYPES, ModelArgs
+from redline.model import FP8_KV_DTYPE, ModelArgs, check_kv_cache_dtype
 from redline.sampling import is_int
 
 # Share of the GPU memory free at start-up that the pool takes; the rest is left for activations and graphs.
@@ -46,8 +46,7 @@ def page_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
 def kv_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The pages' element type for --kv-cache-dtype `name`: the model's activations' dtype ("auto"), or e4m3
     ("fp8") where the device runs it (kernels/device.py; else a ValueError naming the fix)."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    check_kv_cache_dtype(name)
     if name == "auto":
         return model_dtype
     from redline.kernels.device import kv_fp8_refusal

@@ -42,7 +42,7 @@ import math
 import torch
 from torch import Tensor
 
-from redline.model import FP8_KV_DTYPE, quantized_kv, rms_norm, split_rotated_qkv
+from redline.model import FP8_KV_DTYPE, dequantized_kv, quantized_kv, rms_norm, split_rotated_qkv
 
 from .attention import check_head_norms
 from .configs import (PAGED_DECODE_STAGES, AttentionConfig, PagedPrefillConfig, fitted_attention_config,
@@ -148,19 +148,14 @@ def _attend_pages(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, l
         pages = torch.where(used_pages, tables[rows].long(), 0)  # padding entries are never dereferenced
         keep = valid[:, :, None, None]  # (n, S, 1, 1)
         # Zero the invalid keys rather than only masking the scores: 0 * NaN garbage would leak.
-        k = torch.where(keep, _dequantized(k_cache[pages].flatten(1, 2), k_scale), 0.0)  # (n, S, Hkv, D)
-        v = torch.where(keep, _dequantized(v_cache[pages].flatten(1, 2), v_scale), 0.0)
+        k = torch.where(keep, dequantized_kv(k_cache[pages].flatten(1, 2), k_scale, torch.float32), 0.0)  # (n, S, Hkv, D)
+        v = torch.where(keep, dequantized_kv(v_cache[pages].flatten(1, 2), v_scale, torch.float32), 0.0)
         qg = q[rows].float().unflatten(1, (n_kv_heads, group))  # (n, Hkv, G, D): head h -> KV head h // G
         scores = torch.einsum("nkgd,nskd->nkgs", qg, k) * scale  # (n, Hkv, G, S)
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row without keys: all -inf -> zeros
         out[rows] = torch.einsum("nkgs,nskd->nkgd", probs, v).flatten(1, 2)
     return out
-
-
-def _dequantized(codes: Tensor, scale: Tensor | None) -> Tensor:
-    """Gathered keys or values (n, S, Hkv, D) in fp32: times their KV head's scale (Hkv,) for e4m3 codes."""
-    return codes.float() if scale is None else codes.float() * scale[:, None]
 
 
 def paged_decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
