@@ -320,7 +320,7 @@ fp8-kv)
             --num-requests 4 --prompt-tokens 32000 --max-running 4 --no-compile-prefill --kv-cache-dtype $kv \
             --json "$RESULTS/fp8-kv-long-$kv.json"
     done
-    run fp8-kv-tests python3 -m pytest -q -m gpu -p no:cacheprovider -k fp8 tests/test_kernels_paged_attention.py \
+    run fp8-kv-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_paged_attention_fp8.py \
         tests/test_kv_fp8.py
     ;;
 *)

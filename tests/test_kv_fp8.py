@@ -1,7 +1,7 @@
 """The FP8 (e4m3) paged KV cache through the engine (--kv-cache-dtype fp8): its pages and scales, its greedy tokens
 beside the model-dtype cache's, the engine's own guarantees with it (batched equals alone, prefix-cache hits and
 preemption give the same tokens, compiled steps equal eager ones), the pool's capacity, and the flag's errors. The
-attention ops' e4m3 paths are tested in tests/test_kernels_paged_attention.py."""
+attention ops' e4m3 paths are tested in tests/test_kernels_paged_attention_fp8.py."""
 from __future__ import annotations
 
 import pytest
