@@ -3,7 +3,8 @@
 # call on one GPU (an H200 for the published tables). Run from the repository root:
 #
 #   bash benchmarks/gpu_run.sh tests      # the GPU test suite (pytest -m gpu), one process per file; TEST_SHARD=i/n
-#                                         # runs the i-th of n shares (gpu_side_by_side.sh spreads them over GPUs)
+#                                         # runs the i-th of n shares (gpu_side_by_side.sh spreads them over GPUs);
+#                                         # TEST_FILES="tests/a.py tests/b.py" runs those files instead of all
 #   bash benchmarks/gpu_run.sh engine     # the batching engine on Llama-3-8B: single, fixed, mixed (+ transformers), prefix
 #   bash benchmarks/gpu_run.sh engine-eager  # fixed, mixed and prefix again with eager prefill steps
 #   bash benchmarks/gpu_run.sh families   # batch-1 decode of the new families in bf16 and int4
@@ -77,8 +78,8 @@ tests)
     # context broken for the next); TEST_SHARD=i/n takes every n-th file from the i-th (0-based), so that n GPUs
     # share the suite. The summary lines are gathered at the end.
     shard=${TEST_SHARD:-0/1}
-    files=$(grep -l -E "mark\.gpu|def test_gpu_" tests/test_*.py | awk -v s="$shard" 'BEGIN { split(s, a, "/") }
-        (NR - 1) % a[2] == a[1]')
+    files=${TEST_FILES:-$(grep -l -E "mark\.gpu|def test_gpu_" tests/test_*.py)}
+    files=$(printf '%s\n' $files | awk -v s="$shard" 'BEGIN { split(s, a, "/") } (NR - 1) % a[2] == a[1]')
     for f in $files; do
         run "gpu-$(basename "$f" .py)" python3 -m pytest -q -m gpu -p no:cacheprovider -rfE "$f"
     done
