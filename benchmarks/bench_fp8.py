@@ -6,9 +6,12 @@
 For each projection and row count: bf16 F.linear (cuBLAS), the int8 op (redline::int8_linear), and the fp8 op's two
 GEMMs (kernels.linear.fp8_matmul with backend "scaled_mm": torch._scaled_mm's row-wise FP8 GEMM, and "triton":
 triton_fp8.fp8_dot), both including the per-token quantization of x; at one row the fp8 op's GEMV (the int8 GEMV's
-kernel on FP8 bytes) against the int8 GEMV. Each time is the median of 20 replays of a CUDA graph of 10 calls, with
-the weights rotated over enough copies to exceed L2 (so the bytes come from HBM, as in a model). Every fp8 result is
-first checked against the fp32 reference (quantize.fp8_linear_reference). Prints one table; --json writes the rows.
+kernel on FP8 bytes) against the int8 GEMV, and that GEMV with each of its e4m3 conversions (int32 words through
+PTX, int32 words through integer ops, one byte at a time through Triton's cast). Each time is the median of 20
+replays of a CUDA graph of 10 calls, with the weights rotated over enough copies to exceed L2 (so the bytes come
+from HBM, as in a model). Every fp8 result is first checked against the fp32 reference
+(quantize.fp8_linear_reference). The eager columns are each op's wall time per call launched 50 times without a
+graph (the host's share included). Prints one table; --json writes the rows.
 """
 from __future__ import annotations
 
@@ -48,6 +51,20 @@ def timed(fn, weights: list) -> float:
     return statistics.median(times)
 
 
+def eager(fn, arg) -> float:
+    """Wall seconds per call of fn(arg) launched eagerly 50 times in a row (host overhead included: what an
+    uncompiled prefill of a few tokens pays per linear)."""
+    import time
+
+    fn(arg)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(50):
+        fn(arg)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / 50
+
+
 def copies(make, nbytes: int) -> list:
     return [make() for _ in range(max(2, -(-4 * L2_BYTES // nbytes)))]
 
@@ -70,7 +87,22 @@ def bench_shape(name: str, n: int, k: int, rows: list[int]) -> list[dict]:
                "bf16_us": 1e6 * timed(lambda b: F.linear(x, b), bf),
                "int8_us": 1e6 * timed(lambda p: torch.ops.redline.int8_linear(x, *p), int8),
                "fp8_op_us": 1e6 * timed(lambda p: torch.ops.redline.fp8_linear(x, *p), fp8),
-               "fp8_op_backend": "gemv" if m == 1 else fp8_gemm_backend(x, f8, sf)}
+               "fp8_op_backend": "gemv" if m == 1 else fp8_gemm_backend(x, f8, sf),
+               "eager_bf16_us": 1e6 * eager(lambda b: F.linear(x, b), bf[0]),
+               "eager_int8_us": 1e6 * eager(lambda p: torch.ops.redline.int8_linear(x, *p), int8[0]),
+               "eager_fp8_us": 1e6 * eager(lambda p: torch.ops.redline.fp8_linear(x, *p), fp8[0])}
+        if m == 1:  # the FP8 GEMV's weight conversions: words by PTX (the default), words portable, single bytes
+            from redline.kernels import triton_linear
+
+            ref = fp8_linear_reference(x.float(), f8, sf)
+            for label, kw in (("words_ptx", {"int8_mode": 2}), ("words_int", {"int8_mode": 1}),
+                              ("bytes", {"words": False})):
+                def gemv(p, kw=kw):
+                    return triton_linear.gemv(x, p[0], p[1], pdl=False, **kw)
+                err = ((gemv((f8, sf)).float() - ref).abs().max() / ref.abs().max()).item()
+                if err > 1e-2:
+                    raise RuntimeError(f"{name} GEMV {label}: relative error {err:.2e} against the reference")
+                row[f"fp8_gemv_{label}_us"] = 1e6 * timed(gemv, fp8)
         if m > 1:
             for backend in ("scaled_mm", "triton"):
                 if backend == "scaled_mm" and fp8_gemm_backend(x, f8, sf) != "scaled_mm":
@@ -86,9 +118,11 @@ def bench_shape(name: str, n: int, k: int, rows: list[int]) -> list[dict]:
 
 
 def format_row(r: dict) -> str:
-    extra = "".join(f"  {key[4:-3]} {r[key]:8.1f}" for key in ("fp8_scaled_mm_us", "fp8_triton_us") if key in r)
+    keys = ("fp8_scaled_mm_us", "fp8_triton_us", "fp8_gemv_words_ptx_us", "fp8_gemv_words_int_us", "fp8_gemv_bytes_us")
+    extra = "".join(f"  {key[4:-3]} {r[key]:8.1f}" for key in keys if key in r)
     return (f"{r['shape']:5} rows {r['rows']:5}: bf16 {r['bf16_us']:8.1f} us  int8 {r['int8_us']:8.1f}  fp8 op "
-            f"({r['fp8_op_backend']}) {r['fp8_op_us']:8.1f}{extra}  fp8/bf16 {r['bf16_us'] / r['fp8_op_us']:.2f}x")
+            f"({r['fp8_op_backend']}) {r['fp8_op_us']:8.1f}{extra}  fp8/bf16 {r['bf16_us'] / r['fp8_op_us']:.2f}x  "
+            f"eager bf16/int8/fp8 {r['eager_bf16_us']:.1f}/{r['eager_int8_us']:.1f}/{r['eager_fp8_us']:.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,10 +89,62 @@ def _int8_words_to_f32(wq, INT8_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
     return tl.reshape(f, (BLOCK_N, BLOCK_K))
 
 
+# e4m3 weights read as int32 words too (4 weights a register in flight, as int8; one byte a register made the FP8
+# GEMV reach about two thirds of the int8 one's bandwidth). Each word becomes 4 floats (INT8_MODE again):
+#   2: PTX: per 16-bit half one cvt.rn.f16x2.e4m3x2 (sm89+), then per value one cvt.f32.f16: exact.
+#   1: Triton integer ops: an e4m3 byte s.eeee.mmm moved to the fp16 bits s.0eeee.mmm0000000 is the fp16 value
+#      e4m3 * 2**-8 (normal and subnormal alike: both formats' subnormals scale the same way), so the fp16 -> fp32
+#      conversion then times 256 is exact. (e4m3fn's NaN bytes would read as +-480; quantized weights hold none.)
+
+
+@triton.jit
+def _fp8_words_to_f32(wq, INT8_MODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(BLOCK_N, BLOCK_K // 4) int32 words (little-endian e4m3 x 4) -> (BLOCK_N, BLOCK_K) float32."""
+    if INT8_MODE == 2:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b16 lo, hi, a, b;
+            .reg .b32 p, q;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p, lo;
+            cvt.rn.f16x2.e4m3x2 q, hi;
+            mov.b32 {a, b}, p;
+            cvt.f32.f16 $0, a;
+            cvt.f32.f16 $1, b;
+            mov.b32 {a, b}, q;
+            cvt.f32.f16 $2, a;
+            cvt.f32.f16 $3, b;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[wq],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        f0 = _e4m3_byte_to_f32(wq)
+        f1 = _e4m3_byte_to_f32(wq >> 8)
+        f2 = _e4m3_byte_to_f32(wq >> 16)
+        f3 = _e4m3_byte_to_f32(wq >> 24)
+    f = tl.join(tl.join(f0, f2), tl.join(f1, f3))  # (BLOCK_N, BLOCK_K // 4, 2, 2), as in _int8_words_to_f32
+    return tl.reshape(f, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _e4m3_byte_to_f32(t):
+    """The e4m3 value of the low byte of int32 t, by the fp16 bit move above (exact)."""
+    half = ((t & 0x80) << 8) | ((t & 0x7F) << 7)  # the fp16 bits of e4m3 * 2**-8
+    return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
 @triton.jit
 def _weight_to_f32(w, W_INT8: tl.constexpr, WORDS: tl.constexpr, INT8_MODE: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_FP8: tl.constexpr = False):
-    if W_FP8:  # e4m3 bytes, loaded as uint8 (masked lanes read 0): the hardware's e4m3 conversion (sm89+)
+    if W_FP8 and WORDS:
+        return _fp8_words_to_f32(w, INT8_MODE, BLOCK_N, BLOCK_K)
+    elif W_FP8:  # e4m3 bytes, loaded as uint8 (masked lanes read 0): the hardware's e4m3 conversion (sm89+)
         return w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     elif W_INT8 and WORDS:
         return _int8_words_to_f32(w, INT8_MODE, BLOCK_N, BLOCK_K)
@@ -187,10 +239,10 @@ def _gemv_kernel(
 
     x: (K,) contiguous; w: (N or 2N, K), unit stride along K; y: (N,). K >= 1.
     EVEN_K: K % BLOCK_K == 0; NO_MASK: EVEN_K and K >= DEPTH * BLOCK_K (no block is partial);
-    WORDS (int8): K, stride_wn and w's address are multiples of 4, so w is read as int32 words.
+    WORDS (int8 or fp8): K, stride_wn and w's address are multiples of 4, so w is read as int32 words.
     Grid: (cdiv(N, BLOCK_N),), or (cdiv(N, BLOCK_N // 2),) with SWIGLU.
     """
-    PACK: tl.constexpr = 4 if (W_INT8 and WORDS) else 1  # weights per loaded element
+    PACK: tl.constexpr = 4 if ((W_INT8 or W_FP8) and WORDS) else 1  # weights per loaded element
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_N)
     if SWIGLU:
@@ -341,7 +393,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
          pdl: bool | None = None, int8_mode: int | None = None,
          norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          residual: torch.Tensor | None = None, swiglu: bool = False,
-         sq_in: torch.Tensor | None = None, sq_out: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
+         sq_in: torch.Tensor | None = None, sq_out: torch.Tensor | None = None, gelu: bool = False,
+         words: bool | None = None) -> torch.Tensor:
     """y = x @ w.T (times scales[n] for int8 or float8_e4m3fn w; a float8 w's scales may instead be 2-D, one per
     128 x 128 block) for one row of x, with the decode fusions:
 
@@ -353,8 +406,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
 
     x: (1, K) or (K,) with unit stride along K; w: (N, K) with unit stride along K; scales: (N,)
     contiguous; norm_weight (K,) and residual (N,) contiguous. Returns (or fills `out`, contiguous)
-    y of x's shape with K -> N, in x.dtype. `config`, `pdl` and `int8_mode` override the defaults
-    (benchmarks and tests use this).
+    y of x's shape with K -> N, in x.dtype. `config`, `pdl`, `int8_mode` and `words` (False: an int8 or fp8 w read
+    one byte at a time) override the defaults (benchmarks and tests use this).
     """
     k = x.shape[-1]
     n = w.shape[0] // 2 if swiglu else w.shape[0]
@@ -380,7 +433,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None,
     if int8_mode is None:
         int8_mode = int8_mode_default(device_caps(x.device))
     w_int8 = w.dtype == torch.int8
-    words = w_int8 and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0
+    words = (w_int8 or w_fp8) and k % 4 == 0 and w.stride(0) % 4 == 0 and w.data_ptr() % 4 == 0 and words is not False
     even_k = k % cfg.block_k == 0
     extra = {"launch_pdl": True} if pdl else {}
     rows_per_program = cfg.block_n // 2 if swiglu else cfg.block_n

@@ -110,6 +110,24 @@ def test_gpu_paths_match_the_reference(block, dtype, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("conversion", [{"int8_mode": 2}, {"int8_mode": 1}, {"words": False}],
+                         ids=["words-ptx", "words-int", "bytes"])
+@pytest.mark.parametrize("block", [False, True], ids=["per-channel", "block"])
+def test_gpu_gemv_conversions_match_the_reference(conversion, block):
+    """The FP8 GEMV's three e4m3 conversions, on every byte value a quantized weight can hold (subnormals included)."""
+    if not _gpu_with_fp8():
+        pytest.skip("needs an NVIDIA GPU with FP8 (sm89+)")
+    from redline.kernels import triton_linear
+
+    q, scales = fp8_weight(4096 + 32, 1024 + 16, block, "cuda")
+    every_code = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    q[:, :256] = every_code[every_code.float().isfinite()].repeat(2)[:256].to("cuda")
+    x = torch.randn(1, 1024 + 16, device="cuda", dtype=torch.float32)
+    got = triton_linear.gemv(x, q, scales, pdl=False, **conversion)
+    assert rel_err(got.cpu(), fp8_linear_reference(x.cpu(), q.cpu(), scales.cpu())) <= GPU_TOLERANCE[torch.float32]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["scaled_mm", "triton"])
 def test_gpu_backends_agree_on_llama_shapes(backend):
     if not _gpu_with_fp8():

@@ -40,7 +40,7 @@ CASES = [
     ("rope_prefill", "bfloat16"), ("rope_prefill", "float32"), ("rope_partial", "float32"),
     # FP8 weights: the GEMV (per-channel and 128 x 128 block scales, fused SwiGLU), the per-token quantizer (exact
     # codes: 0 error) and the W8A8 tensor-core kernel (fp8 x fp8 dots; fp16 / fp32 outputs)
-    *[(f"fp8gemv_{v}", d) for v in ("channel", "block", "block_odd_k", "block_swiglu") for d in ("float32", "bfloat16")],
+    *[(f"fp8gemv_{v}", d) for v in ("channel", "channel_bytes", "block", "block_odd_k", "block_swiglu") for d in ("float32", "bfloat16")],
     *[(f"fp8quant_{m}", d) for m in (2, 70) for d in ("float32", "float16")],
     *[(f"fp8dot_{s}{m}", d) for s in ("channel", "block") for m in (2, 17, 70) for d in ("float32", "float16")],
 ]
@@ -185,9 +185,13 @@ def _fp8_gemv_case(variant: str, dtype: torch.dtype) -> float:
     from redline.kernels import triton_linear as tk
     from redline.quantize import quantize_fp8
 
-    k = 300 if variant.endswith("odd_k") else 256
+    # K a multiple of 4: the weights are read as int32 words; 302: one byte at a time
+    k = 300 if variant.endswith("odd_k") else 302 if variant.endswith("bytes") else 256
     swiglu = variant.endswith("swiglu")
-    weight, scales = quantize_fp8(torch.randn(256 if swiglu else 136, k) / k ** 0.5, block_scales=variant != "channel")
+    weight, scales = quantize_fp8(torch.randn(256 if swiglu else 136, k) / k ** 0.5,
+                                  block_scales=variant.startswith("block"))
+    every_code = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)  # subnormals and +-448 included
+    weight[:, :256] = every_code[every_code.float().isfinite()].repeat(2)[:256]
     x = torch.randn(1, k, dtype=dtype)
     norm = torch.rand(k, dtype=dtype) + 0.5 if swiglu else None
     got = tk.gemv(x, weight, scales, pdl=False, int8_mode=1, norm_weight=norm, eps=1e-5, swiglu=swiglu,
