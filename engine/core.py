@@ -89,6 +89,7 @@ class Flight:
     ready: Any  # a CUDA event (None on the CPU)
     started: float  # perf_counter when the host began to launch it
     committed: bool = False  # the scheduler already counts its keys as computed
+    landed: bool = False  # its tokens were read and handed on (_land)
 
 
 class RequestState:
@@ -442,12 +443,21 @@ class EngineCore:
             if chunk.seq.finish_reason is None:
                 self._end(chunk.seq, "error", message)
 
-    def _launch(self, chunks: list[Chunk], tokens: Tensor | None, started: float) -> Flight:
+    def _launch(self, chunks: list[Chunk], tokens: Tensor | None, started: float,
+                after: Flight | None = None) -> Flight:
         """Replay the decode graph of chunks (their input tokens: tokens (B,) on the device, else each sequence's
-        own) and start copying its tokens to the host."""
+        own) and start copying its tokens to the host. after: the step before, launched and not yet read (a
+        followed step): with grammar rows, its tokens are read and handed on while the device computes this step's
+        forward, since this step's masks follow them."""
         inputs = tokens if tokens is not None else [c.seq.tokens[c.start] for c in chunks]
-        matchers = [c.seq.state.matcher for c in chunks]  # all None in a followed step (see _follow)
-        masks = (lambda: self.masks.fill(matchers)) if any(m is not None for m in matchers) else None
+        masks = None
+        if any(c.seq.state.matcher is not None for c in chunks):
+            def masks() -> Tensor:
+                if after is not None:
+                    self._land(after)
+                # a row that ended with the step before is computed once more and dropped: any token will do
+                return self.masks.fill([None if c.seq.finish_reason is not None else c.seq.state.matcher
+                                        for c in chunks])
         out, host, ready = self.paged.launch_decode(inputs, [c.start for c in chunks], [c.seq.pages for c in chunks],
                                                     [c.seq.state.settings for c in chunks], masks,
                                                     self._penalty_slots(chunks))
@@ -467,16 +477,18 @@ class EngineCore:
             return None
         if any(c.seq.finish_reason is not None or c.seq.num_new + 1 >= c.seq.max_new_tokens for c in chunks):
             return None
-        if any(c.seq.state.matcher is not None for c in chunks):  # its mask needs the token this step samples
-            return None
         if not sched.reserve_next(chunks):
             return None
         flight.committed = True
         self.steps_followed += 1
-        return self._launch([Chunk(c.seq, c.start + 1, 1) for c in chunks], flight.tokens, time.perf_counter())
+        return self._launch([Chunk(c.seq, c.start + 1, 1) for c in chunks], flight.tokens, time.perf_counter(),
+                            after=flight)
 
     def _land(self, flight: Flight) -> None:
-        """Read flight's tokens and hand them to its rows that still run (a row ended since is dropped)."""
+        """Read flight's tokens and hand them to its rows that still run (a row ended since is dropped), once."""
+        if flight.landed:
+            return
+        flight.landed = True
         if flight.ready is not None:
             flight.ready.synchronize()
         tokens = flight.host.tolist()
@@ -513,11 +525,12 @@ class EngineCore:
             return [], []
         rows = logits[sample_rows]  # (B, V)
         settings = RowSettings.of([(*c.seq.state.settings, c.seq.num_tokens) for c in sampling], self.device)
-        masks = self.masks.fill([c.seq.state.matcher for c in sampling])
-        allowed = rows if masks is None else self.masks.apply(rows, masks)  # (B, V)
+        matchers = [c.seq.state.matcher for c in sampling]
+        if any(m is not None for m in matchers):
+            rows = self.masks.apply(rows, self.masks.fill(matchers))  # (B, V), the grammars' banned tokens at -inf
         slots = self._penalty_slots(sampling)
         penalties = (self.paged.penalties, on_device(slots, torch.long, self.device)) if slots is not None else None
-        tokens = sample_tokens(allowed, settings, all(c.seq.state.settings[0] == 0 for c in sampling),
+        tokens = sample_tokens(rows, settings, all(c.seq.state.settings[0] == 0 for c in sampling),
                                penalties)  # (B,)
         extras: list[dict[str, Any]] = [{} for _ in sampling]
         top = max(c.seq.state.request.top_logprobs for c in sampling)

@@ -64,7 +64,7 @@ def _fp8_dot_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    EVEN_K: tl.constexpr, SCALE_BLOCK: tl.constexpr, PROMOTE: tl.constexpr = True,
 ):
     """y = (x @ w.T) * xs[:, None] * ws, fp32 accumulation, one (BLOCK_M, BLOCK_N) tile per program.
 
@@ -95,6 +95,8 @@ def _fp8_dot_kernel(
         if SCALE_BLOCK:
             part = tl.dot(x, tl.trans(w))  # (BLOCK_M, BLOCK_N) fp32, this K block's products
             acc += part * tl.load(sb_ptrs + k0 // 128)[None, :]
+        elif PROMOTE:  # each K step's partial sums added in fp32 (Hopper's FP8 dots keep fewer bits in their sums)
+            acc += tl.dot(x, tl.trans(w))
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     acc = acc * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
@@ -118,12 +120,13 @@ def quantize_rows(x: torch.Tensor, codes: torch.Tensor | None = None,
 
 
 def fp8_dot(codes: torch.Tensor, row_scales: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
-            out: torch.Tensor, config: Fp8DotConfig | None = None) -> torch.Tensor:
+            out: torch.Tensor, config: Fp8DotConfig | None = None, promote: bool = True) -> torch.Tensor:
     """out = (codes @ w.T) * row_scales[:, None] * w's scales (per output channel (N,), or (ceil(N/128),
     ceil(K/128)) blocks), fp32 accumulation, rounded to out's dtype.
 
     codes: (M, K) e4m3, unit stride along K; row_scales: (M,) fp32; w: (N, K) e4m3, unit stride along K; out: (M, N)
-    contiguous."""
+    contiguous. promote (per-channel w): the K steps' partial dot products are summed in fp32 by the kernel, not in
+    the tensor cores' accumulator (benchmarks compare both)."""
     m, k = codes.shape
     n = w.shape[0]
     if m == 0 or n == 0:
@@ -137,7 +140,7 @@ def fp8_dot(codes: torch.Tensor, row_scales: torch.Tensor, w: torch.Tensor, w_sc
         m, n, k,
         codes.stride(0), w.stride(0), out.stride(0), w_scales.stride(0) if block else 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, SCALE_BLOCK=block,
+        EVEN_K=k % cfg.block_k == 0, SCALE_BLOCK=block, PROMOTE=promote,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -195,11 +195,10 @@ class GrammarMasks:
         self.host = torch.full((max_rows, self.words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.executor: Any = None
 
-    def fill(self, matchers: list[Any]) -> Tensor | None:
-        """The rows' masks (B, W) on the device, or None when no row has a matcher. The host buffer is reused:
-        call it only after the step that read the last masks has landed (grammar rows are never launched ahead)."""
-        if all(m is None for m in matchers):
-            return None
+    def fill(self, matchers: list[Any]) -> Tensor:
+        """The rows' masks (B, W) on the device (all ones where a row has no matcher). The host buffer is reused:
+        call it only once the sampler that read the last masks was launched after them (the copy is queued first on
+        the same stream)."""
         import llguidance
 
         rows = len(matchers)
@@ -208,7 +207,9 @@ class GrammarMasks:
         host = self.host[:rows]
         host.fill_(-1)
         grammar_rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if len(grammar_rows) == 1:
+        if not grammar_rows:
+            pass
+        elif len(grammar_rows) == 1:
             row = host[grammar_rows[0][1]]
             grammar_rows[0][0].unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         else:

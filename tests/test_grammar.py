@@ -164,8 +164,9 @@ def test_engine_grammar_holds_on_200_sampled_generations(grammar_llm):
 
 def test_grammar_rows_run_in_the_decode_graph_steps(tiny_llm_checkpoint, grammar_llm):
     """With compiled decode steps (the CPU's stand-in for CUDA graphs), grammar rows decode in the graph steps with
-    the other rows, reading the masks from the graphs' static buffer; their outputs still validate, and the
-    unconstrained row samples the same tokens as in the eager engine."""
+    the other rows, reading the masks from the graphs' static buffer, also in steps launched before the tokens of
+    the step before were read; their outputs still validate, and the unconstrained row samples the same tokens as in
+    the eager engine."""
     from redline.engine import Engine
     from redline.generate import LLM
     from redline.grammar import GrammarCompiler
@@ -181,7 +182,9 @@ def test_grammar_rows_run_in_the_decode_graph_steps(tiny_llm_checkpoint, grammar
     engine = Engine(compiled)
     masked_steps = []
     real = engine.graphs.run
-    engine.graphs.run = lambda *args: masked_steps.append(args[4] is not None) or real(*args)
+    # (masked, its input tokens still on the device: a step launched before the one before it was read)
+    engine.graphs.run = lambda *args: masked_steps.append((args[4] is not None, not isinstance(args[0], list))) \
+        or real(*args)
     try:
         with engine.paused():  # both arrive before the first step: their decode steps have two rows (one bucket)
             handle = engine.add_request([1, 41, 41], GenerationOptions(max_new_tokens=120, temperature=1.0, seed=1,
@@ -191,7 +194,8 @@ def test_grammar_rows_run_in_the_decode_graph_steps(tiny_llm_checkpoint, grammar
         assert result.finish_reason == "stop"
         jsonschema.validate(json.loads(result.text), PERSON)
         assert mixed.result(timeout=300).token_ids == alone
-        assert any(masked_steps)
+        assert any(masked for masked, _ in masked_steps)
+        assert any(masked and ahead for masked, ahead in masked_steps)  # masks follow tokens read meanwhile
     finally:
         engine.shutdown()
         compiler.shutdown()
