@@ -50,7 +50,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK: t
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0).to(tl.float32)
         top = tl.maximum(top, tl.abs(x))
-    scale = tl.maximum(tl.max(top) / 448.0, 1.1754943508222875e-38)
+    scale = tl.maximum(tl.div_rn(tl.max(top), 448.0), 1.1754943508222875e-38)  # IEEE division, as torch's
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0).to(tl.float32)
         q = _round_to_e4m3(tl.minimum(tl.maximum(tl.div_rn(x, scale), -448.0), 448.0))  # IEEE division, as torch
