@@ -134,8 +134,9 @@ def test_gpu_gemv_conversions_match_the_reference(conversion, block):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_quantized_rows_are_the_references_codes_and_scales(dtype):
-    """The per-token quantizer gives torch's codes and scales bit for bit (a scale one ulp off flips codes at the
-    e4m3 rounding ties, which bf16 rows meet often)."""
+    """The per-token quantizer gives torch's codes (as values: a tiny negative input may round to +0 where torch
+    gives -0) and its scales bit for bit (a scale one ulp off flips codes at the e4m3 rounding ties, which bf16
+    rows meet often: torch's own GPU ops, dividing by 448 as a product, differ from its CPU in 114 of 312,000)."""
     if not _gpu_with_fp8():
         pytest.skip("needs an NVIDIA GPU with FP8 (sm89+)")
     from redline.kernels import triton_fp8
@@ -145,7 +146,7 @@ def test_gpu_quantized_rows_are_the_references_codes_and_scales(dtype):
     x = torch.randn(300, 1040, device="cuda", dtype=dtype)
     codes, scales = triton_fp8.quantize_rows(x)
     want_codes, want_scales = quantize_activations_fp8(x.cpu())
-    assert torch.equal(codes.cpu().view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(codes.cpu().float(), want_codes.float())
     assert torch.equal(scales.cpu(), want_scales.squeeze(1))
 
 

@@ -15,7 +15,7 @@ from redline.kernels.device import simulated, target_caps
 from redline.model import FP8_KV_DTYPE, ModelArgs
 from redline.runner.paged import calibrated_kv_scales
 
-from conftest import GPU_TEST_KV_TOKENS
+from conftest import GPU_TEST_KV_TOKENS, random_gpu_llm
 
 # Real text for the demo model: the share of its greedy continuations that equal the fp32 cache's (measured:
 # 14 of 16 over 16 new tokens; 6 of 16 over 48, which diverge after 32 tokens on average).
@@ -211,7 +211,13 @@ def test_gpu_fp8_engine_gives_the_bf16_engines_tokens_on_most_prompts(tiny_llm_c
     engine = Engine(gpu, max_kv_tokens=GPU_TEST_KV_TOKENS, kv_cache_dtype="fp8", compile_prefill=False)
     got = greedy(engine, prompts, 16)
     assert sum(a == b for a, b in zip(got, want)) >= 10, first_differences(got, want)
-    assert [greedy(engine, [p], 16)[0] for p in prompts[:4]] == got[:4]
+    engine.shutdown()
+    # Batched equals alone on a model whose greedy tokens are stable (this bf16 checkpoint's near-ties flip with
+    # the batch's GEMM shapes whatever the cache).
+    stable = random_gpu_llm(False, True)
+    engine = Engine(stable, max_kv_tokens=GPU_TEST_KV_TOKENS, kv_cache_dtype="fp8", compile_prefill=False)
+    batched = greedy(engine, prompts, 16)
+    assert [greedy(engine, [p], 16)[0] for p in prompts[:4]] == batched[:4]
     engine.shutdown()
 
 
