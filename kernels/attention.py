@@ -354,6 +354,31 @@ def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedCo
     return out.reshape(1, rows, a.q_size)
 
 
+def cpu_attention_fits(attention: Attention) -> bool:
+    """Whether redline_cpu::decode_attention computes this layer's decode steps: plain softmax attention at the
+    default scale (no logit soft-cap)."""
+    a = attention.args
+    return not a.attn_softcap and a.attention_scale in (0.0, a.head_dim ** -0.5)
+
+
+class CpuAttention(Attention):
+    """model.Attention on the CPU whose one-token steps on its own fp32 cache (generate's decode) run
+    redline_cpu::decode_attention, which reads keys 0..position only (model.Attention's SDPA reads the whole cache
+    under a mask: at a short context most of a step's attention time); every other call is model.Attention's."""
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
+                context: Any = None) -> Tensor:
+        if context is not None or from_start or x.shape[1] != 1 or self.cache().k.dtype != torch.float32:
+            return super().forward(x, rope, mask, input_pos, from_start, context)
+        a = self.args
+        q, k, v = split_rotated_qkv(self.qkv(x), rope, a.n_head, a.n_kv_heads, a.head_dim,
+                                    None if self.q_norm is None else self.normed_qk)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
+        k, v = self.cache().update(input_pos, k, v)  # (B, Hkv, S, D)
+        # (the op is loaded: use_cpu_kernels built it before swapping this class in)
+        return self.output(torch.ops.redline_cpu.decode_attention(q, k, v, input_pos, self.window))  # (B, 1, dim)
+
+
 class KernelAttention(Attention):
     """model.Attention whose one-token steps run redline::decode_attention (it reads only the valid cache
     positions: up to the token, and in a sliding-window layer only the last `window` of them), whose prefills

@@ -18,6 +18,8 @@
 // run time from the CPU's own report, so one build runs on any x86-64 CPU; elsewhere only the portable path exists.
 //
 //   redline_cpu::float_linear(x (..., K), weight fp32 (N, K)) -> (..., N)   F.linear on the same loops and threads
+//   redline_cpu::decode_attention(q (B, H, 1, D), k, v (B, Hkv, S, D) fp32, input_pos (1,), int window) -> (B, H, 1, D)
+//       one token's softmax attention over keys 0..pos of its own cache (the last `window` with window > 0)
 //   redline_cpu::set_threads(int count) -> int   the kernels' threads (0: torch's intra-op count); returns the previous
 //
 // Threads: the kernels' own pool (class Pool): the calling thread and its helpers claim blocks of output rows from a
@@ -405,6 +407,57 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return finish(out, x, shape);
 }
 
+// Decode attention of one new token per sequence over its own cache: q (B, H, 1, D), k and v (B, Hkv, S, D) fp32 and
+// contiguous, head h reading KV head h / (H / Hkv); keys 0..pos (window > 0: the last `window` of them). The heads
+// are claimed by the kernels' threads like rows of a product.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& input_pos,
+                            int64_t window) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+              q.size(3) == k.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "decode_attention: q must be (B, H, 1, D) and k, v (B, Hkv, S, D) with H a multiple of Hkv, got ",
+              q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              q.is_cpu() && k.is_cpu() && v.is_cpu(), "decode_attention: q, k and v must be fp32 CPU tensors");
+  TORCH_CHECK(input_pos.numel() == 1 && !at::isFloatingType(input_pos.scalar_type()),
+              "decode_attention: input_pos must hold one integer position");
+  TORCH_CHECK(window >= 0, "decode_attention: window must be 0 (none) or a positive number of keys");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(3), kv_heads = k.size(1), seq = k.size(2);
+  const int64_t pos = input_pos.item<int64_t>();
+  TORCH_CHECK(pos >= 0 && pos < seq, "decode_attention: position ", pos, " is outside the cache's ", seq, " positions");
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const int64_t group = heads / kv_heads, keys = pos - lo + 1, level = simd();
+  claimed_rows(batch * heads, 1, 2 * keys * d, 0, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(keys);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / heads, h = r % heads;
+      const int64_t kv = (b * kv_heads + h / group) * seq * d;
+      const float *qr = qp + r * d, *kr = kp + kv, *vr = vp + kv;
+      float* out_row = op + r * d;
+#if REDLINE_X86
+      if (level == AVX512) {
+        avx512::attention_head(qr, kr, vr, d, d, lo, pos, scale, scores.data(), out_row);
+        continue;
+      }
+      if (level == AVX2) {
+        avx2::attention_head(qr, kr, vr, d, d, lo, pos, scale, scores.data(), out_row);
+        continue;
+      }
+#endif
+      portable::attention_head(qr, kr, vr, d, d, lo, pos, scale, scores.data(), out_row);
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
+  return at::empty_symint(q.sym_sizes(), q.options());
+}
+
 // Shapes only, for torch.compile's tracing: symbolic sizes, so a dynamic dimension of x stays dynamic (concrete
 // sizes would specialize the compiled graph on every token count).
 at::Tensor float_linear_meta(const at::Tensor& x, const at::Tensor& weight) {
@@ -426,6 +479,7 @@ TORCH_LIBRARY(redline_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("int8_group_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor input_pos, int window) -> Tensor");
   m.def("set_threads(int count) -> int", set_threads);
   m.def("threads() -> int", threads);
   m.def("simd() -> int", simd);
@@ -438,6 +492,7 @@ TORCH_LIBRARY_IMPL(redline_cpu, CPU, m) {
   m.impl("int4_linear", int4_linear);
   m.impl("int8_group_linear", int8_group_linear);
   m.impl("float_linear", float_linear);
+  m.impl("decode_attention", decode_attention);
 }
 
 TORCH_LIBRARY_IMPL(redline_cpu, Meta, m) {
@@ -445,4 +500,5 @@ TORCH_LIBRARY_IMPL(redline_cpu, Meta, m) {
   m.impl("int4_linear", linear_meta);
   m.impl("int8_group_linear", linear_meta);
   m.impl("float_linear", float_linear_meta);
+  m.impl("decode_attention", decode_attention_meta);
 }

@@ -247,6 +247,49 @@ static inline void int4_row(const int16_t* xq, const float* dx, const float* xsu
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
+// One query head's decode attention over keys [lo, hi] of its KV head (rows of D floats, `stride` floats apart):
+// out = softmax(scale * q k^T) v, fp32 throughout, the keys outside [lo, hi] never read. scores: hi - lo + 1 floats.
+
+static inline float dot_row(const float* a, const float* b, int64_t d) {
+  F acc = fzero();
+  int64_t j = 0;
+  for (; j + W <= d; j += W) acc = ffma(fload(a + j), fload(b + j), acc);
+  float sum = fsum(acc);
+  for (; j < d; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+static inline void attention_head(const float* q, const float* k, const float* v, int64_t stride, int64_t d,
+                                  int64_t lo, int64_t hi, float scale, float* scores, float* out) {
+  float top = -INFINITY;
+  for (int64_t t = lo; t <= hi; ++t) {
+    const float s = scale * dot_row(q, k + t * stride, d);
+    scores[t - lo] = s;
+    top = s > top ? s : top;
+  }
+  float total = 0.f;
+  for (int64_t t = lo; t <= hi; ++t) {
+    const float e = std::exp(scores[t - lo] - top);
+    scores[t - lo] = e;
+    total += e;
+  }
+  const float inv = 1.f / total;
+  int64_t j = 0;
+  for (; j + W <= d; j += W) {  // out[j : j + W] = sum_t p_t v[t, j : j + W]
+    F acc = fzero();
+    for (int64_t t = lo; t <= hi; ++t) acc = ffma(fset(scores[t - lo]), fload(v + t * stride + j), acc);
+    float lanes[W];
+    std::memcpy(lanes, &acc, sizeof(lanes));
+    for (int64_t l = 0; l < W; ++l) out[j + l] = lanes[l] * inv;
+  }
+  for (; j < d; ++j) {
+    float acc = 0.f;
+    for (int64_t t = lo; t <= hi; ++t) acc += scores[t - lo] * v[t * stride + j];
+    out[j] = acc * inv;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
 // Output rows [r0, r1) for all M rows of x: blocks of X_BLOCK rows of x, then each weight row against up to 4 rows.
 
 constexpr int64_t X_BLOCK = 32;

@@ -624,15 +624,21 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
     """Run a model's linears on the CPU kernels (cpu_linear.py) in place, weights shared and nothing repacked:
     Int8Linear -> CpuInt8Linear, Int4Linear -> CpuInt4Linear, a bias-free fp32 nn.Linear -> CpuLinear (each with a
     contiguous weight: a tensor-parallel rank's column slice stays on the ops, which copy it); a mixture's
-    experts become moe.CpuMoE, CpuInt8MoE or CpuInt4MoE (a decode step's chosen experts on their stored weights).
+    experts become moe.CpuMoE, CpuInt8MoE or CpuInt4MoE (a decode step's chosen experts on their stored weights);
+    model.Attention -> attention.CpuAttention (one-token steps over the valid cache positions only).
     The C++ kernel is built or loaded now rather than on the first token. In a quantized model a float output head
     tied to the embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked
     element by element, else it stays a float head). Other linears stay as they are; applying it twice is a no-op."""
+    from redline.model import Attention
+
+    from .attention import CpuAttention, cpu_attention_fits
     from .moe import cpu_moe_class
 
     cpu_ops()
     quantized = False
     for module in model.modules():
+        if type(module) is Attention and cpu_attention_fits(module):
+            module.__class__ = CpuAttention
         if type(module) in (Int8Linear, KernelInt8Linear) and module.weight.is_contiguous():
             module.__class__ = CpuInt8Linear
         elif type(module) in (Int4Linear, KernelInt4Linear) and module.weight.is_contiguous():

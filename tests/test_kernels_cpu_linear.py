@@ -344,3 +344,61 @@ def test_a_float_models_linears_run_the_cpu_kernel():
             m.setup_caches(1, 32)
         torch.testing.assert_close(model(ids, torch.arange(10)), reference(ids, torch.arange(10)), rtol=1e-4,
                                    atol=1e-4)
+
+
+# --- redline_cpu::decode_attention ---
+
+# (B, H, Hkv, S, D, position, window): GQA, MHA, multi-query; odd head dims (scalar tails), a window, position 0,
+# and a long cache (work spread over the kernels' threads).
+ATTENTION_SHAPES = [(1, 9, 3, 256, 64, 70, 0), (2, 8, 2, 100, 36, 99, 0), (1, 4, 4, 50, 13, 40, 7),
+                    (1, 4, 1, 20, 64, 0, 0), (3, 6, 3, 3000, 128, 2999, 0), (2, 4, 2, 64, 8, 30, 1)]
+
+
+def test_decode_attention_reads_only_the_valid_keys_on_every_path(simd, kernel_threads):
+    """Against attention.decode_attention_reference (the masked softmax over the whole cache, fp32): keys past the
+    position and before a window hold NaN, which a read would carry into the output."""
+    from redline.kernels.attention import decode_attention_reference
+
+    torch.manual_seed(8)
+    for b, h, hkv, s, d, pos, window in ATTENTION_SHAPES:
+        q, k, v = torch.randn(b, h, 1, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+        lo = max(0, pos - window + 1) if window else 0
+        for cache in (k, v):
+            cache[:, :, pos + 1:] = float("nan")
+            cache[:, :, :lo] = float("nan")
+        position = torch.tensor([pos])
+        got = torch.ops.redline_cpu.decode_attention(q, k, v, position, window)
+        torch.testing.assert_close(got, decode_attention_reference(q, k, v, position, window), rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_refuses_bad_input_in_one_line():
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 16, 8)
+    for args, match in [((q, k, k, torch.tensor([16]), 0), "outside the cache's 16 positions"),
+                        ((q.double(), k, k, torch.tensor([3]), 0), "fp32"),
+                        ((torch.randn(1, 3, 1, 8), k, k, torch.tensor([3]), 0), "multiple of Hkv"),
+                        ((q, k, k, torch.tensor([3]), -1), "window")]:
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.redline_cpu.decode_attention(*args)
+
+
+@pytest.mark.parametrize("name", ["debug-tiny", "debug-tiny-llama3"])
+def test_a_cpu_models_decode_steps_attend_over_the_valid_keys_only(name):
+    """use_cpu_kernels swaps attention.CpuAttention in: a prefill then one-token steps (redline_cpu::decode_attention
+    over keys 0..position) give model.Attention's logits (SDPA over the masked whole cache)."""
+    from redline.kernels.attention import CpuAttention
+
+    torch.manual_seed(9)
+    model = Transformer(ModelArgs.from_name(name)).eval()
+    reference = copy.deepcopy(model)
+    use_cpu_kernels(model)
+    assert any(type(m) is CpuAttention for m in model.modules())
+    ids = torch.randint(0, model.args.vocab_size, (1, 12))
+    with torch.no_grad():
+        for m in (reference, model):
+            m.setup_caches(1, 64)
+        for m in (reference, model):
+            m(ids[:, :8], torch.arange(8), from_start=True)
+        for t in range(8, 12):
+            position = torch.tensor([t])
+            torch.testing.assert_close(model(ids[:, t:t + 1], position), reference(ids[:, t:t + 1], position),
+                                       rtol=1e-4, atol=1e-5)
