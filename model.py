@@ -297,7 +297,8 @@ class PagedKVCache:
     where k_scale and v_scale are one (Hkv,) fp32 tensor per layer, fixed for the pool's life (1.0 until the owner
     calibrates them, before the first step): a token's stored bytes never depend on the rest of its batch.
     ops: (prefill, decode) attention functions with the signatures of paged_prefill_attention and
-    paged_decode_attention (the GPU's redline:: kernels, set from outside); None: those plain PyTorch references."""
+    paged_decode_attention (the GPU's redline:: kernels, or the CPU's decode kernel, set from outside); None, or
+    None for one of them: those plain PyTorch references."""
 
     def __init__(self, args: ModelArgs, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device | None, ops: tuple[Any, Any] | None = None) -> None:
@@ -463,10 +464,10 @@ class PagedContext:
         v_cache.index_put_((page, offset), v)
         scale = scale or q.shape[-1] ** -0.5
         spans = self.images.spans if self.images is not None else None
-        if self.kv.ops is not None and not softcap and spans is None:
-            prefill, decode = self.kv.ops
-            if self.decode:
-                return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window, *scales)
+        prefill, decode = self.kv.ops if self.kv.ops is not None and not softcap and spans is None else (None, None)
+        if self.decode and decode is not None:
+            return decode(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, window, *scales)
+        if not self.decode and prefill is not None:
             return prefill(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q, self.seq_lens, scale, window,
                            *scales)
         if self.decode:

@@ -341,7 +341,9 @@ def paged_attention(attn: Attention, qkv: Tensor, rope: Tensor, context: PagedCo
     a = attn.args
     rows = qkv.shape[1]
     norms = head_norms(attn)
-    if context.kv.ops is not None and not a.attn_softcap and (attn.q_norm is None or norms is not None):
+    # (a pool with the CPU's decode op alone, no prefill op, takes the model's steps, which end in that op)
+    kernel_ops = context.kv.ops is not None and context.kv.ops[0] is not None
+    if kernel_ops and not a.attn_softcap and (attn.q_norm is None or norms is not None):
         layer = context.layer
         out = torch.ops.redline.paged_decode_attention_qkv(
             qkv.reshape(rows, -1), context.kv.k[layer], context.kv.v[layer], rope, context.block_tables,

@@ -20,6 +20,8 @@
 //   redline_cpu::float_linear(x (..., K), weight fp32 (N, K)) -> (..., N)   F.linear on the same loops and threads
 //   redline_cpu::decode_attention(q (B, H, 1, D), k, v (B, Hkv, S, D) fp32, input_pos (1,), int window) -> (B, H, 1, D)
 //       one token's softmax attention over keys 0..pos of its own cache (the last `window` with window > 0)
+//   redline_cpu::paged_decode_attention(q (B, H, D), k, v (pages, page_size, Hkv, D) fp32, block_tables (B, P) int32,
+//       seq_lens (B,) int32, float scale, int window) -> (B, H, D)   the same over the batching engine's pages
 //   redline_cpu::set_threads(int count) -> int   the kernels' threads (0: torch's intra-op count); returns the previous
 //
 // Threads: the kernels' own pool (class Pool): the calling thread and its helpers claim blocks of output rows from a
@@ -407,6 +409,17 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   return finish(out, x, shape);
 }
 
+// attention_head (cpu_gemv_simd.h) on the instruction set `level`.
+template <typename Row>
+void attention_head_on(int64_t level, const float* q, const float* k, const float* v, const Row& row, int64_t d,
+                       int64_t lo, int64_t hi, float scale, float* scores, float* out) {
+#if REDLINE_X86
+  if (level == AVX512) return avx512::attention_head(q, k, v, row, d, lo, hi, scale, scores, out);
+  if (level == AVX2) return avx2::attention_head(q, k, v, row, d, lo, hi, scale, scores, out);
+#endif
+  portable::attention_head(q, k, v, row, d, lo, hi, scale, scores, out);
+}
+
 // Decode attention of one new token per sequence over its own cache: q (B, H, 1, D), k and v (B, Hkv, S, D) fp32 and
 // contiguous, head h reading KV head h / (H / Hkv); keys 0..pos (window > 0: the last `window` of them). The heads
 // are claimed by the kernels' threads like rows of a product.
@@ -437,21 +450,64 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t b = r / heads, h = r % heads;
       const int64_t kv = (b * kv_heads + h / group) * seq * d;
       const float *qr = qp + r * d, *kr = kp + kv, *vr = vp + kv;
-      float* out_row = op + r * d;
-#if REDLINE_X86
-      if (level == AVX512) {
-        avx512::attention_head(qr, kr, vr, d, d, lo, pos, scale, scores.data(), out_row);
-        continue;
-      }
-      if (level == AVX2) {
-        avx2::attention_head(qr, kr, vr, d, d, lo, pos, scale, scores.data(), out_row);
-        continue;
-      }
-#endif
-      portable::attention_head(qr, kr, vr, d, d, lo, pos, scale, scores.data(), out_row);
+      attention_head_on(level, qr, kr, vr, [d](int64_t t) { return t * d; }, d, lo, pos, scale, scores.data(),
+                        op + r * d);
     }
   });
   return out;
+}
+
+// The same over the batching engine's pages: q (B, H, D); k and v (pages, page_size, Hkv, D) fp32 and contiguous;
+// row b's keys 0..seq_lens[b]-1 (window > 0: the last `window`) in pages block_tables[b, 0], [b, 1], ... (int32).
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                  int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(2) == k.size(3) && k.size(2) > 0 &&
+              q.size(1) % k.size(2) == 0, "paged_decode_attention: q must be (B, H, D) and k, v (pages, page_size, "
+              "Hkv, D) with H a multiple of Hkv, got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              q.is_cpu() && k.is_cpu() && v.is_cpu() && k.is_contiguous() && v.is_contiguous(),
+              "paged_decode_attention: q, k and v must be fp32 CPU tensors, the pages contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.dim() == 1 &&
+              seq_lens.size(0) == q.size(0) && block_tables.scalar_type() == at::kInt &&
+              seq_lens.scalar_type() == at::kInt, "paged_decode_attention: block_tables must be int32 (B, pages) ",
+              "and seq_lens int32 (B,)");
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be 0 (none) or a positive number of keys");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), page = k.size(1), kv_heads = k.size(2);
+  const int64_t pages = k.size(0), width = block_tables.size(1), group = heads / kv_heads, level = simd();
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const int32_t *tp = tables.data_ptr<int32_t>(), *lp = lens.data_ptr<int32_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * page, "paged_decode_attention: row ", b, " has ", lp[b],
+                " keys; its table holds ", width * page);
+    for (int64_t p = 0; p < (lp[b] + page - 1) / page; ++p)
+      TORCH_CHECK(tp[b * width + p] >= 0 && tp[b * width + p] < pages, "paged_decode_attention: row ", b,
+                  " names page ", tp[b * width + p], " of ", pages);
+    longest = std::max<int64_t>(longest, lp[b]);
+  }
+  at::Tensor out = at::empty_like(qc);
+  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t stride = kv_heads * d;  // floats from one slot of a page to the next
+  claimed_rows(batch * heads, 1, 2 * longest * d, 0, [&](int64_t r0, int64_t r1) {
+    std::vector<float> scores(longest);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / heads, h = r % heads, n = lp[b];
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, n - window) : 0;
+      const int32_t* table = tp + b * width;
+      const int64_t head = (h / group) * d;
+      auto row = [&](int64_t t) { return (static_cast<int64_t>(table[t / page]) * page + t % page) * stride; };
+      attention_head_on(level, qp + r * d, kp + head, vp + head, row, d, lo, n - 1, static_cast<float>(scale),
+                        scores.data(), op + r * d);
+    }
+  });
+  return out;
+}
+
+at::Tensor paged_decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, double, int64_t) {
+  return at::empty_symint(q.sym_sizes(), q.options());
 }
 
 at::Tensor decode_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t) {
@@ -480,6 +536,8 @@ TORCH_LIBRARY(redline_cpu, m) {
   m.def("int8_group_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor");
   m.def("float_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor input_pos, int window) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor seq_lens, float scale, "
+        "int window) -> Tensor");
   m.def("set_threads(int count) -> int", set_threads);
   m.def("threads() -> int", threads);
   m.def("simd() -> int", simd);
@@ -493,6 +551,7 @@ TORCH_LIBRARY_IMPL(redline_cpu, CPU, m) {
   m.impl("int8_group_linear", int8_group_linear);
   m.impl("float_linear", float_linear);
   m.impl("decode_attention", decode_attention);
+  m.impl("paged_decode_attention", paged_decode_attention);
 }
 
 TORCH_LIBRARY_IMPL(redline_cpu, Meta, m) {
@@ -501,4 +560,5 @@ TORCH_LIBRARY_IMPL(redline_cpu, Meta, m) {
   m.impl("int8_group_linear", linear_meta);
   m.impl("float_linear", float_linear_meta);
   m.impl("decode_attention", decode_attention_meta);
+  m.impl("paged_decode_attention", paged_decode_attention_meta);
 }

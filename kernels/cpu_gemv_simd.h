@@ -247,7 +247,8 @@ static inline void int4_row(const int16_t* xq, const float* dx, const float* xsu
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// One query head's decode attention over keys [lo, hi] of its KV head (rows of D floats, `stride` floats apart):
+// One query head's decode attention over keys [lo, hi] of its KV head: key t's row of D floats starts at
+// k + row(t) (and its value at v + row(t)): t * D in a sequence's own cache, the slot of its page in a paged one.
 // out = softmax(scale * q k^T) v, fp32 throughout, the keys outside [lo, hi] never read. scores: hi - lo + 1 floats.
 
 static inline float dot_row(const float* a, const float* b, int64_t d) {
@@ -259,11 +260,12 @@ static inline float dot_row(const float* a, const float* b, int64_t d) {
   return sum;
 }
 
-static inline void attention_head(const float* q, const float* k, const float* v, int64_t stride, int64_t d,
+template <typename Row>
+static inline void attention_head(const float* q, const float* k, const float* v, const Row& row, int64_t d,
                                   int64_t lo, int64_t hi, float scale, float* scores, float* out) {
   float top = -INFINITY;
   for (int64_t t = lo; t <= hi; ++t) {
-    const float s = scale * dot_row(q, k + t * stride, d);
+    const float s = scale * dot_row(q, k + row(t), d);
     scores[t - lo] = s;
     top = s > top ? s : top;
   }
@@ -277,14 +279,14 @@ static inline void attention_head(const float* q, const float* k, const float* v
   int64_t j = 0;
   for (; j + W <= d; j += W) {  // out[j : j + W] = sum_t p_t v[t, j : j + W]
     F acc = fzero();
-    for (int64_t t = lo; t <= hi; ++t) acc = ffma(fset(scores[t - lo]), fload(v + t * stride + j), acc);
+    for (int64_t t = lo; t <= hi; ++t) acc = ffma(fset(scores[t - lo]), fload(v + row(t) + j), acc);
     float lanes[W];
     std::memcpy(lanes, &acc, sizeof(lanes));
     for (int64_t l = 0; l < W; ++l) out[j + l] = lanes[l] * inv;
   }
   for (; j < d; ++j) {
     float acc = 0.f;
-    for (int64_t t = lo; t <= hi; ++t) acc += scores[t - lo] * v[t * stride + j];
+    for (int64_t t = lo; t <= hi; ++t) acc += scores[t - lo] * v[row(t) + j];
     out[j] = acc * inv;
   }
 }

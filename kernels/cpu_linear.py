@@ -26,6 +26,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,23 @@ def decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos:
     read (attention.decode_attention_reference computes the same over the masked whole cache)."""
     cpu_ops()
     return torch.ops.redline_cpu.decode_attention(q, k_cache, v_cache, input_pos, window)
+
+
+def paged_decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                               scale: float, window: int = 0) -> Tensor:
+    """model.paged_decode_attention for fp32 pages on the CPU kernels: each row's keys read from its pages, none past
+    its length; q (B, H, D) -> (B, H, D). A PagedKVCache's decode op (paged_ops); cpu_ops() must have run (this is
+    called inside compiled steps)."""
+    return torch.ops.redline_cpu.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+
+
+def paged_ops(prefill: Any, pages_dtype: torch.dtype) -> tuple[Any, Any] | None:
+    """A CPU engine's PagedKVCache.ops: its prefill op (None: model.py's reference) and, for fp32 pages, the C++
+    decode attention (else the reference); None when neither is set."""
+    if pages_dtype != torch.float32:
+        return None if prefill is None else (prefill, None)
+    cpu_ops()
+    return prefill, paged_decode_attention_cpu
 
 
 # The group of an exact int8 form of a float output head: GGUF's Q8_0 block (32 codes under one fp16 scale).

@@ -280,7 +280,12 @@ class PagedModel:
         self.model, self.device, self.vocab_bias = model, device, runner.vocab_bias
         kernel_ops = paged_attention_ops(runner.kernels)
         ops = kernel_ops or (registered_paged_ops() if compile_prefill else None)
-        self.kv = PagedKVCache(args, num_pages, page_size, kv_dtype or model.cache_dtype, device, ops)
+        pages_dtype = kv_dtype or model.cache_dtype
+        if device.type == "cpu":  # decode rows on the C++ kernel (fp32 pages)
+            from redline.kernels.cpu_linear import paged_ops
+
+            ops = paged_ops(ops[0] if ops is not None else None, pages_dtype)
+        self.kv = PagedKVCache(args, num_pages, page_size, pages_dtype, device, ops)
         if self.kv.fp8:
             self.kv.set_scales(*calibrated_kv_scales(model, runner.vocab_bias))
         # Steps with prompt chunks, compiled once with dynamic sizes (their attention is the ops: the references'

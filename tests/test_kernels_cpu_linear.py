@@ -402,3 +402,37 @@ def test_a_cpu_models_decode_steps_attend_over_the_valid_keys_only(name):
             position = torch.tensor([t])
             torch.testing.assert_close(model(ids[:, t:t + 1], position), reference(ids[:, t:t + 1], position),
                                        rtol=1e-4, atol=1e-5)
+
+
+def test_paged_decode_attention_reads_only_each_rows_pages_on_every_path(simd, kernel_threads):
+    """Against model.paged_decode_attention (every row's pages gathered and masked, fp32): rows of different lengths
+    over shuffled pages, a window, odd head dims; the pages no row names, and the slots past each row's length,
+    hold NaN."""
+    from redline.model import paged_decode_attention
+
+    torch.manual_seed(10)
+    for b, h, hkv, d, page, lengths, window in [(3, 8, 2, 64, 16, (1, 17, 40), 0), (2, 6, 3, 13, 4, (9, 30), 5),
+                                                (1, 4, 4, 128, 16, (300,), 0)]:
+        width = max(-(-n // page) for n in lengths)
+        order = torch.randperm(b * width + 3)  # three pages nobody uses
+        tables = order[:b * width].view(b, width).to(torch.int32)
+        k = torch.full((b * width + 3, page, hkv, d), float("nan"))
+        v = torch.full_like(k, float("nan"))
+        for row, n in enumerate(lengths):
+            for t in range(n):
+                slot = (tables[row, t // page], t % page)
+                k[slot], v[slot] = torch.randn(hkv, d), torch.randn(hkv, d)
+        q, seq_lens = torch.randn(b, h, d), torch.tensor(lengths, dtype=torch.int32)
+        got = torch.ops.redline_cpu.paged_decode_attention(q, k, v, tables, seq_lens, d ** -0.5, window)
+        want = paged_decode_attention(q, k.nan_to_num(), v.nan_to_num(), tables, seq_lens, d ** -0.5, window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_paged_decode_attention_refuses_tables_past_the_pool():
+    q, k = torch.randn(1, 4, 8), torch.randn(4, 16, 2, 8)
+    with pytest.raises(RuntimeError, match="names page 9 of 4"):
+        torch.ops.redline_cpu.paged_decode_attention(q, k, k, torch.tensor([[9]], dtype=torch.int32),
+                                                     torch.tensor([3], dtype=torch.int32), 0.35, 0)
+    with pytest.raises(RuntimeError, match="has 17 keys; its table holds 16"):
+        torch.ops.redline_cpu.paged_decode_attention(q, k, k, torch.tensor([[0]], dtype=torch.int32),
+                                                     torch.tensor([17], dtype=torch.int32), 0.35, 0)
