@@ -181,9 +181,19 @@ def redline_checkpoints(gguf: Path | None) -> tuple[Path, dict[str, Path]]:
     if gguf is None:
         return gguf_path(DEFAULT_DIR), {"q4_1 (native import)": demo_checkpoint(DEFAULT_DIR, int4=True),
                                         "float32 (dequantized)": demo_checkpoint(DEFAULT_DIR)}
+    return gguf, {"converted (float32)": float32_conversion(gguf)}
+
+
+def float32_conversion(gguf: Path) -> Path:
+    """The float32 checkpoint of a GGUF file beside it (convert_gguf's default name): a conversion newer than the
+    file is reused (a second run converts nothing, and never overwrites one), else it is written now."""
     from redline.scripts.convert_gguf import convert_gguf
 
-    return gguf, {"converted (float32)": convert_gguf(gguf, dtype="float32")}
+    out = gguf.with_suffix(".redline.safetensors")
+    if out.is_file() and out.stat().st_mtime >= gguf.stat().st_mtime:
+        print(f"reusing {out} (converted after {gguf.name} was written)", flush=True)
+        return out
+    return convert_gguf(gguf, out, dtype="float32")
 
 
 def main(argv: list[str] | None = None) -> int:

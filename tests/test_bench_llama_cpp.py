@@ -51,3 +51,20 @@ def test_extra_redline_checkpoints_are_named_files(tmp_path):
     for bad in ("int8", f"={ckpt}", f"int8={tmp_path / 'missing.safetensors'}"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--redline", bad])
+
+
+def test_a_conversion_newer_than_its_gguf_is_reused_not_rewritten(tmp_path, monkeypatch):
+    import os
+
+    from redline.scripts import convert_gguf
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    made = []
+    monkeypatch.setattr(convert_gguf, "convert_gguf", lambda path, out, dtype: made.append(out) or out)
+    assert bench.float32_conversion(gguf) == tmp_path / "m.redline.safetensors" and len(made) == 1
+    made[0].write_bytes(b"converted")
+    assert bench.float32_conversion(gguf) == made[0] and len(made) == 1  # reused
+    os.utime(gguf, (made[0].stat().st_mtime + 10,) * 2)  # the GGUF changed since: convert again
+    bench.float32_conversion(gguf)
+    assert len(made) == 2
