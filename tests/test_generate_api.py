@@ -188,12 +188,16 @@ def test_padded_vocabulary_ids_are_never_sampled(chat_tokenizer):
 
 def test_kernels_settings_are_checked_and_a_cpu_model_is_left_alone(tiny_llm_checkpoint, capsys):
     model = Transformer(ModelArgs(dim=64, n_layer=1, n_head=4, intermediate_size=128, vocab_size=64, block_size=64))
+    from redline.kernels.attention import CpuAttention
     from redline.kernels.linear import CpuLinear
+    from redline.model import Attention
 
     classes = [type(m) for m in model.modules()]
     LLM(model, None, torch.device("cpu"), compile=False)
-    # On the CPU only the bias-free float32 linears change: they run on the C++ kernels' own threads (CpuLinear).
-    assert [type(m) for m in model.modules()] == [CpuLinear if c is torch.nn.Linear else c for c in classes]
+    # On the CPU only the bias-free float32 linears and the attention change: they run on the C++ kernels' own
+    # threads (CpuLinear, CpuAttention).
+    swapped = {torch.nn.Linear: CpuLinear, Attention: CpuAttention}
+    assert [type(m) for m in model.modules()] == [swapped.get(c, c) for c in classes]
     assert CpuLinear in [type(m) for m in model.modules()]
     with pytest.raises(ValueError, match="kernels"):
         LLM(model, None, torch.device("cpu"), compile=False, kernels=True)
