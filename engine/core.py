@@ -450,18 +450,22 @@ class EngineCore:
         followed step): with grammar rows, its tokens are read and handed on while the device computes this step's
         forward, since this step's masks follow them."""
         inputs = tokens if tokens is not None else [c.seq.tokens[c.start] for c in chunks]
-        masks = None
-        if any(c.seq.state.matcher is not None for c in chunks):
-            def masks() -> Tensor:
-                if after is not None:
-                    self._land(after)
-                # a row that ended with the step before is computed once more and dropped: any token will do
-                return self.masks.fill([None if c.seq.finish_reason is not None else c.seq.state.matcher
-                                        for c in chunks])
+        grammar = any(c.seq.state.matcher is not None for c in chunks)
+        masks = self._mask_filler(chunks, after) if grammar else None
         out, host, ready = self.paged.launch_decode(inputs, [c.start for c in chunks], [c.seq.pages for c in chunks],
                                                     [c.seq.state.settings for c in chunks], masks,
                                                     self._penalty_slots(chunks))
         return Flight(chunks, out, host, ready, started)
+
+    def _mask_filler(self, chunks: list[Chunk], after: Flight | None) -> Callable[[], Tensor]:
+        """What the runner calls once a grammar step's forward is launched: hands on the tokens of `after` (the step
+        before, when this one follows it), then fills the rows' masks (B, W) from their matchers."""
+        def fill() -> Tensor:
+            if after is not None:
+                self._land(after)
+            # a row that ended with the step before is computed once more and dropped: any token will do
+            return self.masks.fill([None if c.seq.finish_reason is not None else c.seq.state.matcher for c in chunks])
+        return fill
 
     def _follow(self, flight: Flight) -> Flight | None:
         """The decode step after flight, launched before flight's tokens are read (the host's work for both then
