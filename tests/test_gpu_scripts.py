@@ -41,3 +41,19 @@ def test_an_argument_without_gpus_is_refused_in_one_line(tmp_path):
     done = side_by_side(tmp_path, "tests")
     assert done.returncode == 2
     assert done.stderr.strip() == "bad argument 'tests': use GPUS:PART[,PART...]"
+
+
+def test_the_tests_part_takes_its_share_of_the_files_test_files_names(tmp_path):
+    """gpu_run.sh tests with TEST_FILES and TEST_SHARD=1/2: one pytest process for the second of three files (a
+    stand-in python3 prints what it was asked to run)."""
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "ran $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "RESULTS": str(tmp_path / "run"), "WHEELS_INSTALLED": "1",
+           "TEST_FILES": "tests/test_a.py tests/test_b.py tests/test_c.py", "TEST_SHARD": "1/2"}
+    done = subprocess.run(["bash", "benchmarks/gpu_run.sh", "tests"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    ran = [line for line in done.stdout.splitlines() if line.startswith("ran -m pytest")]
+    assert len(ran) == 1 and ran[0].endswith(" tests/test_b.py"), done.stdout
