@@ -150,8 +150,6 @@ def kv_fp8_refusal(device: torch.device | str) -> str | None:
 
 
 @functools.cache
-@functools.cache
 def triton_importable() -> bool:
-    """Triton is installed (checked without importing it, once: the search of sys.path takes about 0.1 ms, and eager
-    prefill asks this for every linear)."""
+    """Triton is installed (checked without importing it)."""
     return importlib.util.find_spec("triton") is not None
