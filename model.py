@@ -585,8 +585,13 @@ class Attention(nn.Module):
             out = attention(q, k, v, window_mask, a.attention_scale, a.attn_softcap)  # (B, H, T, D)
         else:
             k, v = cache.update(input_pos, k, v)  # (B, Hkv, S, D)
-            out = attention(q, k, v, mask, a.attention_scale, a.attn_softcap)
+            out = self.attend_cache(q, k, v, mask, input_pos)
         return self.output(out)  # (B, T, dim)
+
+    def attend_cache(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+        """The new tokens' q (B, H, T, D) over the whole cache k, v (B, Hkv, S, D) under mask (1, 1, T, S), at
+        positions input_pos (T,) -> (B, H, T, D). A kernel module may replace it (kernels.attention.CpuAttention)."""
+        return attention(q, k, v, mask, self.args.attention_scale, self.args.attn_softcap)
 
 
 class FeedForward(nn.Module):

@@ -368,17 +368,11 @@ class CpuAttention(Attention):
     redline_cpu::decode_attention, which reads keys 0..position only (model.Attention's SDPA reads the whole cache
     under a mask: at a short context most of a step's attention time); every other call is model.Attention's."""
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, input_pos: Tensor, from_start: bool = False,
-                context: Any = None) -> Tensor:
-        if context is not None or from_start or x.shape[1] != 1 or self.cache().k.dtype != torch.float32:
-            return super().forward(x, rope, mask, input_pos, from_start, context)
-        a = self.args
-        q, k, v = split_rotated_qkv(self.qkv(x), rope, a.n_head, a.n_kv_heads, a.head_dim,
-                                    None if self.q_norm is None else self.normed_qk)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # q (B, H, 1, D); k, v (B, Hkv, 1, D)
-        k, v = self.cache().update(input_pos, k, v)  # (B, Hkv, S, D)
+    def attend_cache(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, input_pos: Tensor) -> Tensor:
+        if q.shape[2] != 1 or k.dtype != torch.float32:
+            return super().attend_cache(q, k, v, mask, input_pos)
         # (the op is loaded: use_cpu_kernels built it before swapping this class in)
-        return self.output(torch.ops.redline_cpu.decode_attention(q, k, v, input_pos, self.window))  # (B, 1, dim)
+        return torch.ops.redline_cpu.decode_attention(q, k, v, input_pos, self.window)  # (B, H, 1, D)
 
 
 class KernelAttention(Attention):

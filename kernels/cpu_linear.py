@@ -50,7 +50,7 @@ LOADED: set[str] = set()
 @functools.cache
 def cpu_ops() -> None:
     """Build (once per machine) and load cpu_gemv.cpp, which registers torch.ops.redline_cpu.int8_linear,
-    int4_linear, int8_group_linear, decode_attention and the instruction-set controls."""
+    int4_linear, int8_group_linear, decode_attention, paged_decode_attention and the instruction-set controls."""
     from torch.utils.cpp_extension import load
 
     try:
@@ -130,14 +130,6 @@ def int4_linear_cpu(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     fp16 (N, K/G, 2)."""
     cpu_ops()
     return torch.ops.redline_cpu.int4_linear(x, weight.contiguous(), scales.contiguous())
-
-
-def decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, input_pos: Tensor, window: int = 0) -> Tensor:
-    """One token's attention over keys 0..input_pos of its own fp32 cache (the last `window` of them with window > 0),
-    on the CPU kernels' threads: q (B, H, 1, D), caches (B, Hkv, S, D) -> (B, H, 1, D). Only the valid keys are
-    read (attention.decode_attention_reference computes the same over the masked whole cache)."""
-    cpu_ops()
-    return torch.ops.redline_cpu.decode_attention(q, k_cache, v_cache, input_pos, window)
 
 
 def paged_decode_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
