@@ -207,12 +207,10 @@ class GrammarMasks:
         host = self.host[:rows]
         host.fill_(-1)
         grammar_rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if not grammar_rows:
-            pass
-        elif len(grammar_rows) == 1:
+        if len(grammar_rows) == 1:
             row = host[grammar_rows[0][1]]
             grammar_rows[0][0].unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
-        else:
+        elif grammar_rows:
             if self.executor is None:
                 self.executor = llguidance.LLExecutor()
             self.executor.unsafe_compute_mask_ptr(grammar_rows, host.data_ptr(), self.words * 4, rows)
