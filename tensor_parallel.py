@@ -552,7 +552,22 @@ class NullWriter:
 
 
 def stop() -> None:
-    """Leave the process group that start() initialized (at the end of a CLI run); a group made by the caller stays."""
-    if dist.is_available() and dist.is_initialized() and dist.group.WORLD.group_name in _STARTED_GROUPS:
-        _STARTED_GROUPS.discard(dist.group.WORLD.group_name)
-        dist.destroy_process_group()
+    """Leave the process group that start() initialized (at the end of a CLI run); a group made by the caller stays.
+    Called while an error propagates (from a `finally`), it leaves the group as it is: destroying it waits for the
+    other ranks, which may be blocked in a step this rank will never send; the error is printed, this rank exits and
+    the launcher stops the others."""
+    if sys.exc_info()[1] is not None:
+        return
+    if not (dist.is_available() and dist.is_initialized() and dist.group.WORLD.group_name in _STARTED_GROUPS):
+        return
+    _STARTED_GROUPS.discard(dist.group.WORLD.group_name)
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if dist.get_backend() == "nccl" and abort is not None:
+        # An NCCL communicator whose collectives a CUDA graph captured never finishes ncclCommDestroy (PyTorch issue
+        # 115388): once every rank's work is done, its communicators are aborted instead, which frees them at once.
+        torch.cuda.synchronize()
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+        torch.cuda.synchronize()
+        abort()
+        return
+    dist.destroy_process_group()

@@ -99,6 +99,8 @@ def run_benchmark(cfg: BenchConfig, log: Any, save: Any = None,
             log(f"{what} FAILED: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
             traceback.print_exc(file=sys.stderr)
             report["errors"].append({"what": what, "error": f"{type(exc).__name__}: {str(exc).strip()[:500]}"})
+            if world is not None:  # the other ranks wait in this configuration's collectives: stop them all
+                raise
             return None
         finally:
             torch._dynamo.reset()  # drop this configuration's compiled graphs and CUDA graph pools

@@ -379,8 +379,7 @@ def random_llm(ns: argparse.Namespace, world: tensor_parallel.TPWorld | None) ->
 def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWorld | None = None) -> dict[str, Any]:
     """The workload on rank 0 (or one process); under torchrun every other rank follows rank 0's engine steps and
     returns an empty report."""
-    llm = random_llm(ns, world)
-    model, device, args = llm.model, llm.device, llm.model.args  # a rank's args: its share of heads and features
+    llm = random_llm(ns, world)  # a rank's model: its share of heads and features
     dtype = dtype_from_name(ns.dtype)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
                          prefill_chunk=ns.prefill_chunk, compile_prefill=ns.compile_prefill,
@@ -388,6 +387,16 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
     if world is not None and world.rank != 0:
         engine.follow()
         return {}
+    try:
+        return measure(ns, argv, world, llm, engine, dtype)
+    finally:  # also after an error: with tensor parallel, the other ranks' follow() returns
+        engine.shutdown()
+
+
+def measure(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWorld | None, llm: LLM,
+            engine: TimedEngine, dtype: torch.dtype) -> dict[str, Any]:
+    """Rank 0's (or the one process's) report of the workload on the engine."""
+    model, device, args = llm.model, llm.device, llm.model.args
     engine.log = StepLog()
     if device.type == "cuda":  # with tensor parallel, one GPU's roofline: each reads its slices in parallel
         from redline.profiling import read_bandwidth_gb_s
@@ -403,7 +412,6 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
     report["env"]["command"] = f"{launcher} benchmarks/bench_serving.py " + " ".join(argv)
     if ns.workload == "single":
         report["single"] = run_single(llm, engine, args.vocab_size, ns.seed)
-        engine.shutdown()
         return report
     requests = make_requests(ns.workload, ns.num_requests, args.vocab_size, ns.seed,
                              ns.prompt_tokens) if ns.workload != "prefix" else []
@@ -415,7 +423,6 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
     engine.warm_up()  # as serve.py does before it says ready
     if ns.workload == "prefix":
         report["prefix"] = run_prefix(engine, args.vocab_size, args.block_size, ns.seed)
-        engine.shutdown()
         return report
     if engine.costs is not None:
         costs = engine.costs
@@ -433,7 +440,6 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
         report["hf"] = run_hf(args, device, dtype, subset)
         base = report.get("redline_subset", report["redline"])
         report["speedup_vs_hf"] = base["output_tok_s"] / report["hf"]["output_tok_s"]
-    engine.shutdown()
     return report
 
 

@@ -124,7 +124,8 @@ def serve_core(config: CoreConfig) -> int:
             send(core.stats())
         elif isinstance(message, Shutdown):
             log(f"draining (up to {message.grace_s:g} s)")
-            core.shutdown(message.grace_s)
+            core.shutdown(message.grace_s)  # tensor parallel: the other ranks' follow() returns
+            stop_ranks()
             log("stopped")
             return 0
 
@@ -157,7 +158,15 @@ def follow_core(config: CoreConfig) -> int:
         log(f"rank {rank}: {message}")
 
     EngineCore(load_runner(config.model, rank_log), EngineSettings(**config.engine), lambda outputs: None).follow()
+    stop_ranks()
     return 0
+
+
+def stop_ranks() -> None:
+    """Leave the ranks' process group, once rank 0's core shut down (no-op on one GPU)."""
+    from redline import tensor_parallel
+
+    tensor_parallel.stop()
 
 
 def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> tuple[EngineCore, dict[str, float]]:

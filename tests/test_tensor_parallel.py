@@ -199,6 +199,19 @@ def test_cli_refusal_under_torchrun_is_one_line(checkpoints):
     assert len(errors) == 1 and "divisible by 3" in errors[0], proc.stderr[-3000:]
 
 
+def test_an_error_on_rank_zero_releases_the_following_ranks():
+    """bench_serving.py under torchrun: rank 0's engine refuses a request after the other rank began to follow its
+    steps; rank 0 still tells that rank to stop before it reports the error, so both end at once, without a
+    traceback from the engine's exit handler."""
+    proc = torchrun([str(ROOT / "benchmarks" / "bench_serving.py"), "--model", "debug-tiny", "--workload", "long",
+                     "--prompt-tokens", "5000", "--num-requests", "1", "--device", "cpu"])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0
+    assert errors == ["error: the prompt has 5000 tokens, but the model's context is 256; shorten it"], \
+        proc.stderr[-3000:]
+    assert "Exception ignored" not in proc.stderr and "core.py" not in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["float32", "int8"])
 def test_each_rank_reads_only_its_slices(checkpoints, which):
     info = read_checkpoint_info(checkpoints[which])
