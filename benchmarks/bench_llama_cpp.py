@@ -181,7 +181,18 @@ def redline_checkpoints(gguf: Path | None) -> tuple[Path, dict[str, Path]]:
     if gguf is None:
         return gguf_path(DEFAULT_DIR), {"q4_1 (native import)": demo_checkpoint(DEFAULT_DIR, int4=True),
                                         "float32 (dequantized)": demo_checkpoint(DEFAULT_DIR)}
-    return gguf, {"converted (float32)": float32_conversion(gguf)}
+    converted = float32_conversion(gguf)
+    return gguf, {conversion_name(converted): converted}
+
+
+def conversion_name(checkpoint: Path) -> str:
+    """What a GGUF file's conversion holds: float32 throughout, or int4 projections (a Q4_0/Q4_1 file's, kept as they
+    are) beside float32 embeddings and norms."""
+    from redline.checkpoint import read_checkpoint_info
+
+    if read_checkpoint_info(checkpoint).scheme == "int4":
+        return "converted (int4 projections, float32 rest)"
+    return "converted (float32)"
 
 
 def float32_conversion(gguf: Path) -> Path:

@@ -68,3 +68,12 @@ def test_a_conversion_newer_than_its_gguf_is_reused_not_rewritten(tmp_path, monk
     os.utime(gguf, (made[0].stat().st_mtime + 10,) * 2)  # the GGUF changed since: convert again
     bench.float32_conversion(gguf)
     assert len(made) == 2
+
+
+def test_a_conversion_is_named_for_what_it_holds(tiny_llm_checkpoint, tmp_path):
+    from redline.quantize import quantize_checkpoint
+
+    float_path = tiny_llm_checkpoint[0]
+    int4_path = quantize_checkpoint(float_path, "int4", tmp_path / "model.int4.safetensors")
+    assert bench.conversion_name(float_path) == "converted (float32)"
+    assert bench.conversion_name(int4_path) == "converted (int4 projections, float32 rest)"
