@@ -563,8 +563,9 @@ def stop() -> None:
     _STARTED_GROUPS.discard(dist.group.WORLD.group_name)
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if dist.get_backend() == "nccl" and abort is not None:
-        # An NCCL communicator whose collectives a CUDA graph captured never finishes ncclCommDestroy (PyTorch issue
-        # 115388): once every rank's work is done, its communicators are aborted instead, which frees them at once.
+        # An NCCL communicator whose collectives a CUDA graph captured never finishes ncclCommDestroy
+        # (https://github.com/pytorch/pytorch/issues/115388): once every rank's work is done, its communicators are
+        # aborted instead, which frees them at once.
         torch.cuda.synchronize()
         dist.barrier(device_ids=[torch.cuda.current_device()])
         torch.cuda.synchronize()
