@@ -380,7 +380,6 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
     """The workload on rank 0 (or one process); under torchrun every other rank follows rank 0's engine steps and
     returns an empty report."""
     llm = random_llm(ns, world)  # a rank's model: its share of heads and features
-    dtype = dtype_from_name(ns.dtype)
     engine = TimedEngine(llm, max_kv_tokens=ns.max_kv_tokens, max_running=ns.max_running, page_size=ns.page_size,
                          prefill_chunk=ns.prefill_chunk, compile_prefill=ns.compile_prefill,
                          prefill_graphs=ns.prefill_graphs, kv_cache_dtype=ns.kv_cache_dtype)
@@ -388,15 +387,16 @@ def run(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWo
         engine.follow()
         return {}
     try:
-        return measure(ns, argv, world, llm, engine, dtype)
+        return measure(ns, argv, world, llm, engine)
     finally:  # also after an error: with tensor parallel, the other ranks' follow() returns
         engine.shutdown()
 
 
 def measure(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.TPWorld | None, llm: LLM,
-            engine: TimedEngine, dtype: torch.dtype) -> dict[str, Any]:
+            engine: TimedEngine) -> dict[str, Any]:
     """Rank 0's (or the one process's) report of the workload on the engine."""
     model, device, args = llm.model, llm.device, llm.model.args
+    dtype = dtype_from_name(ns.dtype)
     engine.log = StepLog()
     if device.type == "cuda":  # with tensor parallel, one GPU's roofline: each reads its slices in parallel
         from redline.profiling import read_bandwidth_gb_s

@@ -9,7 +9,7 @@ N(0, 0.02) in fp16, norms 1.0 in fp32), then each of --types as llama.cpp's own 
 (llama-cpp-python's `llama_model_quantize`, with llama.cpp's default choices per tensor). The tokenizer is the --like
 file's (a byte-level BPE), padded with unused tokens up to the model's vocabulary, so the head has the real size.
 RoPE scaling is left out (plain RoPE at the registry's base): the bytes and FLOPs of a step are the model's.
-Every file is written next to its final name and renamed into place; an existing file is kept (--force replaces it).
+Every file is written to a temp file beside its final name and renamed into place; an existing file is kept (--force replaces it).
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from redline.checkpoint import write_atomically
 
 # llama.cpp's file types (llama_ftype) of the quantizations this script asks llama.cpp for.
 LLAMA_FTYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3}
@@ -68,16 +70,18 @@ def padded_tokenizer(like: Path, vocab_size: int) -> dict[str, Any]:
     """The --like file's tokenizer fields, its token list padded with unused tokens to vocab_size."""
     import gguf
 
+    from redline.scripts.gguf_metadata import field as checked_field
+
     reader = gguf.GGUFReader(str(like))
 
     def field(key: str) -> Any:
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
+        return checked_field(reader, key)
 
     if field("tokenizer.ggml.model") != "gpt2":
         raise ValueError(f"--like {like}: its tokenizer is {field('tokenizer.ggml.model')!r}, not a byte-level BPE "
                          f"('gpt2'); pass the demo's GGUF file")
-    tokens, types = list(field("tokenizer.ggml.tokens")), list(field("tokenizer.ggml.token_type"))
+    tokens = list(field("tokenizer.ggml.tokens"))
+    types = list(field("tokenizer.ggml.token_type") or [1] * len(tokens))  # absent: every token a normal one
     if len(tokens) > vocab_size:
         raise ValueError(f"--like {like} has {len(tokens)} tokens, more than the model's {vocab_size}")
     pad = vocab_size - len(tokens)
@@ -106,8 +110,7 @@ def write_f16_gguf(args: Any, name: str, tokenizer: dict[str, Any], path: Path, 
     import gguf
 
     rng = np.random.default_rng(seed)
-    tmp = path.with_name(path.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(f"{name} (random weights)")
     writer.add_block_count(args.n_layer)
     writer.add_context_length(min(CONTEXT_LENGTH, args.block_size))
@@ -142,7 +145,6 @@ def write_f16_gguf(args: Any, name: str, tokenizer: dict[str, Any], path: Path, 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    os.replace(tmp, path)
 
 
 def quantize_with_llama_cpp(source: Path, target: Path, kind: str, threads: int) -> None:
@@ -154,27 +156,24 @@ def quantize_with_llama_cpp(source: Path, target: Path, kind: str, threads: int)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FTYPES[kind]
     params.nthread = threads
-    tmp = target.with_name(target.name + ".tmp")
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params)
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
     if status != 0:
-        tmp.unlink(missing_ok=True)
         raise ValueError(f"llama.cpp could not quantize {source.name} to {kind} (status {status})")
-    os.replace(tmp, target)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         ns = parse_args(sys.argv[1:] if argv is None else argv)
         args = model_args(ns.model)
-        ns.out_dir.mkdir(parents=True, exist_ok=True)
         f16 = ns.out_dir / f"{ns.model}-random.F16.gguf"
         if ns.force or not f16.exists():
-            write_f16_gguf(args, ns.model, padded_tokenizer(ns.like, args.vocab_size), f16, ns.seed)
+            tokenizer = padded_tokenizer(ns.like, args.vocab_size)
+            write_atomically(f16, lambda tmp: write_f16_gguf(args, ns.model, tokenizer, tmp, ns.seed))
             print(f"wrote {f16}")
         for kind in ns.types:
             target = ns.out_dir / f"{ns.model}-random.{kind}.gguf"
             if ns.force or not target.exists():
-                quantize_with_llama_cpp(f16, target, kind, ns.threads)
+                write_atomically(target, lambda tmp: quantize_with_llama_cpp(f16, tmp, kind, ns.threads))
                 print(f"wrote {target}")
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
