@@ -611,4 +611,4 @@ if __name__ == "__main__":
     # Run the package's copy of this module, so the classes it defines are the ones every other module imports.
     from redline.generate import main as package_main
 
-    sys.exit(package_main())
+    tensor_parallel.exit_process(package_main())

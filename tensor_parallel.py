@@ -35,7 +35,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import torch
@@ -555,20 +555,31 @@ def stop() -> None:
     """Leave the process group that start() initialized (at the end of a CLI run); a group made by the caller stays.
     Called while an error propagates (from a `finally`), it leaves the group as it is: destroying it waits for the
     other ranks, which may be blocked in a step this rank will never send; the error is printed, this rank exits and
-    the launcher stops the others."""
+    the launcher stops the others.
+
+    NCCL: once every rank's work is done (a barrier), the communicators are left open and the process must end
+    through exit_process(). NCCL frees a communicator only after the CUDA graphs that captured its collectives are
+    gone, so destroying or aborting it here, or the process group's destructor at interpreter exit, waits for ever
+    (https://github.com/pytorch/pytorch/issues/115388; both were seen to hang on 2 H200s); ending the process frees
+    the communicators and the graphs together."""
     if sys.exc_info()[1] is not None:
         return
     if not (dist.is_available() and dist.is_initialized() and dist.group.WORLD.group_name in _STARTED_GROUPS):
         return
     _STARTED_GROUPS.discard(dist.group.WORLD.group_name)
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if dist.get_backend() == "nccl" and abort is not None:
-        # An NCCL communicator whose collectives a CUDA graph captured never finishes ncclCommDestroy
-        # (https://github.com/pytorch/pytorch/issues/115388): once every rank's work is done, its communicators are
-        # aborted instead, which frees them at once.
+    if dist.get_backend() == "nccl":
         torch.cuda.synchronize()
         dist.barrier(device_ids=[torch.cuda.current_device()])
         torch.cuda.synchronize()
-        abort()
         return
     dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with exit status `code`: sys.exit, or, while an NCCL process group is still up (stop() leaves
+    it so; see there), os._exit once stdout and stderr are flushed, so the interpreter's teardown never waits on it."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

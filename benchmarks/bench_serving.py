@@ -510,4 +510,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     from redline.benchmarks.bench_serving import main as package_main
 
-    sys.exit(package_main())
+    tensor_parallel.exit_process(package_main())

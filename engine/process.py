@@ -389,4 +389,6 @@ def core_environment(compile_cache: Path | None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from redline import tensor_parallel
+
+    tensor_parallel.exit_process(main())
