@@ -221,29 +221,60 @@ static inline QF qf_fma(QF a, float b, QF c) { return a * b + c; }
 static inline float qf_sum(QF a) { return a; }
 #endif
 
+// One block b of 32 inputs against every row of x: its int32 sums, scaled by s * dx, into acc (one register a row).
+template <int MB>
+static inline void int4_block(const int16_t* xq, const float* dx, int64_t k, int64_t blocks, const uint8_t* w,
+                              int64_t b, float s, QF* acc) {
+  Q lo, hi;
+  nibbles_to_int16(w + b * 16, &lo, &hi);
+  for (int i = 0; i < MB; ++i)
+    acc[i] = qf_fma(block_dot(lo, hi, xq + i * k + b * X_BLOCK_INPUTS), s * dx[i * blocks + b], acc[i]);
+}
+
 template <int MB>
 static inline void int4_row(const int16_t* xq, const float* dx, const float* xsum, int64_t k, int64_t groups,
                             const uint8_t* w, const at::Half* scales, float* y, int64_t ldy) {
   const int64_t blocks_per_group = k / groups / X_BLOCK_INPUTS, blocks = k / X_BLOCK_INPUTS;
-  QF acc[MB][2];  // two accumulators a row (even and odd blocks) hide the FMA latency
+  // Two accumulators a row, each a named register set (an index computed at run time would keep them on the
+  // stack, each block then waiting for the store of the one before): consecutive blocks go to alternate ones.
+  QF even[MB], odd[MB];
   float offsets[MB];
   for (int i = 0; i < MB; ++i) {
     offsets[i] = 0.f;
-    acc[i][0] = acc[i][1] = qf_zero();
+    even[i] = odd[i] = qf_zero();
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    // The codes are centred (q - 8, so the integer sums hold less of the offset's mass): o + 8 s per unit of x.
-    const float s = half_to_float(scales + 2 * g), o = half_to_float(scales + 2 * g + 1) + 8.f * s;
+  // The codes are centred (q - 8, so the integer sums hold less of the offset's mass): o + 8 s per unit of x.
+  auto scale = [&](int64_t g) { return half_to_float(scales + 2 * g); };
+  auto offset = [&](int64_t g) {
+    const float o = half_to_float(scales + 2 * g + 1) + 8.f * scale(g);
     for (int i = 0; i < MB; ++i) offsets[i] += o * xsum[i * groups + g];
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      Q lo, hi;
-      nibbles_to_int16(w + b * 16, &lo, &hi);
-      for (int i = 0; i < MB; ++i)
-        acc[i][b & 1] = qf_fma(block_dot(lo, hi, xq + i * k + b * X_BLOCK_INPUTS), s * dx[i * blocks + b],
-                               acc[i][b & 1]);
+  };
+  if (blocks_per_group == 1) {  // groups of 32 (GGUF's Q4_0 / Q4_1 blocks): two groups a step
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) {
+      offset(g);
+      offset(g + 1);
+      int4_block<MB>(xq, dx, k, blocks, w, g, scale(g), even);
+      int4_block<MB>(xq, dx, k, blocks, w, g + 1, scale(g + 1), odd);
+    }
+    if (g < groups) {
+      offset(g);
+      int4_block<MB>(xq, dx, k, blocks, w, g, scale(g), even);
+    }
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      offset(g);
+      const float s = scale(g);
+      int64_t b = g * blocks_per_group;
+      const int64_t end = b + blocks_per_group;
+      for (; b + 2 <= end; b += 2) {
+        int4_block<MB>(xq, dx, k, blocks, w, b, s, even);
+        int4_block<MB>(xq, dx, k, blocks, w, b + 1, s, odd);
+      }
+      if (b < end) int4_block<MB>(xq, dx, k, blocks, w, b, s, even);
     }
   }
-  for (int i = 0; i < MB; ++i) y[i * ldy] = qf_sum(acc[i][0]) + qf_sum(acc[i][1]) + offsets[i];
+  for (int i = 0; i < MB; ++i) y[i * ldy] = qf_sum(even[i]) + qf_sum(odd[i]) + offsets[i];
 }
 
 // ---------------------------------------------------------------------------------------------------------------------

@@ -56,7 +56,8 @@ def test_int8_linear_cpu_matches_reference(rows, nk, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k,group", [(48, 512, 32), (50, 576, 64), (7, 1024, 128), (960, 512, 256), (3, 32, 32)])
+@pytest.mark.parametrize("n,k,group", [(48, 512, 32), (50, 576, 64), (7, 1024, 128), (960, 512, 256), (3, 32, 32),
+                                         (5, 96, 32)])  # an odd count of groups
 @pytest.mark.parametrize("rows", ROWS)
 def test_int4_linear_cpu_matches_reference(rows, n, k, group, dtype):
     torch.manual_seed(1)
