@@ -1,15 +1,17 @@
 // Redline's CPU kernels for int8 and int4 weights: each weight byte is read once per block of up to 4 rows of x and
-// turned into fp32 in registers (no float copy of the weight); products accumulate in fp32 like the references in
-// linear.py. One row of x (decode) is a matrix-vector product, many rows (prefill) a blocked matrix product.
+// widened in registers (no float copy of the weight); its codes multiply x's int16 codes per block of 32 inputs in
+// exact integer sums scaled in fp32 (x_codes says how x is rounded). One row of x (decode) is a matrix-vector
+// product, many rows (prefill) a blocked matrix product.
 //
 //   redline_cpu::int8_linear(x (..., K), weight int8 (N, K), scales fp32 (N,)) -> (..., N) in x's dtype
-//       y[m, n] = (sum_k x[m, k] * weight[n, k]) * scales[n]
+//       y[m, n] = (sum_k x[m, k] * weight[n, k]) * scales[n]   (x in fp32 when K is not a multiple of 32)
 //   redline_cpu::int4_linear(x (..., K), weight uint8 (N, K/2), scales fp16 (N, K/G, 2)) -> (..., N)
 //       quantize.py's layout: input k of row n in byte k / 2 (even k in the low nibble), w = scale * q + offset
 //       per (row, group of G inputs); y[m, n] = sum_g scale sum_{k in g} x[m, k] q[n, k] + offset * sum_{k in g} x,
 //       the inner sums on x's int16 codes per block of 32 inputs (exact integer products; cpu_gemv_simd.h)
 //   redline_cpu::int8_group_linear(x (..., K), weight int8 (N, K), scales fp16 (N, K/G)) -> (..., N)
-//       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k]   (the exact form of a Q8_0 table)
+//       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k]   (the exact form of a Q8_0 table; x in
+//       fp32 for groups of 16)
 //   redline_cpu::simd() -> int            the instruction set the kernels run now: 0 portable, 1 AVX2, 2 AVX-512
 //   redline_cpu::detected_simd() -> int   the best one this CPU has
 //   redline_cpu::force_simd(int level) -> int   run `level` (-1: the detected one again); returns the previous setting
@@ -268,6 +270,34 @@ at::Tensor finish(const at::Tensor& out, const at::Tensor& x, const std::vector<
   return out.view(shape).to(x.scalar_type());
 }
 
+// x (M, K) as int16 codes per block of 32 inputs, one step a block (dx: (M, K/32)), code = round(x / step) with
+// step = the block's largest |x| / 32767. In input order for int8 weights; for int4 (nibble_order) each block's 16
+// even inputs, then its 16 odd ones (one per nibble of a byte).
+struct XCodes {
+  std::vector<int16_t> xq;
+  std::vector<float> dx;
+};
+
+XCodes x_codes(const float* xp, int64_t m, int64_t k, bool nibble_order) {
+  const int64_t blocks = k / 32;
+  XCodes codes{std::vector<int16_t>(m * k), std::vector<float>(m * blocks)};
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = xp + i * k + b * 32;
+      float top = 0.f;
+      for (int64_t j = 0; j < 32; ++j) top = std::max(top, std::fabs(xb[j]));
+      const float inverse = top > 0.f ? 32767.f / top : 0.f;
+      codes.dx[i * blocks + b] = top / 32767.f;
+      int16_t* qb = codes.xq.data() + i * k + b * 32;
+      for (int64_t j = 0; j < 32; ++j) {
+        const int64_t slot = nibble_order ? (j % 2) * 16 + j / 2 : j;
+        qb[slot] = static_cast<int16_t>(std::nearbyint(xb[j] * inverse));
+      }
+    }
+  }
+  return codes;
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.is_cpu(),
               "int8_linear: weight must be contiguous int8 (N, K) on the CPU");
@@ -283,7 +313,18 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const float* sp = scales.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  if (m > 0 && k > 0) {
+  if (m > 0 && k > 0 && k % 32 == 0) {  // on x's int16 codes
+    const XCodes codes = x_codes(xp, m, k, false);
+    const int16_t* qp = codes.xq.data();
+    const float* dp = codes.dx.data();
+    claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+      if (level == AVX512) return avx512::int8_code_rows(qp, dp, m, k, wp, sp, yp, n, r0, r1);
+      if (level == AVX2) return avx2::int8_code_rows(qp, dp, m, k, wp, sp, yp, n, r0, r1);
+#endif
+      portable::int8_code_rows(qp, dp, m, k, wp, sp, yp, n, r0, r1);
+    });
+  } else if (m > 0 && k > 0) {  // any other K: x in fp32
     claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86
       if (level == AVX512) return avx512::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
@@ -341,7 +382,18 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& weight, cons
   const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  if (m > 0) {
+  if (m > 0 && group % 32 == 0) {  // on x's int16 codes
+    const XCodes codes = x_codes(xp, m, k, false);
+    const int16_t* qp = codes.xq.data();
+    const float* dp = codes.dx.data();
+    claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+      if (level == AVX512) return avx512::int8_group_code_rows(qp, dp, m, k, wp, sp, group, yp, n, r0, r1);
+      if (level == AVX2) return avx2::int8_group_code_rows(qp, dp, m, k, wp, sp, group, yp, n, r0, r1);
+#endif
+      portable::int8_group_code_rows(qp, dp, m, k, wp, sp, group, yp, n, r0, r1);
+    });
+  } else if (m > 0) {  // groups of 16: x in fp32
     claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86
       if (level == AVX512) return avx512::int8_group_rows(xp, m, k, wp, sp, group, yp, n, r0, r1);
@@ -365,25 +417,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const int64_t groups = scales.size(1), group = k / groups;
   auto [x2, shape] = rows_of(x, k, n);
   const int64_t m = x2.size(0);
-  // x as int16 codes per block of 32 inputs (its 16 even inputs, then its 16 odd ones: one per nibble) with one step
-  // per block, and each group's exact sum of x (for the offsets).
-  const int64_t blocks = k / 32;
-  std::vector<int16_t> xq(m * k);
-  std::vector<float> dx(m * blocks), xsum(m * groups);
+  // x as int16 codes (x_codes, nibble order) and each group's exact sum of x (for the offsets).
   const float* xp = x2.data_ptr<float>();
+  const XCodes codes = x_codes(xp, m, k, true);
+  std::vector<float> xsum(m * groups);
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = xp + i * k + b * 32;
-      float top = 0.f;
-      for (int64_t j = 0; j < 32; ++j) top = std::max(top, std::fabs(xb[j]));
-      const float step = top / 32767.f, inverse = top > 0.f ? 32767.f / top : 0.f;
-      dx[i * blocks + b] = step;
-      int16_t* qb = xq.data() + i * k + b * 32;
-      for (int64_t j = 0; j < 16; ++j) {
-        qb[j] = static_cast<int16_t>(std::nearbyint(xb[2 * j] * inverse));
-        qb[16 + j] = static_cast<int16_t>(std::nearbyint(xb[2 * j + 1] * inverse));
-      }
-    }
     for (int64_t g = 0; g < groups; ++g) {
       float total = 0.f;
       for (int64_t j = g * group; j < (g + 1) * group; ++j) total += xp[i * k + j];
@@ -394,8 +432,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = out.data_ptr<float>();
-  const int16_t* qp = xq.data();
-  const float *dp = dx.data(), *gp = xsum.data();
+  const int16_t* qp = codes.xq.data();
+  const float *dp = codes.dx.data(), *gp = xsum.data();
   const int64_t level = simd();
   if (m > 0) {
     claimed_rows(n, m, k, half, [&](int64_t r0, int64_t r1) {

@@ -4,10 +4,11 @@
 //   1  AVX2 + FMA + F16C (8 floats a register),
 //   2  AVX-512 F/BW/VL (16 floats a register).
 // Only the few helpers below differ between them; the loops are shared, so every path computes the same sums in the
-// same order per lane. The int8 and fp32 kernels keep x in fp32: their products are the references' to fp32 rounding.
-// The int4 kernel reads x as int16 codes per block of 32 inputs (integer multiply-adds on the nibbles, about 1.6x the
-// fp32 loop's speed on AVX2): half an int16 step of rounding per input, a relative 1.5e-5 of the block's largest
-// |x|, about what fp32 sums of a few hundred terms add already; greedy tokens stay the dequantized float model's.
+// same order per lane. The fp32 kernel keeps x in fp32: its products are the reference's to fp32 rounding. The int8
+// and int4 kernels read x as int16 codes per block of 32 inputs (integer multiply-adds on the widened codes, about
+// 1.6-2x the fp32 loops' speed on AVX2): half an int16 step of rounding per input, a relative 1.5e-5 of the block's
+// largest |x|, about what fp32 sums of a few hundred terms add already; greedy tokens stay the dequantized float
+// model's. (The fp32-x loops int8_row and int8_group_row remain for K, or groups, that are not multiples of 32.)
 //
 // Each kernel fills rows [r0, r1) of the output for all M rows of x. A weight row is converted to floats once per
 // block of up to 4 rows of x (MB), so a prefill of M rows is a blocked matrix product on the packed weight and a
@@ -185,6 +186,12 @@ static inline void nibbles_to_int16(const uint8_t* p, Q* lo, Q* hi) {
   *lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, mask)), eight);
   *hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), eight);
 }
+// 32 signed bytes as int16: inputs 0..15 in lo, 16..31 in hi (an int8 weight's block, in input order).
+static inline void bytes_to_int16(const int8_t* p, Q* lo, Q* hi) {
+  const __m128i* v = reinterpret_cast<const __m128i*>(p);
+  *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(v));
+  *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(v + 1));
+}
 // The block's products as 8 int32 partial sums, as fp32 (exact: each below 2^24).
 static inline __m256 block_dot(Q lo, Q hi, const int16_t* xq) {
   const __m256i e = _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)));
@@ -208,6 +215,12 @@ static inline void nibbles_to_int16(const uint8_t* p, Q* lo, Q* hi) {
   for (int j = 0; j < 16; ++j) {
     lo->v[j] = static_cast<int16_t>((p[j] & 15) - 8);
     hi->v[j] = static_cast<int16_t>((p[j] >> 4) - 8);
+  }
+}
+static inline void bytes_to_int16(const int8_t* p, Q* lo, Q* hi) {
+  for (int j = 0; j < 16; ++j) {
+    lo->v[j] = p[j];
+    hi->v[j] = p[16 + j];
   }
 }
 typedef float QF;
@@ -275,6 +288,49 @@ static inline void int4_row(const int16_t* xq, const float* dx, const float* xsu
     }
   }
   for (int i = 0; i < MB; ++i) y[i * ldy] = qf_sum(even[i]) + qf_sum(odd[i]) + offsets[i];
+}
+
+// int8 weight on x's int16 codes (in input order per block of 32, code = round(x / dx[block])): each block's sum of
+// w * code is an exact int32 (|w| <= 128, |code| <= 32767, 32 terms), scaled by the block's weight scale times dx
+// in fp32. Weight scales: one fp16 per group of G inputs (G a multiple of 32; GGUF's Q8_0 table), or none, the row's
+// fp32 scale then multiplying the sum (quantize.py's int8). Error beyond fp32 sums: half a code step per input, as
+// int4_row's.
+template <int MB>
+static inline void int8_code_block(const int16_t* xq, const float* dx, int64_t k, int64_t blocks, const int8_t* w,
+                                   int64_t b, float s, QF* acc) {
+  Q lo, hi;
+  bytes_to_int16(w + b * X_BLOCK_INPUTS, &lo, &hi);
+  for (int i = 0; i < MB; ++i)
+    acc[i] = qf_fma(block_dot(lo, hi, xq + i * k + b * X_BLOCK_INPUTS), s * dx[i * blocks + b], acc[i]);
+}
+
+template <int MB>
+static inline void int8_code_row(const int16_t* xq, const float* dx, int64_t k, const int8_t* w,
+                                 const at::Half* scales, int64_t blocks_per_group, float row_scale, float* y,
+                                 int64_t ldy) {
+  const int64_t blocks = k / X_BLOCK_INPUTS;
+  QF even[MB], odd[MB];  // named registers, consecutive blocks alternating (int4_row says why)
+  for (int i = 0; i < MB; ++i) even[i] = odd[i] = qf_zero();
+  if (scales != nullptr && blocks_per_group == 1) {  // Q8_0's groups of 32: a scale a block
+    int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      int8_code_block<MB>(xq, dx, k, blocks, w, b, half_to_float(scales + b), even);
+      int8_code_block<MB>(xq, dx, k, blocks, w, b + 1, half_to_float(scales + b + 1), odd);
+    }
+    if (b < blocks) int8_code_block<MB>(xq, dx, k, blocks, w, b, half_to_float(scales + b), even);
+  } else {
+    const int64_t per_group = scales != nullptr ? blocks_per_group : blocks;
+    for (int64_t b0 = 0; b0 < blocks; b0 += per_group) {
+      const float s = scales != nullptr ? half_to_float(scales + b0 / per_group) : 1.f;
+      int64_t b = b0;
+      for (; b + 2 <= b0 + per_group; b += 2) {
+        int8_code_block<MB>(xq, dx, k, blocks, w, b, s, even);
+        int8_code_block<MB>(xq, dx, k, blocks, w, b + 1, s, odd);
+      }
+      if (b < b0 + per_group) int8_code_block<MB>(xq, dx, k, blocks, w, b, s, even);
+    }
+  }
+  for (int i = 0; i < MB; ++i) y[i * ldy] = (qf_sum(even[i]) + qf_sum(odd[i])) * row_scale;
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -362,6 +418,23 @@ void int8_group_rows(const float* x, int64_t m, int64_t k, const int8_t* w, cons
   const int64_t groups = k / group;
   row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
     int8_group_row<decltype(mb)::value>(x + i * k, k, w + r * k, scales + r * groups, group, y + i * n + r, n);
+  });
+}
+
+void int8_code_rows(const int16_t* xq, const float* dx, int64_t m, int64_t k, const int8_t* w, const float* scales,
+                    float* y, int64_t n, int64_t r0, int64_t r1) {
+  row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
+    int8_code_row<decltype(mb)::value>(xq + i * k, dx + i * (k / X_BLOCK_INPUTS), k, w + r * k, nullptr, 0,
+                                       scales[r], y + i * n + r, n);
+  });
+}
+
+void int8_group_code_rows(const int16_t* xq, const float* dx, int64_t m, int64_t k, const int8_t* w,
+                          const at::Half* scales, int64_t group, float* y, int64_t n, int64_t r0, int64_t r1) {
+  const int64_t groups = k / group;
+  row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
+    int8_code_row<decltype(mb)::value>(xq + i * k, dx + i * (k / X_BLOCK_INPUTS), k, w + r * k, scales + r * groups,
+                                       group / X_BLOCK_INPUTS, 1.f, y + i * n + r, n);
   });
 }
 
