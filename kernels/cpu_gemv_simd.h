@@ -180,11 +180,11 @@ constexpr int64_t X_BLOCK_INPUTS = 32;
 typedef __m256i Q;
 // 16 packed bytes as centred int16 (q - 8): the low nibbles (even inputs) in lo, the high ones (odd inputs) in hi.
 static inline void nibbles_to_int16(const uint8_t* p, Q* lo, Q* hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(15);
+  // One widening of the 16 bytes (byte j in lane j), then each lane's two nibbles apart.
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i eight = _mm256_set1_epi16(8);
-  *lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, mask)), eight);
-  *hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask)), eight);
+  *lo = _mm256_sub_epi16(_mm256_and_si256(b, _mm256_set1_epi16(15)), eight);
+  *hi = _mm256_sub_epi16(_mm256_srli_epi16(b, 4), eight);
 }
 // 32 signed bytes as int16: inputs 0..15 in lo, 16..31 in hi (an int8 weight's block, in input order).
 static inline void bytes_to_int16(const int8_t* p, Q* lo, Q* hi) {
