@@ -298,6 +298,24 @@ XCodes x_codes(const float* xp, int64_t m, int64_t k, bool nibble_order) {
   return codes;
 }
 
+// y (M, N) = x (M, K) times the int8 weight (N, K) on x's int16 codes (int8_code_rows): per-row fp32 scales
+// (row_scales) or fp16 scales per group of `group` inputs (group_scales, group a multiple of 32); K a multiple of 32.
+void int8_on_codes(const float* xp, int64_t m, int64_t k, const int8_t* wp, const float* row_scales,
+                   const at::Half* group_scales, int64_t group, float* yp, int64_t n) {
+  const XCodes codes = x_codes(xp, m, k, false);
+  const int16_t* qp = codes.xq.data();
+  const float* dp = codes.dx.data();
+  const int64_t level = simd();
+  claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+    if (level == AVX512)
+      return avx512::int8_code_rows(qp, dp, m, k, wp, row_scales, group_scales, group, yp, n, r0, r1);
+    if (level == AVX2) return avx2::int8_code_rows(qp, dp, m, k, wp, row_scales, group_scales, group, yp, n, r0, r1);
+#endif
+    portable::int8_code_rows(qp, dp, m, k, wp, row_scales, group_scales, group, yp, n, r0, r1);
+  });
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.is_cpu(),
               "int8_linear: weight must be contiguous int8 (N, K) on the CPU");
@@ -313,17 +331,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   const float* sp = scales.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  if (m > 0 && k > 0 && k % 32 == 0) {  // on x's int16 codes
-    const XCodes codes = x_codes(xp, m, k, false);
-    const int16_t* qp = codes.xq.data();
-    const float* dp = codes.dx.data();
-    claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
-#if REDLINE_X86
-      if (level == AVX512) return avx512::int8_code_rows(qp, dp, m, k, wp, sp, yp, n, r0, r1);
-      if (level == AVX2) return avx2::int8_code_rows(qp, dp, m, k, wp, sp, yp, n, r0, r1);
-#endif
-      portable::int8_code_rows(qp, dp, m, k, wp, sp, yp, n, r0, r1);
-    });
+  if (m > 0 && k > 0 && k % 32 == 0) {
+    int8_on_codes(xp, m, k, wp, sp, nullptr, 0, yp, n);
   } else if (m > 0 && k > 0) {  // any other K: x in fp32
     claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86
@@ -382,17 +391,8 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& weight, cons
   const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  if (m > 0 && group % 32 == 0) {  // on x's int16 codes
-    const XCodes codes = x_codes(xp, m, k, false);
-    const int16_t* qp = codes.xq.data();
-    const float* dp = codes.dx.data();
-    claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
-#if REDLINE_X86
-      if (level == AVX512) return avx512::int8_group_code_rows(qp, dp, m, k, wp, sp, group, yp, n, r0, r1);
-      if (level == AVX2) return avx2::int8_group_code_rows(qp, dp, m, k, wp, sp, group, yp, n, r0, r1);
-#endif
-      portable::int8_group_code_rows(qp, dp, m, k, wp, sp, group, yp, n, r0, r1);
-    });
+  if (m > 0 && group % 32 == 0) {
+    int8_on_codes(xp, m, k, wp, nullptr, sp, group, yp, n);
   } else if (m > 0) {  // groups of 16: x in fp32
     claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86

@@ -170,8 +170,8 @@ static inline void int8_group_row(const float* x, int64_t k, const int8_t* w, co
 // x comes as int16 codes per block of 32 inputs (xq: (M, K) laid out per block as its 16 even inputs, then its 16
 // odd ones, code = round(x / dx[block])) with one fp32 step dx per block (dx: (M, K/32)) and the exact fp32 group
 // sums xsum (M, K/G), made once per call. Each block's sum of (q - 8) * code is an exact int32 (|q - 8| <= 8,
-// |code| <= 32767, 32 terms); it is scaled by s * dx in fp32, and (o + 8 s) * xsum adds the rest. The codes' rounding is the only error beyond fp32 sums: at most half a
-// step (|x| max of the block / 65534) per input.
+// |code| <= 32767, 32 terms); it is scaled by s * dx in fp32, and (o + 8 s) * xsum adds the rest. The codes' rounding
+// is the only error beyond fp32 sums: at most half a step (|x| max of the block / 65534) per input.
 
 constexpr int64_t X_BLOCK_INPUTS = 32;
 
@@ -421,20 +421,15 @@ void int8_group_rows(const float* x, int64_t m, int64_t k, const int8_t* w, cons
   });
 }
 
-void int8_code_rows(const int16_t* xq, const float* dx, int64_t m, int64_t k, const int8_t* w, const float* scales,
-                    float* y, int64_t n, int64_t r0, int64_t r1) {
+void int8_code_rows(const int16_t* xq, const float* dx, int64_t m, int64_t k, const int8_t* w,
+                    const float* row_scales, const at::Half* group_scales, int64_t group, float* y, int64_t n,
+                    int64_t r0, int64_t r1) {
+  const int64_t groups = group_scales != nullptr ? k / group : 0;
   row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
-    int8_code_row<decltype(mb)::value>(xq + i * k, dx + i * (k / X_BLOCK_INPUTS), k, w + r * k, nullptr, 0,
-                                       scales[r], y + i * n + r, n);
-  });
-}
-
-void int8_group_code_rows(const int16_t* xq, const float* dx, int64_t m, int64_t k, const int8_t* w,
-                          const at::Half* scales, int64_t group, float* y, int64_t n, int64_t r0, int64_t r1) {
-  const int64_t groups = k / group;
-  row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
-    int8_code_row<decltype(mb)::value>(xq + i * k, dx + i * (k / X_BLOCK_INPUTS), k, w + r * k, scales + r * groups,
-                                       group / X_BLOCK_INPUTS, 1.f, y + i * n + r, n);
+    int8_code_row<decltype(mb)::value>(
+        xq + i * k, dx + i * (k / X_BLOCK_INPUTS), k, w + r * k,
+        group_scales != nullptr ? group_scales + r * groups : nullptr, group / X_BLOCK_INPUTS,
+        row_scales != nullptr ? row_scales[r] : 1.f, y + i * n + r, n);
   });
 }
 
