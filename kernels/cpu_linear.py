@@ -120,6 +120,18 @@ def kernel_threads() -> int:
     return torch.ops.redline_cpu.threads()
 
 
+def x_codes_error_bound(x: Tensor, weight: Tensor) -> Tensor:
+    """The most that the int8 and int4 kernels' rounding of x to int16 codes moves x @ weight.T, (..., N): half a code
+    step (the block's largest |x| / 65534) per input, times |w|, summed. weight (N, K): the dequantized weight. Zero
+    where the kernel keeps x in fp32 (K not a multiple of 32); fp32 summation adds its own rounding beside this."""
+    k = x.shape[-1]
+    if k % 32:
+        return torch.zeros(*x.shape[:-1], weight.shape[0], dtype=torch.float64)
+    blocks = x.double().reshape(*x.shape[:-1], k // 32, 32)
+    half_steps = (blocks.abs().amax(-1, keepdim=True) / 65534).expand_as(blocks).reshape(x.shape)  # (..., K)
+    return half_steps @ weight.double().abs().T
+
+
 def int8_linear_cpu(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     """(x @ weight.T) * scales on the CPU in x.dtype, fp32 accumulation; x (..., K), weight int8 (N, K), scales (N,)."""
     cpu_ops()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from redline.kernels import linear as kl
 from redline.kernels.configs import DotConfig, GemvConfig
+from redline.kernels.cpu_linear import x_codes_error_bound
 from redline.kernels.linear import PROMPT_SMALL_M, SMALL_M, int8_linear_reference, linear_reference
 
 # (N, K) of the decode GEMVs that matter.
@@ -20,6 +21,14 @@ LLAMA2_7B = {"wqkv": (12288, 4096), "wo": (4096, 4096), "w13": (22016, 4096), "w
 LLAMA3_8B = {"wqkv": (6144, 4096), "wo": (4096, 4096), "w13": (28672, 4096), "w2": (4096, 14336),
              "lm_head": (128256, 4096)}
 ODD_SHAPES = [(50, 72), (7, 13), (1000, 1000), (33, 4100), (4097, 2056)]
+
+
+def assert_within_codes_bound(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """out within the int16 codes' bound of ref (x_codes_error_bound), plus the bound of K-term fp32 sums
+    (K * eps * sum |x_i w_i|) and one rounding to out's dtype (two of its ulps of |ref|)."""
+    sums = x.shape[-1] * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().T)
+    slack = x_codes_error_bound(x, weight) + sums + 2 * torch.finfo(out.dtype).eps * ref.double().abs()
+    assert ((out.double() - ref.double()).abs() <= slack).all(), ((out.double() - ref.double()).abs() / slack).max()
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -67,11 +76,11 @@ def test_int8_linear_cpu_matches_dequant_formula(dtype, scale_dtype, lead, nk):
     s = (torch.rand(n) * 0.02 + 0.001).to(scale_dtype)
     out = torch.ops.redline.int8_linear(x, q, s)
     assert out.shape == (*lead, n) and out.dtype == dtype and out.is_contiguous()
-    expected = ((x.double() @ q.double().T) * s.double()).to(dtype)
-    torch.testing.assert_close(out, expected, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-3)
-    # The CPU GEMV (cpu_gemv.cpp) sums in another order than F.linear: equal to the reference to fp32 rounding,
-    # then rounded to x's dtype once.
-    torch.testing.assert_close(out, int8_linear_reference(x, q, s))
+    # The CPU GEMV (cpu_gemv.cpp) works on x's int16 codes (K a multiple of 32) and sums in another order: within
+    # the codes' stated bound and fp32 rounding of the formula in fp64 and of the reference, then rounded to x's dtype.
+    dequantized = q.double() * s.double().unsqueeze(-1)
+    assert_within_codes_bound(out, ((x.double() @ q.double().T) * s.double()).to(dtype), x, dequantized)
+    assert_within_codes_bound(out, int8_linear_reference(x, q, s), x, dequantized)
 
 
 def test_non_contiguous_x_cpu():
@@ -81,11 +90,13 @@ def test_non_contiguous_x_cpu():
     torch.testing.assert_close(torch.ops.redline.linear(x, w), F.linear(x.contiguous(), w))
     q = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
     s = torch.rand(32)
-    # The CPU kernel sums in fp32 in its own order (blocks of inputs across SIMD lanes, whose width depends on the
-    # CPU): apart by at most the bound of K-term float32 sums, K * eps * sum |x_i q_i| * s.
+    # The CPU kernel rounds x to int16 codes (at most x_codes_error_bound) and sums in its own order (blocks of
+    # inputs across SIMD lanes, whose width depends on the CPU): apart by at most that plus the bound of K-term
+    # float32 sums, K * eps * sum |x_i q_i| * s.
     out = torch.ops.redline.int8_linear(x, q, s)
     ref = int8_linear_reference(x.contiguous(), q, s)
-    bound = 64 * torch.finfo(torch.float32).eps * (x.abs() @ q.float().abs().T) * s
+    bound = 64 * torch.finfo(torch.float32).eps * (x.abs() @ q.float().abs().T) * s + \
+        x_codes_error_bound(x, q.float() * s.unsqueeze(-1)).float()
     assert ((out - ref).abs() <= bound).all(), ((out - ref).abs() / bound).max()
     assert ((out - ref).abs() <= bound / 4).float().mean() > 0.9  # most far within it
 
@@ -449,7 +460,8 @@ def test_use_kernels_swaps_int8_linears_for_the_kernel_op():
     assert len(int8) == 2 * 4 + 1 and all(type(m) is KernelInt8Linear for m in int8)
     layer = int8[0]
     x = torch.randn(2, 3, layer.in_features)
-    torch.testing.assert_close(layer(x), int8_linear_reference(x, layer.weight, layer.scales))
+    assert_within_codes_bound(layer(x), int8_linear_reference(x, layer.weight, layer.scales), x,
+                              layer.weight.double() * layer.scales.double().unsqueeze(-1))
 
 
 # ---------------------------------------------------------------- fused decode projections (redline.fused_linear)

@@ -392,7 +392,7 @@ def test_use_cpu_kernels_runs_only_the_chosen_experts_on_their_stored_weights(sc
         raise AssertionError("the CPU path gathered expert weights")
 
     layer.expert_weights = gathered
-    tolerance = 1e-4 if scheme == "int4" else 1e-5
+    tolerance = 1e-5 if scheme == "float" else 1e-4  # int8 and int4 work on x's int16 codes (cpu_linear)
     for x, w in zip(xs, want):
         assert torch.allclose(layer(x), w, atol=tolerance, rtol=tolerance)
 
