@@ -244,49 +244,49 @@ static inline void int4_block(const int16_t* xq, const float* dx, int64_t k, int
     acc[i] = qf_fma(block_dot(lo, hi, xq + i * k + b * X_BLOCK_INPUTS), s * dx[i * blocks + b], acc[i]);
 }
 
+// Blocks 0..blocks-1 in groups of per_group, consecutive blocks into alternating accumulators (two named register
+// sets a row: an index computed at run time would keep them on the stack, each block then waiting for the store of
+// the one before). on_group(g) returns group g's scale as its first block comes; on_block(b, s, acc) adds block b.
+template <typename OnGroup, typename OnBlock>
+static inline void alternate_blocks(int64_t blocks, int64_t per_group, QF* even, QF* odd, const OnGroup& on_group,
+                                    const OnBlock& on_block) {
+  int64_t g = 0, left = 0;
+  float s = 0.f;
+  auto next = [&](int64_t b, QF* acc) {
+    if (left == 0) {
+      s = on_group(g++);
+      left = per_group;
+    }
+    --left;
+    on_block(b, s, acc);
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    next(b, even);
+    next(b + 1, odd);
+  }
+  if (b < blocks) next(b, even);
+}
+
 template <int MB>
 static inline void int4_row(const int16_t* xq, const float* dx, const float* xsum, int64_t k, int64_t groups,
                             const uint8_t* w, const at::Half* scales, float* y, int64_t ldy) {
-  const int64_t blocks_per_group = k / groups / X_BLOCK_INPUTS, blocks = k / X_BLOCK_INPUTS;
-  // Two accumulators a row, each a named register set (an index computed at run time would keep them on the
-  // stack, each block then waiting for the store of the one before): consecutive blocks go to alternate ones.
+  const int64_t blocks = k / X_BLOCK_INPUTS;
   QF even[MB], odd[MB];
   float offsets[MB];
   for (int i = 0; i < MB; ++i) {
     offsets[i] = 0.f;
     even[i] = odd[i] = qf_zero();
   }
-  // The codes are centred (q - 8, so the integer sums hold less of the offset's mass): o + 8 s per unit of x.
-  auto scale = [&](int64_t g) { return half_to_float(scales + 2 * g); };
-  auto offset = [&](int64_t g) {
-    const float o = half_to_float(scales + 2 * g + 1) + 8.f * scale(g);
-    for (int i = 0; i < MB; ++i) offsets[i] += o * xsum[i * groups + g];
-  };
-  if (blocks_per_group == 1) {  // groups of 32 (GGUF's Q4_0 / Q4_1 blocks): two groups a step
-    int64_t g = 0;
-    for (; g + 2 <= groups; g += 2) {
-      offset(g);
-      offset(g + 1);
-      int4_block<MB>(xq, dx, k, blocks, w, g, scale(g), even);
-      int4_block<MB>(xq, dx, k, blocks, w, g + 1, scale(g + 1), odd);
-    }
-    if (g < groups) {
-      offset(g);
-      int4_block<MB>(xq, dx, k, blocks, w, g, scale(g), even);
-    }
-  } else {
-    for (int64_t g = 0; g < groups; ++g) {
-      offset(g);
-      const float s = scale(g);
-      int64_t b = g * blocks_per_group;
-      const int64_t end = b + blocks_per_group;
-      for (; b + 2 <= end; b += 2) {
-        int4_block<MB>(xq, dx, k, blocks, w, b, s, even);
-        int4_block<MB>(xq, dx, k, blocks, w, b + 1, s, odd);
-      }
-      if (b < end) int4_block<MB>(xq, dx, k, blocks, w, b, s, even);
-    }
-  }
+  alternate_blocks(
+      blocks, blocks / groups, even, odd,
+      [&](int64_t g) {
+        // The codes are centred (q - 8, so the integer sums hold less of the offset's mass): o + 8 s per unit of x.
+        const float s = half_to_float(scales + 2 * g), o = half_to_float(scales + 2 * g + 1) + 8.f * s;
+        for (int i = 0; i < MB; ++i) offsets[i] += o * xsum[i * groups + g];
+        return s;
+      },
+      [&](int64_t b, float s, QF* acc) { int4_block<MB>(xq, dx, k, blocks, w, b, s, acc); });
   for (int i = 0; i < MB; ++i) y[i * ldy] = qf_sum(even[i]) + qf_sum(odd[i]) + offsets[i];
 }
 
@@ -309,27 +309,12 @@ static inline void int8_code_row(const int16_t* xq, const float* dx, int64_t k, 
                                  const at::Half* scales, int64_t blocks_per_group, float row_scale, float* y,
                                  int64_t ldy) {
   const int64_t blocks = k / X_BLOCK_INPUTS;
-  QF even[MB], odd[MB];  // named registers, consecutive blocks alternating (int4_row says why)
+  QF even[MB], odd[MB];
   for (int i = 0; i < MB; ++i) even[i] = odd[i] = qf_zero();
-  if (scales != nullptr && blocks_per_group == 1) {  // Q8_0's groups of 32: a scale a block
-    int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-      int8_code_block<MB>(xq, dx, k, blocks, w, b, half_to_float(scales + b), even);
-      int8_code_block<MB>(xq, dx, k, blocks, w, b + 1, half_to_float(scales + b + 1), odd);
-    }
-    if (b < blocks) int8_code_block<MB>(xq, dx, k, blocks, w, b, half_to_float(scales + b), even);
-  } else {
-    const int64_t per_group = scales != nullptr ? blocks_per_group : blocks;
-    for (int64_t b0 = 0; b0 < blocks; b0 += per_group) {
-      const float s = scales != nullptr ? half_to_float(scales + b0 / per_group) : 1.f;
-      int64_t b = b0;
-      for (; b + 2 <= b0 + per_group; b += 2) {
-        int8_code_block<MB>(xq, dx, k, blocks, w, b, s, even);
-        int8_code_block<MB>(xq, dx, k, blocks, w, b + 1, s, odd);
-      }
-      if (b < b0 + per_group) int8_code_block<MB>(xq, dx, k, blocks, w, b, s, even);
-    }
-  }
+  alternate_blocks(
+      blocks, scales != nullptr ? blocks_per_group : blocks, even, odd,
+      [&](int64_t g) { return scales != nullptr ? half_to_float(scales + g) : 1.f; },
+      [&](int64_t b, float s, QF* acc) { int8_code_block<MB>(xq, dx, k, blocks, w, b, s, acc); });
   for (int i = 0; i < MB; ++i) y[i * ldy] = (qf_sum(even[i]) + qf_sum(odd[i])) * row_scale;
 }
 

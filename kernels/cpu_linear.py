@@ -4,9 +4,9 @@ instruction-set controls, and the CPU branch of redline::int8_linear / int4_line
 cpu_gemv.cpp reads the checkpoint's own int8 / packed int4 weight (or an fp32 one) once per block of up to 4 rows of
 x: int8 and int4 codes multiply x's int16 codes per block of 32 inputs in exact integer sums scaled in fp32 (each
 input rounded by at most half a code step, 1/65534 of its block's largest |x|), an fp32 weight accumulates in fp32
-(the reference's arithmetic, to fp32 rounding); its layout is quantize.py's, so nothing is repacked. One row (decode) is a matrix-vector product, a prompt a blocked
-matrix product. Its loops (cpu_gemv_simd.h) are compiled for AVX-512, AVX2 and portable C++ and picked at run time
-(simd, detected_simd, forced_simd). It runs on its own thread pool (use_threads says why). A float output head whose
+(the reference's arithmetic, to fp32 rounding); its layout is quantize.py's, so nothing is repacked. One row
+(decode) is a matrix-vector product, a prompt a blocked matrix product. Its loops (cpu_gemv_simd.h) are compiled
+for AVX-512, AVX2 and portable C++ and picked at run time (simd, detected_simd, forced_simd). It runs on its own thread pool (use_threads says why). A float output head whose
 table is exactly int8 codes times fp16 scales per 32 inputs (GGUF's Q8_0) runs on that int8 form
 (exact_int8_groups, redline_cpu::int8_group_linear). A decode step's attention runs there too, over only the cache
 positions it reads: redline_cpu::decode_attention (attention.CpuAttention, generate's own cache) and
