@@ -6,11 +6,12 @@ x: int8 and int4 codes multiply x's int16 codes per block of 32 inputs in exact 
 input rounded by at most half a code step, 1/65534 of its block's largest |x|), an fp32 weight accumulates in fp32
 (the reference's arithmetic, to fp32 rounding); its layout is quantize.py's, so nothing is repacked. One row
 (decode) is a matrix-vector product, a prompt a blocked matrix product. Its loops (cpu_gemv_simd.h) are compiled
-for AVX-512, AVX2 and portable C++ and picked at run time (simd, detected_simd, forced_simd). It runs on its own thread pool (use_threads says why). A float output head whose
-table is exactly int8 codes times fp16 scales per 32 inputs (GGUF's Q8_0) runs on that int8 form
-(exact_int8_groups, redline_cpu::int8_group_linear). A decode step's attention runs there too, over only the cache
-positions it reads: redline_cpu::decode_attention (attention.CpuAttention, generate's own cache) and
-paged_decode_attention (the batching engine's fp32 pages, through PagedKVCache.ops: paged_ops).
+for AVX-512, AVX2 and portable C++ and picked at run time (simd, detected_simd, forced_simd). It runs on its own
+thread pool (use_threads says why). A float output head whose table is exactly int8 codes times fp16 scales per 32
+inputs (GGUF's Q8_0) runs on that int8 form (exact_int8_groups, redline_cpu::int8_group_linear). A decode step's
+attention runs there too, over only the cache positions it reads: redline_cpu::decode_attention
+(attention.CpuAttention, generate's own cache) and paged_decode_attention (the batching engine's fp32 pages,
+through PagedKVCache.ops: paged_ops).
 
 Why not torch's kernels: `aten._weight_int8pack_mm` and `aten._weight_int4pack_mm_for_cpu` (torch 2.6-2.13) are
 fast only in bf16 (their fp32 paths are scalar loops, 6-30x slower than an fp32 F.linear on this AVX-512 machine),
