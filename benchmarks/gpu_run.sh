@@ -34,7 +34,7 @@
 #
 # PORT moves the server parts off 8321 (8322 for tp-serve), so that parts can run side by side on one machine's
 # GPUs (CUDA_VISIBLE_DEVICES and RESULTS apart). SERVE_MODEL and SERVE_VOCAB pick another registry model for the two serve parts (a smoke run on a small one), and
-# SERVE_ARGS adds engine flags to both (SERVE_ARGS=--no-compile-prefill).
+# SERVE_ARGS adds engine flags to both and to tp-serving and tp-serve (SERVE_ARGS=--no-compile-prefill).
 # RESULTS (default benchmarks/results/gpu-run) receives every JSON, log and plot; the last line of each part prints
 # where. REDLINE_GIT_COMMIT names the commit in every JSON where the copy's git metadata cannot (a copied tree). Wheels the GPU machine lacks (fastapi, uvicorn, starlette, pydantic, openai, ...) may be put in .whl/: they
 # are installed into /tmp/site first.
@@ -293,7 +293,7 @@ tp-serving)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     run tp-serving-70b python3 -m torch.distributed.run --nproc_per_node 2 --master_addr 127.0.0.1 \
         --master_port 29518 benchmarks/bench_serving.py --model "${TP_MODEL:-Llama-3.1-70B}" --workload fixed \
-        --num-requests 1024 --json "$RESULTS/tp-serving-70b.json"
+        --num-requests 1024 $extra --json "$RESULTS/tp-serving-70b.json"
     ;;
 tp-serve)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
