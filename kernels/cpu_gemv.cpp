@@ -19,7 +19,8 @@
 // The loops are in cpu_gemv_simd.h, compiled here once per instruction set (GCC/Clang target pragmas) and chosen at
 // run time from the CPU's own report, so one build runs on any x86-64 CPU; elsewhere only the portable path exists.
 //
-//   redline_cpu::float_linear(x (..., K), weight fp32 (N, K)) -> (..., N)   F.linear on the same loops and threads
+//   redline_cpu::float_linear(x (..., K), weight fp32 or fp16 (N, K)) -> (..., N)   F.linear on the same loops and
+//       threads; an fp16 weight is converted exactly, so it gives the bits its fp32 copy would
 //   redline_cpu::decode_attention(q (B, H, 1, D), k, v (B, Hkv, S, D) fp32, input_pos (1,), int window) -> (B, H, 1, D)
 //       one token's softmax attention over keys 0..pos of its own cache (the last `window` with window > 0)
 //   redline_cpu::paged_decode_attention(q (B, H, D), k, v (pages, page_size, Hkv, D) fp32, block_tables (B, P) int32,
@@ -348,18 +349,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 }
 
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.is_cpu(),
-              "float_linear: weight must be contiguous fp32 (N, K) on the CPU");
+  const bool half = weight.scalar_type() == at::kHalf;
+  TORCH_CHECK(weight.dim() == 2 && (half || weight.scalar_type() == at::kFloat) && weight.is_contiguous() &&
+                  weight.is_cpu(),
+              "float_linear: weight must be contiguous fp32 or fp16 (N, K) on the CPU");
   const int64_t n = weight.size(0), k = weight.size(1);
   check_x(x, k, "float_linear");
   auto [x2, shape] = rows_of(x, k, n);
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, n}, x2.options());
   const float* xp = x2.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  if (m > 0 && k > 0) {
+  if (m > 0 && k > 0 && half) {
+    const at::Half* wp = weight.data_ptr<at::Half>();
+    claimed_rows(n, m, k, 2 * k, [&](int64_t r0, int64_t r1) {
+#if REDLINE_X86
+      if (level == AVX512) return avx512::half_rows(xp, m, k, wp, yp, n, r0, r1);
+      if (level == AVX2) return avx2::half_rows(xp, m, k, wp, yp, n, r0, r1);
+#endif
+      portable::half_rows(xp, m, k, wp, yp, n, r0, r1);
+    });
+  } else if (m > 0 && k > 0) {
+    const float* wp = weight.data_ptr<float>();
     claimed_rows(n, m, k, 4 * k, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86
       if (level == AVX512) return avx512::float_rows(xp, m, k, wp, yp, n, r0, r1);

@@ -44,6 +44,10 @@ static inline float half_to_float(const at::Half* p) {
   std::memcpy(&bits, p, sizeof(bits));
   return _cvtsh_ss(bits);
 }
+// W fp16 values as floats (exact).
+static inline F halves_to_floats(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 #elif REDLINE_SIMD == 1
 constexpr int64_t W = 8;
@@ -78,6 +82,9 @@ static inline float half_to_float(const at::Half* p) {
   std::memcpy(&bits, p, sizeof(bits));
   return _cvtsh_ss(bits);
 }
+static inline F halves_to_floats(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 #else
 constexpr int64_t W = 1;
@@ -97,19 +104,28 @@ static inline void nibbles_to_floats(const uint8_t* p, F* lo, F* hi) {
   }
 }
 static inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }
+static inline F halves_to_floats(const at::Half* p) { return static_cast<float>(*p); }
 #endif
 
 // Independent accumulators per row of x: enough to hide the FMA latency for one row, few enough for four.
 template <int MB>
-constexpr int ACCS = MB <= 2 ? 4 : 2;
+constexpr int ACCS = MB == 1 ? 8 : MB <= 2 ? 4 : 2;
 
 // ---------------------------------------------------------------------------------------------------------------------
 // int8 weight, one fp32 scale per output row: y[m, r] = scale[r] * sum_k x[m, k] w[r, k]. Any K (a scalar tail).
 
 static inline F weights_to_floats(const int8_t* p) { return bytes_to_floats(p); }
 static inline F weights_to_floats(const float* p) { return fload(p); }
+static inline F weights_to_floats(const at::Half* p) { return halves_to_floats(p); }
+// One weight as a float, for the scalar tail; its multiply-adds are fused explicitly (std::fma), so that fp16 and fp32
+// weights round alike whatever the compiler contracts.
+static inline float weight_value(const int8_t* p) { return static_cast<float>(*p); }
+static inline float weight_value(const float* p) { return *p; }
+static inline float weight_value(const at::Half* p) { return half_to_float(p); }
 
-// Also the fp32 weights of a float model (T = float, scale 1): the same loop without the conversion.
+// Also the fp32 weights of a float model (T = float, scale 1): the same loop without the conversion; and fp16
+// weights that hold a float model's values exactly (T = at::Half, scale 1): the same products and sums in the same
+// order, from half the bytes.
 template <int MB, typename T>
 static inline void int8_row(const float* x, int64_t k, const T* w, float scale, float* y, int64_t ldy) {
   constexpr int A = ACCS<MB>;
@@ -131,7 +147,7 @@ static inline void int8_row(const float* x, int64_t k, const T* w, float scale, 
     F total = acc[i][0];
     for (int a = 1; a < A; ++a) total = fadd(total, acc[i][a]);
     float sum = fsum(total);
-    for (int64_t t = j; t < k; ++t) sum += x[i * k + t] * static_cast<float>(w[t]);
+    for (int64_t t = j; t < k; ++t) sum = std::fma(x[i * k + t], weight_value(w + t), sum);
     y[i * ldy] = sum * scale;
   }
 }
@@ -393,6 +409,13 @@ void int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const floa
 }
 
 void float_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n, int64_t r0, int64_t r1) {
+  row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
+    int8_row<decltype(mb)::value>(x + i * k, k, w + r * k, 1.f, y + i * n + r, n);
+  });
+}
+
+void half_rows(const float* x, int64_t m, int64_t k, const at::Half* w, float* y, int64_t n, int64_t r0,
+               int64_t r1) {
   row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
     int8_row<decltype(mb)::value>(x + i * k, k, w + r * k, 1.f, y + i * n + r, n);
   });

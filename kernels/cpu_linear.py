@@ -1,8 +1,8 @@
 """The CPU side of Redline's linears: cpu_gemv.cpp's ops (torch.ops.redline_cpu.*), their build, threads and
 instruction-set controls, and the CPU branch of redline::int8_linear / int4_linear / exact_head_linear.
 
-cpu_gemv.cpp reads the checkpoint's own int8 / packed int4 weight (or an fp32 one) once per block of up to 4 rows of
-x: int8 and int4 codes multiply x's int16 codes per block of 32 inputs in exact integer sums scaled in fp32 (each
+cpu_gemv.cpp reads the checkpoint's own int8 / packed int4 weight (or an fp32 one, or the fp16 form of an fp32 weight
+whose values fp16 holds exactly: exact_half) once per block of up to 4 rows of x: int8 and int4 codes multiply x's int16 codes per block of 32 inputs in exact integer sums scaled in fp32 (each
 input rounded by at most half a code step, 1/65534 of its block's largest |x|), an fp32 weight accumulates in fp32
 (the reference's arithmetic, to fp32 rounding); its layout is quantize.py's, so nothing is repacked. One row
 (decode) is a matrix-vector product, a prompt a blocked matrix product. Its loops (cpu_gemv_simd.h) are compiled
@@ -188,6 +188,21 @@ def exact_int8_groups(weight: Tensor, group: int = HEAD_GROUP) -> tuple[Tensor, 
         codes[r0:r0 + HEAD_CHECK_ROWS] = q.view(-1, k).to(torch.int8)
         scales[r0:r0 + HEAD_CHECK_ROWS] = scale
     return codes, scales
+
+
+def exact_half(weight: Tensor) -> Tensor | None:
+    """weight (N, K) fp32 as fp16 when every element converts exactly (a table read from an F16 GGUF file or an fp16
+    checkpoint), else None. redline_cpu::float_linear on the fp16 form gives the fp32 weight's bits from half the
+    bytes: the conversion back is exact and the products and sums are the same, in the same order."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    half = torch.empty(weight.shape, dtype=torch.float16)
+    for r0 in range(0, weight.shape[0], HEAD_CHECK_ROWS):
+        rows = weight[r0:r0 + HEAD_CHECK_ROWS]
+        half[r0:r0 + HEAD_CHECK_ROWS] = rows
+        if not torch.equal(half[r0:r0 + HEAD_CHECK_ROWS].float(), rows):
+            return None
+    return half
 
 
 def exact_head_linear_cpu(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:

@@ -35,7 +35,8 @@ from redline.model import rms_norm
 from redline.quantize import FP8_DTYPE, Fp8Linear, Int4Linear, Int8Linear, dequantize_int4, fp8_block_scales_shape
 from redline.quantize import fp8_linear_reference as fp8_reference
 
-from .cpu_linear import cpu_ops, exact_head_linear_cpu, exact_int8_groups, int4_linear_cpu, int8_linear_cpu
+from .cpu_linear import (cpu_ops, exact_half, exact_head_linear_cpu, exact_int8_groups, int4_linear_cpu,
+                         int8_linear_cpu)
 from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
 from .device import device_caps, fp8_refusal, triton_importable
 
@@ -552,6 +553,17 @@ class CpuLinear(nn.Linear):
         return torch.ops.redline_cpu.float_linear(x, self.weight)
 
 
+class CpuHalfLinear(nn.Linear):
+    """An fp32 nn.Linear (no bias) whose weight fp16 holds exactly (cpu_linear.exact_half), stored as that fp16 form
+    and run on redline_cpu::float_linear: the fp32 products and sums of CpuLinear from half the bytes. Not a tied
+    head (the embedding needs its fp32 table: HalfHead)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight.to(x.dtype))
+        return torch.ops.redline_cpu.float_linear(x, self.weight)
+
+
 class CpuInt8Linear(KernelInt8Linear):
     """quantize.Int8Linear on redline_cpu::int8_linear (the int8 weight read once, fp32 accumulation)."""
 
@@ -620,15 +632,41 @@ class ExactInt8Head(nn.Linear):
         return self.codes.numel() + self.group_scales.numel() * self.group_scales.element_size()
 
 
+class HalfHead(nn.Linear):
+    """A float output head tied to the embedding whose fp32 table fp16 holds exactly (an F16 GGUF file's table):
+    decode reads the fp16 form (a plain attribute, not a buffer: the state dict, the checkpoint and the tying stay as
+    they were) with fp32 arithmetic, the same bits as the fp32 table's."""
+
+    half_weight: Tensor  # fp16 (N, K)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight)
+        return torch.ops.redline_cpu.float_linear(x, self.half_weight)
+
+    def read_bytes(self) -> int:
+        """Bytes one decode step reads for this head (its fp16 form), in place of the fp32 table's."""
+        return self.half_weight.numel() * self.half_weight.element_size()
+
+
+def router_linears(model: nn.Module) -> set[int]:
+    """ids of the mixtures' routers (their gate), which stay fp32 modules: the experts take their dtype."""
+    return {id(module.gate) for module in model.modules()
+            if isinstance(getattr(module, "gate", None), nn.Linear) and hasattr(module, "n_experts")}
+
+
 def use_cpu_kernels(model: nn.Module) -> nn.Module:
     """Run a model's linears on the CPU kernels (cpu_linear.py) in place, weights shared and nothing repacked:
-    Int8Linear -> CpuInt8Linear, Int4Linear -> CpuInt4Linear, a bias-free fp32 nn.Linear -> CpuLinear (each with a
-    contiguous weight: a tensor-parallel rank's column slice stays on the ops, which copy it); a mixture's
+    Int8Linear -> CpuInt8Linear, Int4Linear -> CpuInt4Linear, a bias-free fp32 nn.Linear -> CpuLinear, or
+    CpuHalfLinear with its weight replaced by the fp16 form when fp16 holds every value exactly (an F16 GGUF file's
+    weights: the same bits from half the bytes; not a tied head or a router) (each with a contiguous weight: a
+    tensor-parallel rank's column slice stays on the ops, which copy it); a mixture's
     experts become moe.CpuMoE, CpuInt8MoE or CpuInt4MoE (a decode step's chosen experts on their stored weights);
     model.Attention -> attention.CpuAttention (one-token steps over the valid cache positions only).
     The C++ kernel is built or loaded now rather than on the first token. In a quantized model a float output head
-    tied to the embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table; checked
-    element by element, else it stays a float head). Other linears stay as they are; applying it twice is a no-op."""
+    tied to the embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table); else, in
+    any model, a HalfHead when fp16 holds its table exactly (both checked element by element, else it stays a float
+    head). Other linears stay as they are; applying it twice is a no-op."""
     from redline.model import Attention
 
     from .attention import CpuAttention, cpu_attention_fits
@@ -636,6 +674,8 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
 
     cpu_ops()
     quantized = False
+    embedding = getattr(getattr(model, "tok_embeddings", None), "weight", None)
+    routers = router_linears(model)
     for module in model.modules():
         if type(module) is Attention and cpu_attention_fits(module):
             module.__class__ = CpuAttention
@@ -645,16 +685,23 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
             module.__class__ = CpuInt4Linear
         elif type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32 \
                 and module.weight.is_contiguous():  # a tensor-parallel rank's column slice stays on F.linear
-            module.__class__ = CpuLinear
+            half = None if module.weight is embedding or id(module) in routers else exact_half(module.weight.detach())
+            module.__class__ = CpuLinear if half is None else CpuHalfLinear
+            if half is not None:
+                module.weight = nn.Parameter(half, requires_grad=False)
         module.__class__ = cpu_moe_class(module)
         quantized = quantized or isinstance(module, (Int8Linear, Int4Linear))
-    if not quantized:
-        return model
     head = getattr(model, "output", None)
-    if isinstance(head, nn.Linear) and type(head) is not ExactInt8Head and head.bias is None \
-            and getattr(model.args, "tie_word_embeddings", False):
-        form = exact_int8_groups(head.weight.detach())
-        if form is not None:
-            head.__class__ = ExactInt8Head
-            head.codes, head.group_scales = form
+    if not isinstance(head, nn.Linear) or type(head) in (ExactInt8Head, HalfHead) or head.bias is not None \
+            or not getattr(model.args, "tie_word_embeddings", False):
+        return model
+    form = exact_int8_groups(head.weight.detach()) if quantized else None
+    if form is not None:
+        head.__class__ = ExactInt8Head
+        head.codes, head.group_scales = form
+        return model
+    half = exact_half(head.weight.detach())
+    if half is not None:
+        head.__class__ = HalfHead
+        head.half_weight = half
     return model

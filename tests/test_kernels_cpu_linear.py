@@ -356,6 +356,94 @@ def test_a_float_models_linears_run_the_cpu_kernel():
                                    atol=1e-4)
 
 
+# --- fp16 weights that hold a float model's values exactly ---
+
+
+def test_fp16_weights_give_their_fp32_copys_bits(simd, kernel_threads):
+    """float_linear on an fp16 weight: the same products and sums as on its fp32 copy, bit for bit, on every path,
+    odd shapes (scalar tails included) and row counts; and the fp64 formula within fp32 rounding."""
+    torch.manual_seed(8)
+    for m, n, k in random_shapes(11, 8) + [(1, 7, 13), (2, 9, 7), (4, 3, 1)]:
+        x = torch.randn(m, k)
+        w16 = torch.randn(n, k).half()
+        out = torch.ops.redline_cpu.float_linear(x, w16)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        assert torch.equal(out, torch.ops.redline_cpu.float_linear(x, w16.float())), (m, n, k)
+        assert rel_err(out, x.double() @ w16.double().T) < 5e-6
+
+
+def test_exact_half_takes_only_weights_fp16_holds():
+    torch.manual_seed(9)
+    w = torch.randn(300, 40).half().float()
+    half = cpu_linear.exact_half(w)
+    assert half is not None and half.dtype == torch.float16 and torch.equal(half.float(), w)
+    for bad in (1.0001, 70000.0, float("nan")):  # off fp16's grid, beyond its largest value, not a number
+        other = w.clone()
+        other[123, 7] = bad
+        assert cpu_linear.exact_half(other) is None
+    assert cpu_linear.exact_half(w.to(torch.bfloat16)) is None  # only fp32 weights are candidates
+
+
+def fp16_valued(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_a_float_model_with_fp16_values_reads_fp16_weights_and_gives_the_same_logits(tied, monkeypatch):
+    """An fp32 model whose weights fp16 holds exactly (an F16 GGUF file's conversion): its linears keep the fp16 form
+    only (CpuHalfLinear), a tied head reads an fp16 copy beside the embedding's fp32 table (HalfHead), a weight off
+    fp16's grid stays fp32 (CpuLinear); the logits equal, bit for bit, those of the same model on fp32 weights."""
+    import dataclasses
+
+    from redline.kernels import linear as linear_module
+    from redline.kernels.linear import CpuHalfLinear, HalfHead
+    from redline.runner.runner import model_bytes_per_token
+
+    torch.manual_seed(10)
+    args = dataclasses.replace(ModelArgs.from_name("debug-tiny"), tie_word_embeddings=tied)
+    model = fp16_valued(Transformer(args).eval())
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        model.layers[1].attention.wo.weight[0, 0] += 1e-6  # off fp16's grid: this one stays fp32
+    reference = copy.deepcopy(model)
+    fp32_bytes = model_bytes_per_token(model)
+    use_cpu_kernels(model)
+    monkeypatch.setattr(linear_module, "exact_half", lambda weight: None)
+    use_cpu_kernels(reference)
+    assert type(model.layers[1].attention.wo) is CpuLinear
+    assert model.layers[1].attention.wo.weight.dtype == torch.float32
+    halves = [m for m in model.modules() if type(m) is CpuHalfLinear]
+    assert halves and all(m.weight.dtype == torch.float16 for m in halves)
+    assert not any(type(m) is CpuHalfLinear for m in reference.modules())
+    if tied:
+        assert type(model.output) is HalfHead and model.output.weight is model.tok_embeddings.weight
+        assert model.output.weight.dtype == torch.float32 and model.output.half_weight.dtype == torch.float16
+    else:
+        assert type(model.output) is CpuHalfLinear
+    saved = sum(m.weight.numel() * 2 for m in halves) + (model.output.half_weight.numel() * 2 if tied else 0)
+    assert model_bytes_per_token(model) == fp32_bytes - saved
+    ids = torch.randint(0, args.vocab_size, (1, 10))
+    with torch.no_grad():
+        for m in (reference, model):
+            m.setup_caches(1, 32)
+        assert torch.equal(model(ids, torch.arange(10)), reference(ids, torch.arange(10)))
+
+
+def test_a_mixtures_router_stays_fp32():
+    from redline.kernels.linear import CpuHalfLinear
+
+    torch.manual_seed(12)
+    model = fp16_valued(Transformer(ModelArgs.from_name("debug-tiny-moe")).eval())
+    use_cpu_kernels(model)
+    routers = [m.gate for m in model.modules() if hasattr(m, "n_experts") and hasattr(m, "gate")]
+    assert routers and all(r.weight.dtype == torch.float32 and type(r) is not CpuHalfLinear for r in routers)
+    assert any(type(m) is CpuHalfLinear for m in model.modules())
+
+
 # --- redline_cpu::decode_attention ---
 
 # (B, H, Hkv, S, D, position, window): GQA, MHA, multi-query; odd head dims (scalar tails), a window, position 0,
