@@ -361,24 +361,20 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   const float* xp = x2.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  if (m > 0 && k > 0 && half) {
-    const at::Half* wp = weight.data_ptr<at::Half>();
-    claimed_rows(n, m, k, 2 * k, [&](int64_t r0, int64_t r1) {
-#if REDLINE_X86
-      if (level == AVX512) return avx512::half_rows(xp, m, k, wp, yp, n, r0, r1);
-      if (level == AVX2) return avx2::half_rows(xp, m, k, wp, yp, n, r0, r1);
-#endif
-      portable::half_rows(xp, m, k, wp, yp, n, r0, r1);
-    });
-  } else if (m > 0 && k > 0) {
-    const float* wp = weight.data_ptr<float>();
-    claimed_rows(n, m, k, 4 * k, [&](int64_t r0, int64_t r1) {
+  // fp16 or fp32 weights: the same loops (cpu_gemv_simd.h's float_rows overloads) over 2 or 4 bytes a weight.
+  const auto rows = [&](const auto* wp, int64_t row_bytes) {
+    claimed_rows(n, m, k, row_bytes, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86
       if (level == AVX512) return avx512::float_rows(xp, m, k, wp, yp, n, r0, r1);
       if (level == AVX2) return avx2::float_rows(xp, m, k, wp, yp, n, r0, r1);
 #endif
       portable::float_rows(xp, m, k, wp, yp, n, r0, r1);
     });
+  };
+  if (m > 0 && k > 0 && half) {
+    rows(weight.data_ptr<at::Half>(), 2 * k);
+  } else if (m > 0 && k > 0) {
+    rows(weight.data_ptr<float>(), 4 * k);
   } else {
     out.zero_();
   }

@@ -414,8 +414,8 @@ void float_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, 
   });
 }
 
-void half_rows(const float* x, int64_t m, int64_t k, const at::Half* w, float* y, int64_t n, int64_t r0,
-               int64_t r1) {
+void float_rows(const float* x, int64_t m, int64_t k, const at::Half* w, float* y, int64_t n, int64_t r0,
+                int64_t r1) {
   row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
     int8_row<decltype(mb)::value>(x + i * k, k, w + r * k, 1.f, y + i * n + r, n);
   });
