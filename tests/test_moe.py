@@ -258,8 +258,8 @@ def test_int8_is_the_model_of_its_dequantized_weights_within_the_int8_bounds(moe
     assert agreement >= MOE_MIN_TOP1_AGREEMENT, (variant, agreement)
 
 
-# The per-expert relative output error README promises for int4 experts in groups of 32: Gaussian weights give up to
-# 0.085 (test_quantize_int4); these models' drawn experts measured up to 0.086.
+# The per-expert relative output error docs/gpu-kernels.md promises for int4 experts in groups of 32: Gaussian weights
+# give up to 0.085 (test_quantize_int4); these models' drawn experts measured up to 0.086.
 INT4_G32_MAX_LAYER_REL_ERROR = 0.1
 
 
