@@ -366,7 +366,9 @@ class Runner:
         """The token loop, for a batch of equal-length prompts (B, T); not locked (LLM's callers are).
 
         Yields (tokens of this step, host time when they arrived, less any time the profiler spent on itself).
-        Step i+1 is queued on the GPU before step i's tokens are read, so reading never leaves the GPU idle.
+        On a GPU step i+1 is queued before step i's tokens are read, so reading never leaves the GPU idle; on the
+        CPU a step runs when it is called, so step i's tokens go out first (queuing i+1 ahead would only hold
+        them back by a step: the first token would wait for the prefill and a decode step).
         """
         refuse_penalized(sampling)
         batch, prompt_len = prompts.shape
@@ -386,17 +388,23 @@ class Runner:
             # like the warm-up's position, so the compiled step's guards match.
             decode_positions = torch.arange(prompt_len, prompt_len + new_tokens, device=self.device)  # (N,)
             paused = 0.0  # the profiler's own bookkeeping (starting, stopping) is kept out of every timing
-            for step in range(1, new_tokens + 1):
+            ahead = self.device.type != "cpu"
+            if not ahead:
+                yield host.read(), time.perf_counter()  # the prefill's tokens, before any decode step runs
+            for step in range(1, new_tokens + 1 if ahead else new_tokens):
                 if recorder is not None:
                     before = time.perf_counter()
                     recorder.step()
                     paused += time.perf_counter() - before
                 with region("decode_step"):
-                    if step < new_tokens:
+                    if not ahead:  # this step's tokens, read as soon as it has run
+                        token = self.decode(token, decode_positions[step - 1:step], args).clone()
+                        host.send(token)  # (B, 1)
+                    elif step < new_tokens:
                         nxt = self.decode(token, decode_positions[step - 1:step], args).clone()
-                    tokens = host.read()  # the previous step's; the next one is already queued
+                    tokens = host.read()  # on a GPU the previous step's; the next one is already queued
                     arrived = time.perf_counter() - paused
-                    if step < new_tokens:
+                    if ahead and step < new_tokens:
                         host.send(nxt)  # (B, 1)
                         token = nxt
                 yield tokens, arrived
