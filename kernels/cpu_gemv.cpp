@@ -361,7 +361,7 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
   const float* xp = x2.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  // fp16 or fp32 weights: the same loops (cpu_gemv_simd.h's float_rows overloads) over 2 or 4 bytes a weight.
+  // fp16 or fp32 weights: the same loops (cpu_gemv_simd.h's float_rows<T>) over 2 or 4 bytes a weight.
   const auto rows = [&](const auto* wp, int64_t row_bytes) {
     claimed_rows(n, m, k, row_bytes, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86

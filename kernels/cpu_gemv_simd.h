@@ -408,14 +408,9 @@ void int8_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const floa
   });
 }
 
-void float_rows(const float* x, int64_t m, int64_t k, const float* w, float* y, int64_t n, int64_t r0, int64_t r1) {
-  row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
-    int8_row<decltype(mb)::value>(x + i * k, k, w + r * k, 1.f, y + i * n + r, n);
-  });
-}
-
-void float_rows(const float* x, int64_t m, int64_t k, const at::Half* w, float* y, int64_t n, int64_t r0,
-                int64_t r1) {
+// T = float or at::Half (an fp16 weight that holds a float model's values exactly).
+template <typename T>
+void float_rows(const float* x, int64_t m, int64_t k, const T* w, float* y, int64_t n, int64_t r0, int64_t r1) {
   row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
     int8_row<decltype(mb)::value>(x + i * k, k, w + r * k, 1.f, y + i * n + r, n);
   });

@@ -2,9 +2,10 @@
 instruction-set controls, and the CPU branch of redline::int8_linear / int4_linear / exact_head_linear.
 
 cpu_gemv.cpp reads the checkpoint's own int8 / packed int4 weight (or an fp32 one, or the fp16 form of an fp32 weight
-whose values fp16 holds exactly: exact_half) once per block of up to 4 rows of x: int8 and int4 codes multiply x's int16 codes per block of 32 inputs in exact integer sums scaled in fp32 (each
-input rounded by at most half a code step, 1/65534 of its block's largest |x|), an fp32 weight accumulates in fp32
-(the reference's arithmetic, to fp32 rounding); its layout is quantize.py's, so nothing is repacked. One row
+whose values fp16 holds exactly: exact_half, CpuHalfLinear, HalfHead) once per block of up to 4 rows of x: int8 and
+int4 codes multiply x's int16 codes per block of 32 inputs in exact integer sums scaled in fp32 (each input rounded
+by at most half a code step, 1/65534 of its block's largest |x|), an fp32 or fp16 weight accumulates in fp32 (the
+reference's arithmetic, to fp32 rounding); its layout is quantize.py's, so nothing is repacked. One row
 (decode) is a matrix-vector product, a prompt a blocked matrix product. Its loops (cpu_gemv_simd.h) are compiled
 for AVX-512, AVX2 and portable C++ and picked at run time (simd, detected_simd, forced_simd). It runs on its own
 thread pool (use_threads says why). A float output head whose table is exactly int8 codes times fp16 scales per 32
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -203,6 +205,51 @@ def exact_half(weight: Tensor) -> Tensor | None:
         if not torch.equal(half[r0:r0 + HEAD_CHECK_ROWS].float(), rows):
             return None
     return half
+
+
+# The float modules of kernels.linear.use_cpu_kernels, on redline_cpu::float_linear straight from the model (no
+# Python op wrapper between: a 135M model's decode step makes some 200 of these calls).
+
+
+class CpuLinear(nn.Linear):
+    """An fp32 nn.Linear (no bias) on redline_cpu::float_linear: the kernels' own threads and loops (cpu_gemv.cpp)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.redline_cpu.float_linear(x, self.weight)
+
+
+class CpuHalfLinear(nn.Linear):
+    """An fp32 nn.Linear (no bias) whose weight fp16 holds exactly (exact_half), stored as that fp16 form
+    and run on redline_cpu::float_linear: the fp32 products and sums of CpuLinear from half the bytes. Not a tied
+    head (the embedding needs its fp32 table: HalfHead)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight.to(x.dtype))
+        return torch.ops.redline_cpu.float_linear(x, self.weight)
+
+
+class HalfHead(nn.Linear):
+    """A float output head tied to the embedding whose fp32 table fp16 holds exactly (an F16 GGUF file's table):
+    decode reads the fp16 form (a plain attribute, not a buffer: the state dict, the checkpoint and the tying stay as
+    they were) with fp32 arithmetic, the same bits as the fp32 table's."""
+
+    half_weight: Tensor  # fp16 (N, K)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight)
+        return torch.ops.redline_cpu.float_linear(x, self.half_weight)
+
+    def read_bytes(self) -> int:
+        """Bytes one decode step reads for this head (its fp16 form), in place of the fp32 table's."""
+        return self.half_weight.numel() * self.half_weight.element_size()
+
+
+def router_linears(model: nn.Module) -> set[int]:
+    """ids of the mixtures' routers (their gate), which stay fp32 modules: the experts take their dtype."""
+    return {id(module.gate) for module in model.modules()
+            if isinstance(getattr(module, "gate", None), nn.Linear) and hasattr(module, "n_experts")}
 
 
 def exact_head_linear_cpu(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:

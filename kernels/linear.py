@@ -35,8 +35,8 @@ from redline.model import rms_norm
 from redline.quantize import FP8_DTYPE, Fp8Linear, Int4Linear, Int8Linear, dequantize_int4, fp8_block_scales_shape
 from redline.quantize import fp8_linear_reference as fp8_reference
 
-from .cpu_linear import (cpu_ops, exact_half, exact_head_linear_cpu, exact_int8_groups, int4_linear_cpu,
-                         int8_linear_cpu)
+from .cpu_linear import (CpuHalfLinear, CpuLinear, HalfHead, cpu_ops, exact_half, exact_head_linear_cpu,
+                         exact_int8_groups, int4_linear_cpu, int8_linear_cpu, router_linears)
 from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
 from .device import device_caps, fp8_refusal, triton_importable
 
@@ -546,24 +546,6 @@ class KernelFp8Linear(Fp8Linear):
 # model's decode step makes 211 of these calls, and a Python op wrapper's few microseconds each add up.
 
 
-class CpuLinear(nn.Linear):
-    """An fp32 nn.Linear (no bias) on redline_cpu::float_linear: the kernels' own threads and loops (cpu_gemv.cpp)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.redline_cpu.float_linear(x, self.weight)
-
-
-class CpuHalfLinear(nn.Linear):
-    """An fp32 nn.Linear (no bias) whose weight fp16 holds exactly (cpu_linear.exact_half), stored as that fp16 form
-    and run on redline_cpu::float_linear: the fp32 products and sums of CpuLinear from half the bytes. Not a tied
-    head (the embedding needs its fp32 table: HalfHead)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu":
-            return F.linear(x, self.weight.to(x.dtype))
-        return torch.ops.redline_cpu.float_linear(x, self.weight)
-
-
 class CpuInt8Linear(KernelInt8Linear):
     """quantize.Int8Linear on redline_cpu::int8_linear (the int8 weight read once, fp32 accumulation)."""
 
@@ -632,29 +614,6 @@ class ExactInt8Head(nn.Linear):
         return self.codes.numel() + self.group_scales.numel() * self.group_scales.element_size()
 
 
-class HalfHead(nn.Linear):
-    """A float output head tied to the embedding whose fp32 table fp16 holds exactly (an F16 GGUF file's table):
-    decode reads the fp16 form (a plain attribute, not a buffer: the state dict, the checkpoint and the tying stay as
-    they were) with fp32 arithmetic, the same bits as the fp32 table's."""
-
-    half_weight: Tensor  # fp16 (N, K)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.device.type != "cpu":
-            return F.linear(x, self.weight)
-        return torch.ops.redline_cpu.float_linear(x, self.half_weight)
-
-    def read_bytes(self) -> int:
-        """Bytes one decode step reads for this head (its fp16 form), in place of the fp32 table's."""
-        return self.half_weight.numel() * self.half_weight.element_size()
-
-
-def router_linears(model: nn.Module) -> set[int]:
-    """ids of the mixtures' routers (their gate), which stay fp32 modules: the experts take their dtype."""
-    return {id(module.gate) for module in model.modules()
-            if isinstance(getattr(module, "gate", None), nn.Linear) and hasattr(module, "n_experts")}
-
-
 def use_cpu_kernels(model: nn.Module) -> nn.Module:
     """Run a model's linears on the CPU kernels (cpu_linear.py) in place, weights shared and nothing repacked:
     Int8Linear -> CpuInt8Linear, Int4Linear -> CpuInt4Linear, a bias-free fp32 nn.Linear -> CpuLinear, or
@@ -686,8 +645,10 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
         elif type(module) is nn.Linear and module.bias is None and module.weight.dtype == torch.float32 \
                 and module.weight.is_contiguous():  # a tensor-parallel rank's column slice stays on F.linear
             half = None if module.weight is embedding or id(module) in routers else exact_half(module.weight.detach())
-            module.__class__ = CpuLinear if half is None else CpuHalfLinear
-            if half is not None:
+            if half is None:
+                module.__class__ = CpuLinear
+            else:
+                module.__class__ = CpuHalfLinear
                 module.weight = nn.Parameter(half, requires_grad=False)
         module.__class__ = cpu_moe_class(module)
         quantized = quantized or isinstance(module, (Int8Linear, Int4Linear))

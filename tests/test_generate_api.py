@@ -189,7 +189,7 @@ def test_padded_vocabulary_ids_are_never_sampled(chat_tokenizer):
 def test_kernels_settings_are_checked_and_a_cpu_model_is_left_alone(tiny_llm_checkpoint, capsys):
     model = Transformer(ModelArgs(dim=64, n_layer=1, n_head=4, intermediate_size=128, vocab_size=64, block_size=64))
     from redline.kernels.attention import CpuAttention
-    from redline.kernels.linear import CpuLinear
+    from redline.kernels.cpu_linear import CpuLinear
     from redline.model import Attention
 
     classes = [type(m) for m in model.modules()]

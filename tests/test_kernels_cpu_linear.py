@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from redline.kernels import cpu_linear, use_cpu_kernels
-from redline.kernels.linear import (CpuInt4Linear, CpuInt8Linear, CpuLinear, int4_linear_reference,
-                                    int8_linear_reference)
+from redline.kernels.cpu_linear import CpuHalfLinear, CpuLinear, HalfHead
+from redline.kernels.linear import CpuInt4Linear, CpuInt8Linear, int4_linear_reference, int8_linear_reference
 from redline.model import ModelArgs, Transformer
 from redline.quantize import Int4Linear, Int8Linear, dequantize_int4, quantize_, quantize_int4, quantize_int8
 
@@ -399,7 +399,6 @@ def test_a_float_model_with_fp16_values_reads_fp16_weights_and_gives_the_same_lo
     import dataclasses
 
     from redline.kernels import linear as linear_module
-    from redline.kernels.linear import CpuHalfLinear, HalfHead
     from redline.runner.runner import model_bytes_per_token
 
     torch.manual_seed(10)
@@ -434,8 +433,6 @@ def test_a_float_model_with_fp16_values_reads_fp16_weights_and_gives_the_same_lo
 
 
 def test_a_mixtures_router_stays_fp32():
-    from redline.kernels.linear import CpuHalfLinear
-
     torch.manual_seed(12)
     model = fp16_valued(Transformer(ModelArgs.from_name("debug-tiny-moe")).eval())
     use_cpu_kernels(model)
