@@ -82,8 +82,13 @@ class CompiledStep:
         mode = "reduce-overhead" if device.type == "cuda" and graphs else None
         self.fn = torch.compile(fn, mode=mode, fullgraph=True, dynamic=dynamic)
         settings = {**INDUCTOR_SETTINGS, **(CPU_INDUCTOR_SETTINGS if device.type == "cpu" else {})}
-        self.settings = (inductor_config.patch(settings),
-                         torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT))
+        # dynamic=None: the marked sizes alone. Dynamo's automatic dynamic shapes would otherwise turn other sizes
+        # symbolic after a recompile (a second model in the process); torch 2.11 then failed to build a guard on
+        # such a symbol (IndexError in inductor's 32-bit indexing guard).
+        dynamo = {"recompile_limit": RECOMPILE_LIMIT}
+        if dynamic is None:
+            dynamo["automatic_dynamic_shapes"] = False
+        self.settings = (inductor_config.patch(settings), torch._dynamo.config.patch(**dynamo))
 
     def __call__(self, *args: Any) -> Tensor:
         with self.settings[0], self.settings[1]:
