@@ -116,8 +116,11 @@ int64_t force_simd(int64_t level) {
 
 // Multiply-adds below which a product runs on the calling thread alone (waking helpers costs more).
 constexpr int64_t SERIAL_MACS = 1 << 16;
-// Weight bytes per claimed block of output rows.
-constexpr int64_t BLOCK_BYTES = 16 << 10;
+// Weight bytes per claimed block of output rows (and at least two blocks a thread, for balance). With blocks of
+// 16 KB, claimed alternately by two threads (each thread's hardware prefetcher likely running on into the other's
+// rows), two threads ran the demo's int8 layers slower than one on a 2-core Zen 4 guest (7.3 against 4.4 ms a
+// token); 256 KB runs them in 3.4 ms and the int4 ones in 3.7 against 5.3-5.7 (docs/experiments.md).
+constexpr int64_t BLOCK_BYTES = 256 << 10;
 // Pause instructions a helper spins for a new product before it sleeps (tens of microseconds: the gap between two
 // products of one decode step), and the caller before it yields its core while a helper finishes a block.
 constexpr int SPIN_PAUSES = 2000;
