@@ -186,13 +186,15 @@ def redline_checkpoints(gguf: Path | None) -> tuple[Path, dict[str, Path]]:
 
 
 def conversion_name(checkpoint: Path) -> str:
-    """What a GGUF file's conversion holds: float32 throughout, or int4 projections (a Q4_0/Q4_1 file's, kept as they
-    are) beside float32 embeddings and norms."""
-    from redline.checkpoint import read_checkpoint_info
+    """What a GGUF file's conversion holds, as its metadata says: one float dtype throughout, or int4 projections (a
+    Q4_0/Q4_1 file's, kept as they are) beside embeddings and norms of that dtype. A reused conversion written with
+    another --dtype is named for what it is."""
+    from redline.checkpoint import dtype_name, read_checkpoint_info
 
-    if read_checkpoint_info(checkpoint).scheme == "int4":
-        return "converted (int4 projections, float32 rest)"
-    return "converted (float32)"
+    info = read_checkpoint_info(checkpoint)
+    if info.scheme == "int4":
+        return f"converted (int4 projections, {dtype_name(info.dtype)} rest)"
+    return f"converted ({dtype_name(info.dtype)})"
 
 
 def float32_conversion(gguf: Path) -> Path:

@@ -3,8 +3,10 @@ share) and its one-line error without llama-cpp-python."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
+import torch
 
 from redline.benchmarks import bench_llama_cpp as bench
 
@@ -73,7 +75,14 @@ def test_a_conversion_newer_than_its_gguf_is_reused_not_rewritten(tmp_path, monk
 def test_a_conversion_is_named_for_what_it_holds(tiny_llm_checkpoint, tmp_path):
     from redline.quantize import quantize_checkpoint
 
+    from redline.checkpoint import load_tensors, read_checkpoint_info, save_checkpoint
+
     float_path = tiny_llm_checkpoint[0]
     int4_path = quantize_checkpoint(float_path, "int4", tmp_path / "model.int4.safetensors")
     assert bench.conversion_name(float_path) == "converted (float32)"
     assert bench.conversion_name(int4_path) == "converted (int4 projections, float32 rest)"
+    # A conversion written in bf16 (convert_gguf.py's default) is not called float32.
+    info = read_checkpoint_info(float_path)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_tensors(info).items()}
+    bf16_path = save_checkpoint(tmp_path / "model.bf16.safetensors", tensors, replace(info, dtype=torch.bfloat16))
+    assert bench.conversion_name(bf16_path) == "converted (bfloat16)"
