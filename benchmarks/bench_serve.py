@@ -335,15 +335,18 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
     """The engine core serve.py would run, loaded and prepared as its process does (graphs captured, warmed up),
     in this process."""
     from redline.engine import Engine, EngineSettings
-    from redline.engine.process import log
+    from redline.engine.process import graph_progress, log
     from redline.runner.load import load_runner
     from redline.serve import ServeSettings
 
     engine_settings = EngineSettings(max_kv_tokens=cfg.max_kv_tokens, max_running=cfg.max_running, max_queue=None,
                                      compile_prefill=cfg.compile_prefill, capture_tokens=cfg.capture_tokens,
                                      kv_cache_dtype=cfg.kv_cache_dtype)
+    begin = time.perf_counter()
     if cfg.vision_model is not None:
         engine = vision_engine(cfg, engine_settings)
+        log(f"built {cfg.vision_model} with random weights, its vision tower included, in "
+            f"{time.perf_counter() - begin:.1f} s")
     else:
         from redline.engine.process import vision_tower
 
@@ -351,8 +354,12 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
                                  device=cfg.device, dtype=cfg.dtype, engine=engine_settings)
         runner = load_runner(settings.model_source(None), log)
         engine = Engine.of_runner(runner, engine_settings, vision_tower(settings.model_source(None), runner))
-    engine.capture_graphs()
+    begin = time.perf_counter()
+    made = engine.capture_graphs(progress=graph_progress())
+    log(f"captured {made} decode graphs in {time.perf_counter() - begin:.1f} s")
+    begin = time.perf_counter()
     engine.warm_up()
+    log(f"warmed up in {time.perf_counter() - begin:.1f} s")
     return engine
 
 
