@@ -335,7 +335,7 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
     """The engine core serve.py would run, loaded and prepared as its process does (graphs captured, warmed up),
     in this process."""
     from redline.engine import Engine, EngineSettings
-    from redline.engine.process import graph_progress, log
+    from redline.engine.process import log, prepared
     from redline.runner.load import load_runner
     from redline.serve import ServeSettings
 
@@ -354,12 +354,7 @@ def offline_engine(cfg: BenchServeConfig) -> Any:
                                  device=cfg.device, dtype=cfg.dtype, engine=engine_settings)
         runner = load_runner(settings.model_source(None), log)
         engine = Engine.of_runner(runner, engine_settings, vision_tower(settings.model_source(None), runner))
-    begin = time.perf_counter()
-    made = engine.capture_graphs(progress=graph_progress())
-    log(f"captured {made} decode graphs in {time.perf_counter() - begin:.1f} s")
-    begin = time.perf_counter()
-    engine.warm_up()
-    log(f"warmed up in {time.perf_counter() - begin:.1f} s")
+    prepared(engine.core)
     return engine
 
 

@@ -182,16 +182,25 @@ def start_core(config: CoreConfig, sink: Callable[[list[CoreOutput]], None]) -> 
                       vision_tower(config.model, runner))
     log(f"KV cache: {core.pool.num_pages} pages of {core.pool.page_size} tokens ({core.pool.capacity_tokens} tokens, "
         f"{dtype_name(core.kv_dtype)})")
-    if config.capture_graphs and core.paged.graphs is not None:
+    startup.update(prepared(core, config.capture_graphs, config.warm_up_tokens, since=begin))
+    return core, startup
+
+
+def prepared(core: EngineCore, capture_graphs: bool = True, warm_up_tokens: int | None = None,
+             since: float | None = None) -> dict[str, float]:
+    """Capture the core's decode graphs (where it has them) and warm it up, logging each phase; the seconds each
+    took, the graphs' counted from `since` (default: now)."""
+    begin = time.perf_counter() if since is None else since
+    if capture_graphs and core.paged.graphs is not None:
         log("capturing decode graphs")
         made = core.capture_graphs(progress=graph_progress())
         log(f"captured {made} decode graphs in {time.perf_counter() - begin:.1f} s")
-    startup["graphs_s"] = time.perf_counter() - begin
+    startup = {"graphs_s": time.perf_counter() - begin}
     begin = time.perf_counter()
-    core.warm_up(config.warm_up_tokens)
+    core.warm_up(warm_up_tokens)
     startup["warm_up_s"] = time.perf_counter() - begin
     log(f"warmed up in {startup['warm_up_s']:.1f} s; ready")
-    return core, startup
+    return startup
 
 
 def vision_tower(source: ModelSource, runner: Any) -> Any:

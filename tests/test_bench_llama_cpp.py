@@ -73,9 +73,8 @@ def test_a_conversion_newer_than_its_gguf_is_reused_not_rewritten(tmp_path, monk
 
 
 def test_a_conversion_is_named_for_what_it_holds(tiny_llm_checkpoint, tmp_path):
-    from redline.quantize import quantize_checkpoint
-
     from redline.checkpoint import load_tensors, read_checkpoint_info, save_checkpoint
+    from redline.quantize import quantize_checkpoint
 
     float_path = tiny_llm_checkpoint[0]
     int4_path = quantize_checkpoint(float_path, "int4", tmp_path / "model.int4.safetensors")
