@@ -13,7 +13,8 @@
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
 #   bash benchmarks/gpu_run.sh frontdoor  # serve.py started twice (cold, then with its compile cache warm), each
-#                                         # to /health 200, and 512 prompts of 128/128 at once against the second
+#                                         # to /health 200; against the second 512 prompts of 128/128 at once,
+#                                         # 64 streams of 512/256 and one client's 8 requests of 128/256
 #   bash benchmarks/gpu_run.sh frontdoor-pair  # one start, 512 x 128/128 against it from CLIENTS (default 4)
 #                                         # client processes, then the same requests through the engine in-process
 #   bash benchmarks/gpu_run.sh frontdoor-offline  # the same 512 requests through the engine in-process, and the
@@ -177,6 +178,8 @@ frontdoor)
                 --output-len 128 --vocab-size "$vocab" --clients "${CLIENTS:-1}" --json "$RESULTS/serve-512.json"
             run serve-64 python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 \
                 --output-len 256 --vocab-size "$vocab" --clients "${CLIENTS:-1}" --json "$RESULTS/serve-64.json"
+            run serve-one python3 benchmarks/bench_serve.py $url --num-prompts 8 --max-concurrency 1 \
+                --input-len 128 --output-len 256 --vocab-size "$vocab" --json "$RESULTS/serve-one.json"
         fi
         kill -TERM $server && wait $server
         echo "== start-$start: exit status $?"
