@@ -47,6 +47,9 @@ extra=${SERVE_ARGS:-}
 RESULTS=${RESULTS:-benchmarks/results/gpu-run}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
+# Bytecode of the imported modules in a writable folder: an image whose packages were installed without .pyc files in
+# a read-only folder otherwise compiles torch's sources again in every process (seconds of each start).
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/redline-pycache}
 if [ -z "${WHEELS_INSTALLED:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
