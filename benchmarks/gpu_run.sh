@@ -12,8 +12,8 @@
 #                                         # and the engine's mixed workload on Qwen3-30B-A3B
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
-#   bash benchmarks/gpu_run.sh frontdoor  # serve.py started twice (cold, then with its compile cache warm), each
-#                                         # to /health 200; against the second 512 prompts of 128/128 at once,
+#   bash benchmarks/gpu_run.sh frontdoor  # serve.py started cold, then WARM_STARTS times (default 1) with its compile
+#                                         # cache warm, each to /health 200; against the last 512 prompts of 128/128 at once,
 #                                         # 64 streams of 512/256 and one client's 8 requests of 128/256
 #   bash benchmarks/gpu_run.sh frontdoor-pair  # one start, 512 x 128/128 against it from CLIENTS (default 4)
 #                                         # client processes, then the same requests through the engine in-process
@@ -47,8 +47,10 @@ extra=${SERVE_ARGS:-}
 RESULTS=${RESULTS:-benchmarks/results/gpu-run}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
-# Bytecode of the imported modules in a writable folder: an image whose packages were installed without .pyc files in
-# a read-only folder otherwise compiles torch's sources again in every process (seconds of each start).
+# Python writes the bytecode of what it imports (in a writable folder), as an installed package has it: an image
+# that sets PYTHONDONTWRITEBYTECODE over packages without .pyc files otherwise compiles torch's sources again in
+# every process, seconds of each start.
+unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/redline-pycache}
 if [ -z "${WHEELS_INSTALLED:-}" ] && compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -168,15 +170,17 @@ frontdoor)
     port=${PORT:-8321}
     cache=${COMPILE_CACHE:-/tmp/redline-compile-cache}
     capture=${CAPTURE_TOKENS:-2048}
+    warm_starts=${WARM_STARTS:-1}
     rm -rf "$cache"
     url="--base-url http://127.0.0.1:$port"
-    for start in cold warm; do
+    last=warm$warm_starts
+    for start in cold $(seq -f "warm%g" "$warm_starts"); do
         t0=$(date +%s.%N)
         start_server "$RESULTS/server-$start.log" --max-running 512 --capture-tokens "$capture" \
             --compile-cache "$cache" $extra
         echo "== start-$start: /health 200 after $(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')") s"
         grep "redline" "$RESULTS/server-$start.log" | tail -4
-        if [ $start = warm ]; then
+        if [ $start = "$last" ]; then
             run serve-512 python3 benchmarks/bench_serve.py $url --num-prompts 512 --input-len 128 \
                 --output-len 128 --vocab-size "$vocab" --clients "${CLIENTS:-1}" --json "$RESULTS/serve-512.json"
             run serve-64 python3 benchmarks/bench_serve.py $url --num-prompts 64 --input-len 512 \
