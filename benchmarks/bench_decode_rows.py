@@ -3,7 +3,8 @@
 Each row count R is one decode graph of the paged model (the step the engine replays when R sequences decode
 together), every row at the same context length. The step is timed with CUDA events over repeated replays
 (median of --repeats, the host filling the staging buffers each time as the engine does), and set against its
-roofline: max(bytes read / measured read bandwidth, FLOPs / measured matmul peak), both measured in the same run.
+roofline: max(bytes read / measured read bandwidth, FLOPs / measured matmul peak, the FP8 one for --quant fp8), both
+measured in the same run.
 Then a few replays run under torch.profiler, and each row count's GPU time is split by kernel (the top --top kernels
 and four groups: cuBLAS matmuls, Redline's Triton matmuls, attention, the rest).
 
@@ -116,11 +117,12 @@ def measure(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     report["env"]["command"] = "python benchmarks/bench_decode_rows.py " + " ".join(argv)
     bandwidth = peak = None
     if device.type == "cuda":
-        from redline.benchmarks.bench_serving import matmul_peak_flops
+        from redline.benchmarks.bench_serving import fp8_matmul_peak_flops, matmul_peak_flops
         from redline.profiling import read_bandwidth_gb_s
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
-        peak = matmul_peak_flops(device, dtype_from_name(ns.dtype))
+        # W8A8 steps multiply on the FP8 tensor cores: their compute ceiling is the FP8 matmul's
+        peak = fp8_matmul_peak_flops(device) if ns.quant == "fp8" else matmul_peak_flops(device, dtype_from_name(ns.dtype))
         report["measured"] = {"read_gb_s": bandwidth / 1e9, "matmul_tflops": peak / 1e12}
     for rows in rows_list:
         inputs = step_inputs(rows, ns.context, args.vocab_size)
