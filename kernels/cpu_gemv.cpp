@@ -9,9 +9,9 @@
 //       quantize.py's layout: input k of row n in byte k / 2 (even k in the low nibble), w = scale * q + offset
 //       per (row, group of G inputs); y[m, n] = sum_g scale sum_{k in g} x[m, k] q[n, k] + offset * sum_{k in g} x,
 //       the inner sums on x's int16 codes per block of 32 inputs (exact integer products; cpu_gemv_simd.h)
-//   redline_cpu::int8_group_linear(x (..., K), weight int8 (N, K), scales fp16 (N, K/G)) -> (..., N)
-//       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k]   (the exact form of a Q8_0 table; x in
-//       fp32 for groups of 16)
+//   redline_cpu::int8_group_linear(x (..., K), weight int8 (N, K), scales fp16 or fp32 (N, K/G)) -> (..., N)
+//       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k], G a power of two >= 16 (the exact form
+//       of a Q8_0 table, fp16 scales of 32 inputs, on x's int16 codes; of a Q6_K one, fp32 scales of 16, x in fp32)
 //   redline_cpu::simd() -> int            the instruction set the kernels run now: 0 portable, 1 AVX2, 2 AVX-512
 //   redline_cpu::detected_simd() -> int   the best one this CPU has
 //   redline_cpu::force_simd(int level) -> int   run `level` (-1: the detected one again); returns the previous setting
@@ -389,29 +389,39 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& weight, cons
               "int8_group_linear: weight must be contiguous int8 (N, K) on the CPU");
   const int64_t n = weight.size(0), k = weight.size(1);
   check_x(x, k, "int8_group_linear");
-  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.is_cpu() &&
-              scales.size(0) == n && scales.size(1) > 0 && k % scales.size(1) == 0 &&
-              (k / scales.size(1)) % 16 == 0, "int8_group_linear: scales must be contiguous fp16 (N, K/G), G a "
-              "multiple of 16");
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.dim() == 2 && (half || scales.scalar_type() == at::kFloat) && scales.is_contiguous() &&
+              scales.is_cpu() && scales.size(0) == n && scales.size(1) > 0 && k % scales.size(1) == 0,
+              "int8_group_linear: scales must be contiguous fp16 or fp32 (N, K/G)");
   const int64_t group = k / scales.size(1);
+  TORCH_CHECK(group >= 16 && (group & (group - 1)) == 0, "int8_group_linear: the group G = K / scales.size(1) must be "
+              "a power of two, at least 16; got ", group);
+  int shift = 0;
+  while ((int64_t{1} << shift) < group) ++shift;  // group == 2^shift
   auto [x2, shape] = rows_of(x, k, n);
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, n}, x2.options());
   const float* xp = x2.data_ptr<float>();
   const int8_t* wp = weight.data_ptr<int8_t>();
-  const at::Half* sp = scales.data_ptr<at::Half>();
   float* yp = out.data_ptr<float>();
   const int64_t level = simd();
-  if (m > 0 && group % 32 == 0) {
-    int8_on_codes(xp, m, k, wp, nullptr, sp, group, yp, n);
-  } else if (m > 0) {  // groups of 16: x in fp32
-    claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
+  if (m > 0 && half && group % 32 == 0) {
+    int8_on_codes(xp, m, k, wp, nullptr, scales.data_ptr<at::Half>(), group, yp, n);
+  } else if (m > 0) {  // groups of 16, or fp32 scales: x in fp32
+    auto run = [&](auto* sp) {
+      claimed_rows(n, m, k, k, [&](int64_t r0, int64_t r1) {
 #if REDLINE_X86
-      if (level == AVX512) return avx512::int8_group_rows(xp, m, k, wp, sp, group, yp, n, r0, r1);
-      if (level == AVX2) return avx2::int8_group_rows(xp, m, k, wp, sp, group, yp, n, r0, r1);
+        if (level == AVX512) return avx512::int8_group_rows(xp, m, k, wp, sp, shift, yp, n, r0, r1);
+        if (level == AVX2) return avx2::int8_group_rows(xp, m, k, wp, sp, shift, yp, n, r0, r1);
 #endif
-      portable::int8_group_rows(xp, m, k, wp, sp, group, yp, n, r0, r1);
-    });
+        portable::int8_group_rows(xp, m, k, wp, sp, shift, yp, n, r0, r1);
+      });
+    };
+    if (half) {
+      run(scales.data_ptr<at::Half>());
+    } else {
+      run(scales.data_ptr<float>());
+    }
   }
   return finish(out, x, shape);
 }

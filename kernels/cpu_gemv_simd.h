@@ -8,7 +8,7 @@
 // and int4 kernels read x as int16 codes per block of 32 inputs (integer multiply-adds on the widened codes, about
 // 1.6-2x the fp32 loops' speed on AVX2): half an int16 step of rounding per input, a relative 1.5e-5 of the block's
 // largest |x|, about what fp32 sums of a few hundred terms add already; greedy tokens stay the dequantized float
-// model's. (The fp32-x loops int8_row and int8_group_row remain for K, or groups, that are not multiples of 32.)
+// model's. (The fp32-x loops int8_row and int8_group_row remain for K that is not a multiple of 32, and groups of 16.)
 //
 // Each kernel fills rows [r0, r1) of the output for all M rows of x. A weight row is converted to floats once per
 // block of up to 4 rows of x (MB), so a prefill of M rows is a blocked matrix product on the packed weight and a
@@ -153,25 +153,32 @@ static inline void int8_row(const float* x, int64_t k, const T* w, float scale, 
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// int8 weight in groups of G inputs, one fp16 scale each (GGUF's Q8_0): y[m, r] = sum_g s[r, g] sum_{k in g} x w.
-// Each group's codes are scaled in registers (one multiply a register), then accumulated.
+// int8 weight in groups of G = 2^shift inputs, one scale each: fp16 (GGUF's Q8_0) or fp32 (the exact form of a Q6_K
+// table, groups of 16 under d * scale): y[m, r] = sum_g s[r, g] sum_{k in g} x w. A group spans whole registers (G a
+// multiple of W); each register's codes are scaled by its group's scale, then accumulated, registers in turn over the
+// A accumulators whatever the group size. K is a multiple of G.
 
-template <int MB>
-static inline void int8_group_row(const float* x, int64_t k, const int8_t* w, const at::Half* scales, int64_t group,
-                                  float* y, int64_t ldy) {
+static inline float scale_value(const at::Half* p) { return half_to_float(p); }
+static inline float scale_value(const float* p) { return *p; }
+
+template <int MB, typename S>
+static inline void int8_group_row(const float* x, int64_t k, const int8_t* w, const S* scales, int shift, float* y,
+                                  int64_t ldy) {
   constexpr int A = ACCS<MB>;
   F acc[MB][A];
   for (int i = 0; i < MB; ++i)
     for (int a = 0; a < A; ++a) acc[i][a] = fzero();
-  for (int64_t g0 = 0; g0 < k; g0 += group) {
-    const F s = fset(half_to_float(scales + g0 / group));
-    for (int64_t j = g0; j < g0 + group; j += A * W) {
-      for (int a = 0; a < A; ++a) {  // a group of fewer than A registers fills the first ones
-        if (j + a * W >= g0 + group) break;
-        const F wv = fmul(bytes_to_floats(w + j + a * W), s);
-        for (int i = 0; i < MB; ++i) acc[i][a] = ffma(fload(x + i * k + j + a * W), wv, acc[i][a]);
-      }
+  int64_t j = 0;
+  for (; j + A * W <= k; j += A * W) {
+    for (int a = 0; a < A; ++a) {
+      const int64_t at = j + a * W;
+      const F wv = fmul(bytes_to_floats(w + at), fset(scale_value(scales + (at >> shift))));
+      for (int i = 0; i < MB; ++i) acc[i][a] = ffma(fload(x + i * k + at), wv, acc[i][a]);
     }
+  }
+  for (; j < k; j += W) {
+    const F wv = fmul(bytes_to_floats(w + j), fset(scale_value(scales + (j >> shift))));
+    for (int i = 0; i < MB; ++i) acc[i][0] = ffma(fload(x + i * k + j), wv, acc[i][0]);
   }
   for (int i = 0; i < MB; ++i) {
     F total = acc[i][0];
@@ -416,11 +423,13 @@ void float_rows(const float* x, int64_t m, int64_t k, const T* w, float* y, int6
   });
 }
 
-void int8_group_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const at::Half* scales, int64_t group,
-                     float* y, int64_t n, int64_t r0, int64_t r1) {
-  const int64_t groups = k / group;
+// S = at::Half or float: the groups' scales (N, K / 2^shift).
+template <typename S>
+void int8_group_rows(const float* x, int64_t m, int64_t k, const int8_t* w, const S* scales, int shift, float* y,
+                     int64_t n, int64_t r0, int64_t r1) {
+  const int64_t groups = k >> shift;
   row_blocks(m, r0, r1, [&](auto mb, int64_t i, int64_t r) {
-    int8_group_row<decltype(mb)::value>(x + i * k, k, w + r * k, scales + r * groups, group, y + i * n + r, n);
+    int8_group_row<decltype(mb)::value>(x + i * k, k, w + r * k, scales + r * groups, shift, y + i * n + r, n);
   });
 }
 

@@ -9,7 +9,8 @@ reference's arithmetic, to fp32 rounding); its layout is quantize.py's, so nothi
 (decode) is a matrix-vector product, a prompt a blocked matrix product. Its loops (cpu_gemv_simd.h) are compiled
 for AVX-512, AVX2 and portable C++ and picked at run time (simd, detected_simd, forced_simd). It runs on its own
 thread pool (use_threads says why). A float output head whose table is exactly int8 codes times fp16 scales per 32
-inputs (GGUF's Q8_0) runs on that int8 form (exact_int8_groups, redline_cpu::int8_group_linear). A decode step's
+inputs (GGUF's Q8_0), or int8 codes times fp32 scales per 16 (GGUF's Q6_K), runs on that int8 form
+(exact_int8_groups, exact_int8_groups16, redline_cpu::int8_group_linear). A decode step's
 attention runs there too, over only the cache positions it reads: redline_cpu::decode_attention
 (attention.CpuAttention, generate's own cache) and paged_decode_attention (the batching engine's fp32 pages,
 through PagedKVCache.ops: paged_ops).
@@ -169,6 +170,10 @@ def paged_ops(prefill: Any, pages_dtype: torch.dtype) -> tuple[Any, Any] | None:
 HEAD_GROUP = 32
 # Rows of the head checked at a time (bounds the temporaries to a few MB per row block).
 HEAD_CHECK_ROWS = 4096
+# A float head's exact int8 form in groups of 16 (exact_int8_groups16): the largest |code| a group's scale is searched
+# for (GGUF's Q6_K codes lie in -32..31), and the rows checked first, alone.
+GROUP16_MAX_CODE = 32
+GROUP16_PROBE_ROWS = 64
 
 
 def exact_int8_groups(weight: Tensor, group: int = HEAD_GROUP) -> tuple[Tensor, Tensor] | None:
@@ -190,6 +195,48 @@ def exact_int8_groups(weight: Tensor, group: int = HEAD_GROUP) -> tuple[Tensor, 
         codes[r0:r0 + HEAD_CHECK_ROWS] = q.view(-1, k).to(torch.int8)
         scales[r0:r0 + HEAD_CHECK_ROWS] = scale
     return codes, scales
+
+
+def exact_int8_groups16(weight: Tensor) -> tuple[Tensor, Tensor] | None:
+    """weight (N, K) as int8 codes (N, K) and fp32 scales (N, K/16) with codes * scale == weight exactly for every
+    element, or None when the weight has no such form. A table dequantized from GGUF's Q6_K (d * scale_j * (q - 32),
+    q a 6-bit code, in groups of 16) has one, at a third of the fp32 bytes. Each group's scale is its largest |value|
+    over its largest |code|, which is tried from GROUP16_MAX_CODE down; the first rows are checked alone first, so a
+    trained float table is turned down at once."""
+    n, k = weight.shape
+    if k % 16 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    if group16_form(weight[:GROUP16_PROBE_ROWS]) is None:
+        return None
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // 16, dtype=torch.float32)
+    for r0 in range(0, n, HEAD_CHECK_ROWS):
+        form = group16_form(weight[r0:r0 + HEAD_CHECK_ROWS])
+        if form is None:
+            return None
+        codes[r0:r0 + HEAD_CHECK_ROWS], scales[r0:r0 + HEAD_CHECK_ROWS] = form
+    return codes, scales
+
+
+def group16_form(w: Tensor) -> tuple[Tensor, Tensor] | None:
+    """(codes int8 (R, K), scales fp32 (R, K/16)) of rows w (R, K) fp32 per group of 16 inputs, exact, or None."""
+    groups = w.reshape(-1, 16)  # (G, 16)
+    amax = groups.abs().amax(dim=-1)  # (G,)
+    scales = torch.zeros_like(amax)
+    codes = torch.zeros_like(groups)
+    todo = torch.nonzero(amax > 0).squeeze(1)  # (T,) groups without a form yet (all-zero groups: scale 0, codes 0)
+    for top in range(GROUP16_MAX_CODE, 0, -1):
+        if todo.numel() == 0:
+            break
+        scale = amax[todo] / top  # (T,)
+        q = torch.round(groups[todo] / scale[:, None])  # (T, 16), |q| <= top
+        exact = (q * scale[:, None] == groups[todo]).all(dim=-1)  # (T,)
+        done = todo[exact]
+        scales[done], codes[done] = scale[exact], q[exact]
+        todo = todo[~exact]
+    if todo.numel():
+        return None
+    return codes.view(w.shape).to(torch.int8), scales.view(w.shape[0], -1)
 
 
 def exact_half(weight: Tensor) -> Tensor | None:
@@ -253,8 +300,9 @@ def router_linears(model: nn.Module) -> set[int]:
 
 
 def exact_head_linear_cpu(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
-    """F.linear(x, weight) for a weight that equals codes * scales exactly (exact_int8_groups), read in its int8 form
-    (a quarter of the fp32 bytes) on the CPU; F.linear elsewhere (a model moved to a GPU)."""
+    """F.linear(x, weight) for a weight that equals codes * scales exactly (exact_int8_groups, exact_int8_groups16),
+    read in its int8 form (a quarter to a third of the fp32 bytes) on the CPU; F.linear elsewhere (a model moved to a
+    GPU)."""
     if x.device.type != "cpu":
         return F.linear(x, weight)
     cpu_ops()

@@ -36,7 +36,7 @@ from redline.quantize import FP8_DTYPE, Fp8Linear, Int4Linear, Int8Linear, dequa
 from redline.quantize import fp8_linear_reference as fp8_reference
 
 from .cpu_linear import (CpuHalfLinear, CpuLinear, HalfHead, cpu_ops, exact_half, exact_head_linear_cpu,
-                         exact_int8_groups, int4_linear_cpu, int8_linear_cpu, router_linears)
+                         exact_int8_groups, exact_int8_groups16, int4_linear_cpu, int8_linear_cpu, router_linears)
 from .configs import DotConfig, Int4DotConfig, fitted_dot_config, fitted_int4_dot_config
 from .device import device_caps, fp8_refusal, triton_importable
 
@@ -586,8 +586,8 @@ def swap_linears(model: nn.Module) -> None:
 
 @torch.library.custom_op("redline::exact_head_linear", mutates_args=())
 def exact_head_linear(x: Tensor, weight: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
-    """F.linear(x, weight) where weight == codes * scales exactly (int8 (N, K), fp16 (N, K/32): a Q8_0 table); on the
-    CPU the int8 form is read (cpu_gemv.cpp)."""
+    """F.linear(x, weight) where weight == codes * scales exactly (int8 (N, K) and fp16 (N, K/32), a Q8_0 table, or
+    fp32 (N, K/16), a Q6_K one); on the CPU the int8 form is read (cpu_gemv.cpp)."""
     return exact_head_linear_cpu(x, weight, codes, scales)
 
 
@@ -598,11 +598,12 @@ def _exact_head_linear_fake(x: Tensor, weight: Tensor, codes: Tensor, scales: Te
 
 class ExactInt8Head(nn.Linear):
     """A float output head tied to the embedding whose table is exactly int8 codes times fp16 scales per 32 inputs
-    (GGUF's Q8_0, as in the demo model): decode reads the int8 form. The codes and scales are plain attributes, not
-    buffers: the state dict, the checkpoint and the tying stay as they were."""
+    (GGUF's Q8_0, as in the demo model) or fp32 scales per 16 (GGUF's Q6_K, as in Llama-3.2-1B's Q4_1 files): decode
+    reads the int8 form. The codes and scales are plain attributes, not buffers: the state dict, the checkpoint and
+    the tying stay as they were."""
 
     codes: Tensor  # int8 (N, K)
-    group_scales: Tensor  # fp16 (N, K/32)
+    group_scales: Tensor  # fp16 (N, K/32) or fp32 (N, K/16)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type == "cpu":  # the C++ op straight from the model (see CpuLinear)
@@ -623,9 +624,9 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
     experts become moe.CpuMoE, CpuInt8MoE or CpuInt4MoE (a decode step's chosen experts on their stored weights);
     model.Attention -> attention.CpuAttention (one-token steps over the valid cache positions only).
     The C++ kernel is built or loaded now rather than on the first token. In a quantized model a float output head
-    tied to the embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 table); else, in
-    any model, a HalfHead when fp16 holds its table exactly (both checked element by element, else it stays a float
-    head). Other linears stay as they are; applying it twice is a no-op."""
+    tied to the embedding becomes an ExactInt8Head when its table has an exact int8 form (a Q8_0 or Q6_K table);
+    else, in any model, a HalfHead when fp16 holds its table exactly (both checked element by element, else it stays
+    a float head). Other linears stay as they are; applying it twice is a no-op."""
     from redline.model import Attention
 
     from .attention import CpuAttention, cpu_attention_fits
@@ -656,7 +657,8 @@ def use_cpu_kernels(model: nn.Module) -> nn.Module:
     if not isinstance(head, nn.Linear) or type(head) in (ExactInt8Head, HalfHead) or head.bias is not None \
             or not getattr(model.args, "tie_word_embeddings", False):
         return model
-    form = exact_int8_groups(head.weight.detach()) if quantized else None
+    form = (exact_int8_groups(head.weight.detach()) or exact_int8_groups16(head.weight.detach())) if quantized \
+        else None
     if form is not None:
         head.__class__ = ExactInt8Head
         head.codes, head.group_scales = form

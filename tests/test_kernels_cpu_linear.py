@@ -198,6 +198,56 @@ def test_exact_int8_head_form_and_op():
     torch.library.opcheck(torch.ops.redline.exact_head_linear.default, (torch.randn(2, 64), table, *form))
 
 
+def q6_k_table(n: int, k: int, seed: int) -> torch.Tensor:
+    """An (n, k) fp32 table as GGUF's Q6_K dequantizes: d (fp16, per 256 inputs) * scale (int8, per 16) * (q - 32),
+    q a 6-bit code."""
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randint(0, 64, (n, k // 16, 16), generator=g).float() - 32
+    sc = torch.randint(-128, 128, (n, k // 256, 16), generator=g).float().view(n, k // 16)
+    d = (torch.rand(n, k // 256, generator=g) * 1e-3 + 1e-5).half().float().repeat_interleave(16, dim=1)
+    return (c * (d * sc).unsqueeze(-1)).view(n, k)
+
+
+def test_exact_int8_form_of_a_q6_k_table():
+    table = q6_k_table(300, 512, seed=5)
+    table[7, :16] = 0  # an all-zero group: scale 0
+    table[9, 16:32] = table[9, 16:32].sign() * table[9, 16:32].abs().amax()  # one code's magnitude throughout
+    codes, scales = cpu_linear.exact_int8_groups16(table)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32 and scales.shape == (300, 32)
+    assert torch.equal((codes.float().view(300, 32, 16) * scales.unsqueeze(-1)).view(300, 512), table)
+    assert codes.abs().max() <= cpu_linear.GROUP16_MAX_CODE and scales[7, 0] == 0
+    x = torch.randn(3, 512)
+    assert rel_err(torch.ops.redline.exact_head_linear(x, table, codes, scales), x.double() @ table.double().T) < 5e-6
+    assert cpu_linear.exact_int8_groups16(torch.randn(300, 512)) is None  # a trained float table has no such form
+    late = table.clone()
+    late[250, 3] = torch.nextafter(late[250, 3], torch.tensor(1.0))  # one value off the form, past the probed rows
+    assert cpu_linear.exact_int8_groups16(late) is None
+    assert cpu_linear.exact_int8_groups16(table[:, :200]) is None  # K not a multiple of 16
+    with pytest.raises(RuntimeError, match="a power of two, at least 16"):
+        torch.ops.redline_cpu.int8_group_linear(x[:, :480], codes[:, :480].contiguous(), scales[:, :10].contiguous())
+
+
+def test_a_quantized_models_q6_k_head_reads_its_int8_form():
+    from redline.kernels.linear import ExactInt8Head
+
+    args = ModelArgs.from_name("debug-tiny")
+    args = type(args)(**{**args.__dict__, "tie_word_embeddings": True, "dim": 256})
+    torch.manual_seed(0)
+    model = Transformer(args).eval()
+    model.output.weight = model.tok_embeddings.weight
+    with torch.no_grad():
+        model.tok_embeddings.weight.copy_(q6_k_table(*model.tok_embeddings.weight.shape, seed=6) / 16)  # still exact
+    reference = quantize_(model, "int4", 32)
+    fast = use_cpu_kernels(copy.deepcopy(reference))
+    assert type(fast.output) is ExactInt8Head and fast.output.group_scales.dtype == torch.float32
+    assert fast.output.read_bytes() == args.vocab_size * args.dim * (1 + 4 / 16)
+    ids = torch.randint(0, args.vocab_size, (1, 12))
+    with torch.no_grad():
+        for m in (reference, fast):
+            m.setup_caches(1, 32)
+        torch.testing.assert_close(fast(ids, torch.arange(12)), reference(ids, torch.arange(12)), rtol=1e-3, atol=1e-3)
+
+
 def test_a_quantized_models_q8_0_head_reads_its_int8_form():
     from redline.runner import model_bytes_per_token
     from redline.kernels.linear import ExactInt8Head
@@ -289,6 +339,14 @@ def test_every_simd_path_matches_the_references(simd, kernel_threads):
         table = (codes.double().view(n, -1, 32) * scales.double().unsqueeze(-1)).view(n, k)
         assert rel_err(torch.ops.redline_cpu.int8_group_linear(x, codes, scales), x.double() @ table.T) < \
             X_CODES_TOLERANCE
+    for group, dtype in ((16, torch.float32), (16, torch.float16), (64, torch.float32)):  # x in fp32 (Q6_K: 16, fp32)
+        for m, n, k in random_shapes(group + 1, 3, multiple=group):
+            x = torch.randn(m, k)
+            codes = torch.randint(-32, 32, (n, k), dtype=torch.int8)
+            scales = (torch.rand(n, k // group) * 0.01).to(dtype)
+            table = (codes.double().view(n, -1, group) * scales.double().unsqueeze(-1)).view(n, k)
+            assert rel_err(torch.ops.redline_cpu.int8_group_linear(x, codes, scales), x.double() @ table.T) < 5e-6, \
+                (m, n, k, group, dtype)
 
 
 def test_simd_paths_agree_with_each_other():
@@ -300,12 +358,14 @@ def test_simd_paths_agree_with_each_other():
     q, s = quantize_int8(torch.randn(300, 1024))
     codes = torch.randint(-127, 128, (300, 1024), dtype=torch.int8)
     group_scales = (torch.rand(300, 32) * 0.01).half()
+    scales16 = torch.rand(300, 64) * 0.01  # fp32 scales of groups of 16 (a Q6_K table's form)
     have = cpu_linear.SIMD_LEVELS[:cpu_linear.SIMD_LEVELS.index(cpu_linear.detected_simd()) + 1]
     outs = []
     for name in have:
         with cpu_linear.forced_simd(name):
             outs.append([torch.ops.redline_cpu.int4_linear(x, packed, sz), torch.ops.redline_cpu.int8_linear(x, q, s),
-                         torch.ops.redline_cpu.int8_group_linear(x, codes, group_scales)])
+                         torch.ops.redline_cpu.int8_group_linear(x, codes, group_scales),
+                         torch.ops.redline_cpu.int8_group_linear(x, codes, scales16)])
     for out in outs[1:]:
         for got, want in zip(out, outs[0]):
             assert rel_err(got, want) < 5e-6
