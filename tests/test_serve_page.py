@@ -5,6 +5,7 @@ Needs Debian's `chromium` and `chromium-driver`; without them the tests skip, ex
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -97,6 +98,15 @@ def test_a_message_gets_the_streamed_greedy_reply(browser, served):
     stats = reply.find_element("css selector", ".stats").text
     assert f"{len(expected.token_ids)} tokens" in stats and "tok/s" in stats
     assert [m.text for m in browser.find_elements("css selector", ".msg.user")] == ["The quick brown fox"]
+
+
+def test_a_reply_that_arrives_at_once_shows_its_whole_rate(browser, served):
+    url, _, _ = served
+    open_page(browser, url, "0", "1")  # one token: the first piece is the last, so no span after it to time
+    send(browser, "hello")
+    reply = wait_for(lambda: browser.find_elements("css selector", ".msg.assistant.done"))[-1]
+    assert re.search(r"^1 tokens, [0-9.]+ tok/s \(whole reply\), first token \d+ ms \(length\)$",
+                     reply.find_element("css selector", ".stats").text)
 
 
 def test_stop_ends_a_reply_midway(browser, served):
