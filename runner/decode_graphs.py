@@ -74,9 +74,10 @@ def chosen_tokens(logits: Tensor, greedy: bool, temperature: Tensor, top_k: Tens
 class DecodeGraphs:
     """Static buffers and the captured (CUDA) or compiled (CPU) decode steps of one engine.
 
-    On a GPU the model's part of the step is compiled once with dynamic sizes (inductor fuses the norms, rope and
-    residual adds of every bucket; a single row gets its own specialization), and each (bucket, pages, greedy) shape
-    of the compiled step and the sampler is then captured as a CUDA graph. A step's inputs travel in three host
+    The model's part of the step is compiled once with dynamic sizes, the rows and the table width (inductor fuses
+    the norms, rope and residual adds of every bucket; a single row gets its own specialization); on a GPU each
+    (bucket, pages, greedy) shape of the compiled step and the sampler is then captured as a CUDA graph, on the CPU
+    the compiled step runs as it is (one compile for every batch size a server meets). A step's inputs travel in three host
     copies, one per dtype, laid out so that each bucket's slice of the staging buffers is contiguous."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, device: torch.device,
@@ -109,7 +110,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # The sampler runs eagerly (on the CPU inductor's code for it crashed or drew other tokens under torch 2.13;
         # on a GPU the graph holds it anyway).
-        dynamic = None if device.type == "cuda" else False  # on a GPU: the sizes mark_sizes_dynamic names
+        dynamic = None  # the sizes mark_sizes_dynamic names
         self.compiled = CompiledStep(decode_logits, device, graphs=False, dynamic=dynamic)
 
     def fits(self, rows: int) -> bool:
@@ -214,8 +215,7 @@ class DecodeGraphs:
         put(self.floats, temperature + [0.0] * pad + top_p + [1.0] * pad)
 
     def _logits(self, args: tuple[Tensor, ...]) -> Tensor:
-        if self.device.type == "cuda":
-            mark_sizes_dynamic(*args[:5])
+        mark_sizes_dynamic(*args[:5])
         return self.compiled(self.step_model, self.kv, self.vocab_bias, *args[:5])  # (B, V)
 
     def _step(self, greedy: bool, args: tuple[Tensor, ...], penalties: tuple[Any, Tensor] | None = None) -> Tensor:
