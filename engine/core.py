@@ -209,12 +209,14 @@ class EngineCore:
         (a CPU server warms up on short prompts). Last, the objects alive now (compiled code, graphs, the model) are
         moved out of the garbage collector's reach: full collections over them took 0.7-1.6 s each in the middle
         of serving an 8B model."""
-        # An eager CPU core compiles nothing (its kernels were built at load): a short request alone and two
-        # together walk the paths; the full set prefilled ~4,600 tokens, tens of seconds on two cores.
-        eager_cpu = self.device.type == "cpu" and not self.runner.compile
+        # On the CPU a short request alone and two together walk every path: an eager core compiles nothing (its
+        # kernels were built at load), a compiled one compiles its decode step for one row and for any rows and
+        # table width, and its prompt steps once for any length if they compile at all. The full set prefilled
+        # ~4,600 tokens, tens of seconds on two cores.
+        cpu = self.device.type == "cpu"
         top = self.scheduler.prefill_chunk + 37 if longest is None else longest
-        longest = max(1, min(top, 16 if eager_cpu else top, self.block_size - 4, self.pool.capacity_tokens // 8))
-        groups = ((longest,), (7, longest)) if eager_cpu else ((128,), (longest,), (7, 48, 301, longest))
+        longest = max(1, min(top, 16 if cpu else top, self.block_size - 4, self.pool.capacity_tokens // 8))
+        groups = ((longest,), (7, longest)) if cpu else ((128,), (longest,), (7, 48, 301, longest))
         done = threading.Semaphore(0)
         sink, waiting = self.sink, set()
 

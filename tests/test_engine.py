@@ -392,6 +392,26 @@ def test_warm_up_leaves_the_engine_as_new(llm):
     engine.shutdown()
 
 
+def test_a_compiled_cpu_engines_short_warm_up_compiles_what_serving_needs(compiled_llm, llm):
+    """A compiled CPU engine warms up on short requests too, and they compile every decode step it will run: steps
+    of other batch sizes and longer contexts afterwards compile nothing new."""
+    from torch._dynamo.utils import counters
+
+    prompts = token_prompts(llm, 5, 40)  # 40..44 tokens, longer than the warm-up's
+    want = alone(llm, prompts, max_new_tokens=6, ignore_eos=True)
+    engine = Engine(compiled_llm, page_size=4)
+    steps = []
+    engine.core.step_listener = lambda chunks, seconds: steps.append([c.length for c in chunks])
+    engine.warm_up()
+    assert sum(map(sum, steps)) < 64
+    compiled = counters["stats"]["unique_graphs"]
+    with engine.paused():  # five rows decode together, in a bucket the warm-up never ran
+        handles = [engine.add_request(p, GenerationOptions(max_new_tokens=6, ignore_eos=True)) for p in prompts]
+    assert [h.result(timeout=300).token_ids for h in handles] == want
+    assert counters["stats"]["unique_graphs"] == compiled
+    engine.shutdown()
+
+
 def test_compiled_prefill_steps_give_the_same_tokens(llm):
     from torch._dynamo.utils import counters
 
