@@ -222,10 +222,13 @@ def group16_form(w: Tensor) -> tuple[Tensor, Tensor] | None:
     """(codes int8 (R, K), scales fp32 (R, K/16)) of rows w (R, K) fp32 per group of 16 inputs, exact, or None."""
     groups = w.reshape(-1, 16)  # (G, 16)
     amax = groups.abs().amax(dim=-1)  # (G,)
-    scales = torch.zeros_like(amax)
-    codes = torch.zeros_like(groups)
-    todo = torch.nonzero(amax > 0).squeeze(1)  # (T,) groups without a form yet (all-zero groups: scale 0, codes 0)
-    for top in range(GROUP16_MAX_CODE, 0, -1):
+    # The first candidate over every group at once (most groups hold a code of the largest magnitude); all-zero
+    # groups take scale 0 and codes 0.
+    scales = amax / GROUP16_MAX_CODE  # (G,)
+    codes = torch.round(groups / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None])  # (G, 16)
+    exact = (codes * scales[:, None] == groups).all(dim=-1)  # (G,)
+    todo = torch.nonzero(~exact).squeeze(1)  # (T,) groups without a form yet
+    for top in range(GROUP16_MAX_CODE - 1, 0, -1):
         if todo.numel() == 0:
             break
         scale = amax[todo] / top  # (T,)
