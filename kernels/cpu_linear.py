@@ -222,24 +222,29 @@ def group16_form(w: Tensor) -> tuple[Tensor, Tensor] | None:
     """(codes int8 (R, K), scales fp32 (R, K/16)) of rows w (R, K) fp32 per group of 16 inputs, exact, or None."""
     groups = w.reshape(-1, 16)  # (G, 16)
     amax = groups.abs().amax(dim=-1)  # (G,)
-    # The first candidate over every group at once (most groups hold a code of the largest magnitude); all-zero
-    # groups take scale 0 and codes 0.
-    scales = amax / GROUP16_MAX_CODE  # (G,)
-    codes = torch.round(groups / scales.clamp(min=torch.finfo(torch.float32).tiny)[:, None])  # (G, 16)
-    exact = (codes * scales[:, None] == groups).all(dim=-1)  # (G,)
+    # The first candidate over every group at once (most groups hold a code of the largest magnitude), the others
+    # over the groups left.
+    scales, codes, exact = scaled_codes(groups, amax, GROUP16_MAX_CODE)  # (G,), (G, 16), (G,)
     todo = torch.nonzero(~exact).squeeze(1)  # (T,) groups without a form yet
     for top in range(GROUP16_MAX_CODE - 1, 0, -1):
         if todo.numel() == 0:
             break
-        scale = amax[todo] / top  # (T,)
-        q = torch.round(groups[todo] / scale[:, None])  # (T, 16), |q| <= top
-        exact = (q * scale[:, None] == groups[todo]).all(dim=-1)  # (T,)
+        scale, q, exact = scaled_codes(groups[todo], amax[todo], top)  # (T,), (T, 16), (T,)
         done = todo[exact]
         scales[done], codes[done] = scale[exact], q[exact]
         todo = todo[~exact]
     if todo.numel():
         return None
     return codes.view(w.shape).to(torch.int8), scales.view(w.shape[0], -1)
+
+
+def scaled_codes(groups: Tensor, amax: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(scales (G,), codes (G, 16), exact (G,)) of groups (G, 16) with largest |values| amax (G,): each group's scale
+    amax / top, its values rounded to codes of that scale (|code| <= top), and whether codes * scale gives every value
+    back exactly (an all-zero group: scale 0, codes 0, exact)."""
+    scales = amax / top
+    codes = torch.round(groups / torch.where(scales > 0, scales, 1.0)[:, None])
+    return scales, codes, (codes * scales[:, None] == groups).all(dim=-1)
 
 
 def exact_half(weight: Tensor) -> Tensor | None:
