@@ -117,12 +117,11 @@ def measure(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     report["env"]["command"] = "python benchmarks/bench_decode_rows.py " + " ".join(argv)
     bandwidth = peak = None
     if device.type == "cuda":
-        from redline.benchmarks.bench_serving import fp8_matmul_peak_flops, matmul_peak_flops
+        from redline.benchmarks.bench_serving import step_peak_flops
         from redline.profiling import read_bandwidth_gb_s
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
-        # W8A8 steps multiply on the FP8 tensor cores: their compute ceiling is the FP8 matmul's
-        peak = fp8_matmul_peak_flops(device) if ns.quant == "fp8" else matmul_peak_flops(device, dtype_from_name(ns.dtype))
+        peak = step_peak_flops(device, dtype_from_name(ns.dtype), ns.quant)
         report["measured"] = {"read_gb_s": bandwidth / 1e9, "matmul_tflops": peak / 1e12}
     for rows in rows_list:
         inputs = step_inputs(rows, ns.context, args.vocab_size)

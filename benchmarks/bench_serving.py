@@ -282,6 +282,12 @@ def fp8_matmul_peak_flops(device: torch.device) -> float:
     return 2 * n ** 3 / statistics.median(times)
 
 
+def step_peak_flops(device: torch.device, dtype: torch.dtype, quant: str) -> float:
+    """The compute ceiling of a step's roofline: the FP8 matmul's for W8A8 weights (they multiply on the FP8 tensor
+    cores), else the float matmul's in the activations' dtype."""
+    return fp8_matmul_peak_flops(device) if quant == "fp8" else matmul_peak_flops(device, dtype)
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Serving throughput of Redline's batching engine on random weights.")
     p.add_argument("--model", default="Llama-3-8B", help="a registry name (model.MODEL_REGISTRY)")
@@ -402,7 +408,7 @@ def measure(ns: argparse.Namespace, argv: Sequence[str], world: tensor_parallel.
         from redline.profiling import read_bandwidth_gb_s
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9
-        peak = fp8_matmul_peak_flops(device) if ns.quant == "fp8" else matmul_peak_flops(device, dtype)
+        peak = step_peak_flops(device, dtype, ns.quant)
         engine.costs = StepCosts(args, llm.bytes_per_token, engine.core.kv_dtype.itemsize, bandwidth,
                                  peak, sum(b for _, b in expert_bytes(model)))
     report: dict[str, Any] = {"env": environment(device, argv), "model": ns.model, "workload": ns.workload,

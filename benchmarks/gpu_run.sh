@@ -12,9 +12,9 @@
 #                                         # and the engine's mixed workload on Qwen3-30B-A3B
 #   bash benchmarks/gpu_run.sh serve      # serve.py on random Llama-3-8B weights under bench_serve.py
 #   bash benchmarks/gpu_run.sh serve-offline  # the same one-client and 64-stream requests through the engine alone
-#   bash benchmarks/gpu_run.sh frontdoor  # serve.py started cold, then WARM_STARTS times (default 1) with its compile
-#                                         # cache warm, each to /health 200; against the last 512 prompts of 128/128 at once,
-#                                         # 64 streams of 512/256 and one client's 8 requests of 128/256
+#   bash benchmarks/gpu_run.sh frontdoor  # serve.py started cold, then WARM_STARTS times (default 1) with its
+#                                         # compile cache warm, each to /health 200; against the last 512 prompts
+#                                         # of 128/128 at once, 64 streams of 512/256 and one client's 8 of 128/256
 #   bash benchmarks/gpu_run.sh frontdoor-pair  # one start, 512 x 128/128 against it from CLIENTS (default 4)
 #                                         # client processes, then the same requests through the engine in-process
 #   bash benchmarks/gpu_run.sh frontdoor-offline  # the same 512 requests through the engine in-process, and the

@@ -77,8 +77,8 @@ class DecodeGraphs:
     The model's part of the step is compiled once with dynamic sizes, the rows and the table width (inductor fuses
     the norms, rope and residual adds of every bucket; a single row gets its own specialization); on a GPU each
     (bucket, pages, greedy) shape of the compiled step and the sampler is then captured as a CUDA graph, on the CPU
-    the compiled step runs as it is (one compile for every batch size a server meets). A step's inputs travel in three host
-    copies, one per dtype, laid out so that each bucket's slice of the staging buffers is contiguous."""
+    the compiled step runs as it is (one compile for every batch size a server meets). A step's inputs travel in
+    three host copies, one per dtype, laid out so that each bucket's slice of the staging buffers is contiguous."""
 
     def __init__(self, model: Transformer, kv: PagedKVCache, vocab_bias: Tensor | None, device: torch.device,
                  scratch_page: int, step_model: Any = None, max_rows: int = MAX_GRAPH_ROWS,
