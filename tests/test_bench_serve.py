@@ -38,7 +38,9 @@ def test_bad_arguments_get_one_line(argv, message, capsys):
 def test_a_rate_sweep_against_a_live_server(tiny_chat_checkpoint, tmp_path, capsys):
     llm = LLM.load(tiny_chat_checkpoint[0], device="cpu")
     settings = ServeSettings(checkpoint_path=tiny_chat_checkpoint[0], api_key="k")
-    with ServerThread(create_app(PacedEngine(llm), llm, settings)) as url:
+    engine = PacedEngine(llm)
+    engine.piece_delay_s = 0.005  # unpaced, a fast step can send a whole reply in one read and leave no ITL sample
+    with ServerThread(create_app(engine, llm, settings)) as url:
         code = bench_serve.main(["--base-url", url, "--api-key", "k", "--num-prompts", "6", "--input-len", "4:12",
                                  "--output-len", "5", "--vocab-size", "512", "--request-rate", "20,inf",
                                  "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")])
