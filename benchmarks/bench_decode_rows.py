@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from redline.benchmarks.bench_env import environment
-from redline.benchmarks.bench_model import QUANT_CHOICES, build_random_model, param_counts
+from redline.benchmarks.bench_model import QUANT_CHOICES, build_random_model
+from redline.benchmarks.bench_serving import StepCosts, step_peak_flops
 from redline.checkpoint import dtype_from_name, write_atomically
 from redline.model import ModelArgs
 from redline.runner import Runner
@@ -46,12 +47,11 @@ def kernel_group(name: str) -> str:
 
 
 def step_costs(args: ModelArgs, weight_bytes: int, kv_element: int, rows: int, context: int) -> tuple[float, float]:
-    """(bytes read, FLOPs) of one decode step of `rows` sequences, each with `context` tokens before its new one."""
-    counts = param_counts(args)
-    kv_token_bytes = 2 * args.n_layer * args.n_kv_heads * args.head_dim * kv_element
-    nbytes = weight_bytes + rows * (context + 1) * kv_token_bytes
-    attention = 4 * args.n_layer * args.n_head * args.head_dim * rows * (context + 1)
-    return nbytes, 2 * (counts["block_matmuls"] + counts["head"]) * rows + attention
+    """(bytes read, FLOPs) of one decode step of `rows` sequences, each with `context` tokens before its new one,
+    counted as the serving benchmark counts a step (bench_serving.StepCosts)."""
+    keys = rows * (context + 1)
+    return StepCosts(args, weight_bytes, kv_element).counted_bytes_and_flops(tokens=rows, rows=rows, keys_read=keys,
+                                                                             visible=keys)
 
 
 def step_inputs(rows: int, context: int, vocab: int) -> tuple[list[int], list[int], list[list[int]], list[tuple]]:
@@ -117,7 +117,6 @@ def measure(ns: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     report["env"]["command"] = "python benchmarks/bench_decode_rows.py " + " ".join(argv)
     bandwidth = peak = None
     if device.type == "cuda":
-        from redline.benchmarks.bench_serving import step_peak_flops
         from redline.profiling import read_bandwidth_gb_s
 
         bandwidth = statistics.median(read_bandwidth_gb_s(2.0)) * 1e9

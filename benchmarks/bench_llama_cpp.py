@@ -1,7 +1,7 @@
 """Redline and llama.cpp side by side on the CPU: the same GGUF file, the same threads, alternating in one process.
 
 python -m redline.benchmarks.bench_llama_cpp [--gguf FILE] [--rounds 5] [--tokens 128] [--threads 2] [--busy 1]
-    [--compiled] [--redline NAME=CHECKPOINT ...] [--out FILE.json]
+    [--compiled] [--redline NAME=CHECKPOINT ...] [--simd avx2] [--out FILE.json]
 
 llama.cpp runs through llama-cpp-python (`pip install redline[llamacpp]`; build it with CMAKE_ARGS="-DGGML_NATIVE=ON"
 for this CPU's instructions). Redline runs through its documented path, `LLM.load(path, device="cpu",
@@ -9,17 +9,20 @@ threads=N).generate`, and its own stats. Default file: the demo model's Q4_1 GGU
 runs it as the native Q4_1 import (int4 g32, no re-quantizing) and as its float32 dequantization.
 
 Every round runs each engine once, greedy, --tokens new tokens from the same prompt (llama.cpp's prompt cache reset
-first), and records decode tok/s (tokens after the first over the time after the first), prefill tok/s (prompt
+first; neither stops at the end of text, so both decode the same positions), and records decode tok/s (tokens after the first over the time after the first), prefill tok/s (prompt
 tokens over the time to the first token) and the 1-minute load average at that moment. Medians over the rounds.
 --redline adds Redline checkpoints of the same model to the comparison (for example quantize.py's int8 of a Q8_0
 file's conversion). With --compiled, each Redline checkpoint also runs with its decode step compiled (LLM.load(..., compile=True):
 torch.compile's CPU backend; the compile happens in the warm-up, outside the rates, and its seconds are recorded).
 With --busy N, the rounds run again with N CPU-bound processes on the same cores, and the table adds each engine's
-decode rate there as a share of its own idle rate (the same run).
+decode rate there as a share of its own idle rate (the same run). --simd runs Redline's CPU kernels on a lower
+instruction set than the CPU's best (an AVX2 machine's paths on an AVX-512 one; give llama.cpp the same with a build
+of its own, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF ..."); the JSON records both engines' instruction sets.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.benchmarks.bench_cpu import cpu_name
+from redline.kernels.cpu_linear import SIMD_LEVELS
 
 PROMPT = "The capital of France is"
 # The instruction sets the table names (from /proc/cpuinfo's flags).
@@ -55,16 +59,22 @@ def llama_cpp_runner(gguf: Path, threads: int, tokens: int) -> Callable[[], dict
         raise RuntimeError("llama-cpp-python is not installed; pip install 'redline[llamacpp]' (it builds llama.cpp "
                            "from source: CMAKE_ARGS=\"-DGGML_NATIVE=ON\")") from None
     llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
-    prompt_tokens = len(llm.tokenize(PROMPT.encode()))
+    prompt = llm.tokenize(PROMPT.encode())
 
     def once() -> dict[str, float]:
+        # Llama.generate: llama.cpp's greedy sampler with no end-of-text stop, so both engines decode `tokens` tokens
+        # (create_completion stops at the demo's end of text after about 30); each token is detokenized, as
+        # create_completion and Redline's generate do.
         llm.reset()  # no prompt cache between rounds
         start = time.perf_counter()
         times = []
-        for _ in llm.create_completion(PROMPT, max_tokens=tokens, temperature=0.0, top_k=1, stream=True):
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            llm.detokenize([token])
             times.append(time.perf_counter())
+            if len(times) == tokens:
+                break
         return {"decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
-                "prefill_tok_s": prompt_tokens / (times[0] - start), "new_tokens": len(times)}
+                "prefill_tok_s": len(prompt) / (times[0] - start), "new_tokens": len(times)}
 
     return once
 
@@ -91,6 +101,15 @@ def rounds(runners: dict[str, Callable[[], dict[str, float]]], count: int) -> di
     return out
 
 
+def llama_cpp_features() -> list[str]:
+    """The CPU features llama.cpp was built with ("AVX2", "AVX512", ...), from its own system info."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    return [name.strip() for name, _, value in (part.partition("=") for part in info.split("|"))
+            if value.strip() == "1" and name.strip()]
+
+
 def busy_processes(count: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
@@ -102,7 +121,18 @@ def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
 
 
 def run(gguf: Path, redline_paths: dict[str, Path], rounds_n: int, tokens: int, threads: int,
-        busy: int, compiled: bool = False) -> dict[str, Any]:
+        busy: int, compiled: bool = False, simd: str | None = None) -> dict[str, Any]:
+    """The rounds, idle and then (busy > 0) beside busy processes; simd: Redline's kernels' instruction set."""
+    from redline.kernels.cpu_linear import forced_simd
+
+    with forced_simd(simd) if simd else contextlib.nullcontext():
+        return measured(gguf, redline_paths, rounds_n, tokens, threads, busy, compiled)
+
+
+def measured(gguf: Path, redline_paths: dict[str, Path], rounds_n: int, tokens: int, threads: int,
+             busy: int, compiled: bool) -> dict[str, Any]:
+    from redline.kernels.cpu_linear import simd
+
     runners = {"llama.cpp": llama_cpp_runner(gguf, threads, tokens)}
     runners.update({f"redline {name}": redline_runner(p, threads, tokens) for name, p in redline_paths.items()})
     if compiled:
@@ -112,6 +142,7 @@ def run(gguf: Path, redline_paths: dict[str, Path], rounds_n: int, tokens: int, 
     warm_up = {name: once() for name, once in runners.items()}
     idle = {name: summary(r) for name, r in rounds(runners, rounds_n).items()}
     result: dict[str, Any] = {"gguf": str(gguf), "cpu": cpu_name(), "instruction_sets": cpu_instruction_sets(),
+                              "redline_simd": simd(), "llama_cpp_features": llama_cpp_features(),
                               "threads": threads, "new_tokens": tokens, "rounds": rounds_n, "prompt": PROMPT,
                               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "idle": idle,
                               "compile_s": {name: w["compile_s"] for name, w in warm_up.items() if "compile_s" in w}}
@@ -132,7 +163,8 @@ def table(result: dict[str, Any]) -> str:
     base = result["idle"]["llama.cpp"]
     lines = [f"{Path(result['gguf']).name} on {result['cpu']} ({', '.join(result['instruction_sets'])}), "
              f"{result['threads']} threads, greedy, {result['new_tokens']} new tokens, median of {result['rounds']} "
-             f"alternated rounds",
+             f"alternated rounds; Redline's kernels on {result.get('redline_simd', '?')}, llama.cpp built with "
+             f"{', '.join(result.get('llama_cpp_features', [])) or '?'}",
              "| engine | decode tok/s | vs llama.cpp | prefill tok/s | vs llama.cpp | load avg (each round) |"
              + (" decode with busy cores, share of idle |" if "busy" in result else ""),
              "|---|---:|---:|---:|---:|---|" + ("---:|" if "busy" in result else "")]
@@ -157,6 +189,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redline", action="append", default=[], metavar="NAME=CHECKPOINT",
                    help="also run this Redline checkpoint under NAME (repeatable)")
     p.add_argument("--compiled", action="store_true", help="also run each Redline checkpoint with its decode compiled")
+    p.add_argument("--simd", choices=SIMD_LEVELS, default=None,
+                   help="run Redline's CPU kernels on this instruction set (default: the CPU's best)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ns = p.parse_args(argv)
     if ns.rounds < 1 or ns.tokens < 2 or ns.busy < 0 or (ns.threads is not None and ns.threads < 1):
@@ -216,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         gguf, paths = redline_checkpoints(ns.gguf)
         paths.update(ns.redline)
-        result = run(gguf, paths, ns.rounds, ns.tokens, ns.threads or physical_cores(), ns.busy, ns.compiled)
+        result = run(gguf, paths, ns.rounds, ns.tokens, ns.threads or physical_cores(), ns.busy, ns.compiled,
+                     ns.simd)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -128,8 +128,9 @@ class StepCosts:
     """Bytes and FLOPs of one step of a model (the roofline's inputs). In a mixture of experts a step reads the
     experts its tokens choose: with T tokens routed uniformly, a share 1 - (1 - top_k / n_experts) ** T of them."""
 
-    def __init__(self, args: ModelArgs, weight_bytes: int, element: int, bandwidth: float, peak_flops: float,
-                 expert_bytes: int = 0) -> None:
+    def __init__(self, args: ModelArgs, weight_bytes: int, element: int, bandwidth: float = 0.0,
+                 peak_flops: float = 0.0, expert_bytes: int = 0) -> None:
+        """bandwidth (bytes/s) and peak_flops: the ceilings min_seconds divides by (not needed for bytes_and_flops)."""
         counts = param_counts(args)
         self.block, self.head = counts["block_matmuls"], counts["head"]
         self.kv_token_bytes = 2 * args.n_layer * args.n_kv_heads * args.head_dim * element
@@ -139,14 +140,22 @@ class StepCosts:
         self.dense_bytes = weight_bytes - expert_bytes * self.chosen  # weight_bytes: what one token reads
         self.bandwidth, self.peak_flops = bandwidth, peak_flops
 
-    def min_seconds(self, chunks: list[Chunk]) -> float:
-        tokens = sum(c.length for c in chunks)
-        rows = sum(1 for c in chunks if c.samples)
-        keys_read = sum(c.start + c.length for c in chunks)
-        visible = sum(c.length * c.start + c.length * (c.length + 1) // 2 for c in chunks)
+    def bytes_and_flops(self, chunks: list[Chunk]) -> tuple[float, float]:
+        """What a step computing these chunks reads (weights, the keys and values before its tokens and its tokens'
+        own) and its FLOPs (matmuls of every token, the head of every sampling row, attention over visible keys)."""
+        return self.counted_bytes_and_flops(
+            tokens=sum(c.length for c in chunks), rows=sum(1 for c in chunks if c.samples),
+            keys_read=sum(c.start + c.length for c in chunks),
+            visible=sum(c.length * c.start + c.length * (c.length + 1) // 2 for c in chunks))
+
+    def counted_bytes_and_flops(self, tokens: int, rows: int, keys_read: int, visible: int) -> tuple[float, float]:
+        """bytes_and_flops from a step's counts: tokens computed, rows sampled, keys read, (query, key) pairs."""
         weights = self.dense_bytes + self.expert_bytes * (1 - (1 - self.chosen) ** tokens)
         nbytes = weights + (keys_read + tokens) * self.kv_token_bytes
-        flops = 2 * self.block * tokens + 2 * self.head * rows + self.attn_unit * visible
+        return nbytes, 2 * self.block * tokens + 2 * self.head * rows + self.attn_unit * visible
+
+    def min_seconds(self, chunks: list[Chunk]) -> float:
+        nbytes, flops = self.bytes_and_flops(chunks)
         return max(nbytes / self.bandwidth, flops / self.peak_flops)
 
 

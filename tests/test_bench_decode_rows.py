@@ -24,7 +24,9 @@ def test_step_costs_count_weights_once_and_keys_per_row():
     counts = param_counts(args)
     one_bytes, one_flops = bench_decode_rows.step_costs(args, 16_000_000_000, 2, 1, 191)
     two_bytes, two_flops = bench_decode_rows.step_costs(args, 16_000_000_000, 2, 2, 191)
-    kv_bytes = 192 * 2 * 32 * 8 * 128 * 2  # 192 keys and values of 32 layers, 8 KV heads of 128, bf16
+    # 192 keys and values read (the new token's among them) and the new token's written, of 32 layers, 8 KV heads
+    # of 128, bf16
+    kv_bytes = 193 * 2 * 32 * 8 * 128 * 2
     assert one_bytes == 16_000_000_000 + kv_bytes and two_bytes - one_bytes == kv_bytes
     assert two_flops == 2 * one_flops and one_flops > 2 * (counts["block_matmuls"] + counts["head"])
 
