@@ -105,9 +105,9 @@ def llama_cpp_features() -> list[str]:
     """The CPU features llama.cpp was built with ("AVX2", "AVX512", ...), from its own system info."""
     import llama_cpp
 
-    info = llama_cpp.llama_print_system_info().decode()
-    return [name.strip() for name, _, value in (part.partition("=") for part in info.split("|"))
-            if value.strip() == "1" and name.strip()]
+    info = llama_cpp.llama_print_system_info().decode()  # "CPU : SSE3 = 1 | ... | AVX512 = 0 | ..."
+    pairs = (part.partition("=") for part in info.split("|"))
+    return [name.split(":")[-1].strip() for name, _, value in pairs if value.strip() == "1"]
 
 
 def busy_processes(count: int) -> list[subprocess.Popen]:
