@@ -12,12 +12,15 @@
 //   redline_cpu::int8_group_linear(x (..., K), weight int8 (N, K), scales fp16 or fp32 (N, K/G)) -> (..., N)
 //       y[m, n] = sum_g scales[n, g] * sum_{k in g} x[m, k] * weight[n, k], G a power of two >= 16 (the exact form
 //       of a Q8_0 table, fp16 scales of 32 inputs, on x's int16 codes; of a Q6_K one, fp32 scales of 16, x in fp32)
-//   redline_cpu::simd() -> int            the instruction set the kernels run now: 0 portable, 1 AVX2, 2 AVX-512
+//   redline_cpu::simd() -> int            the instruction set the kernels run now: 0 portable, 1 AVX2, 2 AVX-512,
+//                                         3 NEON
 //   redline_cpu::detected_simd() -> int   the best one this CPU has
+//   redline_cpu::simd_available(int level) -> bool   whether this CPU runs `level` (the portable one always)
 //   redline_cpu::force_simd(int level) -> int   run `level` (-1: the detected one again); returns the previous setting
 //
-// The loops are in cpu_gemv_simd.h, compiled here once per instruction set (GCC/Clang target pragmas) and chosen at
-// run time from the CPU's own report, so one build runs on any x86-64 CPU; elsewhere only the portable path exists.
+// The loops are in cpu_gemv_simd.h, compiled here once per instruction set and chosen at run time: on x86-64 from the
+// CPU's own report (GCC/Clang target pragmas, so one build runs on any x86-64 CPU), on AArch64 NEON (part of the
+// architecture); elsewhere only the portable path exists.
 //
 //   redline_cpu::float_linear(x (..., K), weight fp32 or fp16 (N, K)) -> (..., N)   F.linear on the same loops and
 //       threads; an fp16 weight is converted exactly, so it gives the bits its fp32 copy would
@@ -54,6 +57,12 @@
 #else
 #define REDLINE_X86 0
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#define REDLINE_ARM 1
+#else
+#define REDLINE_ARM 0
+#endif
 
 namespace portable {
 #define REDLINE_SIMD 0
@@ -81,9 +90,17 @@ namespace avx512 {
 #pragma GCC pop_options
 #endif
 
+#if REDLINE_ARM
+namespace neon {
+#define REDLINE_SIMD 3
+#include "cpu_gemv_simd.h"
+#undef REDLINE_SIMD
+}  // namespace neon
+#endif
+
 namespace {
 
-enum Simd : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+enum Simd : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2, NEON = 3 };
 
 int64_t detected_simd() {
 #if REDLINE_X86
@@ -95,8 +112,16 @@ int64_t detected_simd() {
     return AVX512;
   }
   if (avx2) return AVX2;
+#elif REDLINE_ARM
+  return NEON;
 #endif
   return PORTABLE;
+}
+
+// The portable path, and the detected one with every lower x86 level under it.
+bool simd_available(int64_t level) {
+  const int64_t best = detected_simd();
+  return level == PORTABLE || level == best || (best != NEON && level >= PORTABLE && level < best);
 }
 
 // -1: the detected instruction set; else the forced one (never above the detected one).
@@ -108,8 +133,9 @@ int64_t simd() {
 }
 
 int64_t force_simd(int64_t level) {
-  TORCH_CHECK(level >= -1 && level <= AVX512, "force_simd takes -1 (detected), 0 (portable), 1 (AVX2) or 2 (AVX-512)");
-  TORCH_CHECK(level <= detected_simd(), "this CPU lacks instruction set level ", level, " (it has up to ",
+  TORCH_CHECK(level >= -1 && level <= NEON,
+              "force_simd takes -1 (detected), 0 (portable), 1 (AVX2), 2 (AVX-512) or 3 (NEON)");
+  TORCH_CHECK(level == -1 || simd_available(level), "this CPU lacks instruction set level ", level, " (its best is ",
               detected_simd(), ")");
   return forced_simd.exchange(level);
 }
@@ -128,6 +154,8 @@ constexpr int SPIN_PAUSES = 2000;
 void cpu_pause() {
 #if REDLINE_X86
   _mm_pause();
+#elif REDLINE_ARM
+  asm volatile("yield" ::: "memory");
 #else
   std::this_thread::yield();
 #endif
@@ -315,6 +343,8 @@ void int8_on_codes(const float* xp, int64_t m, int64_t k, const int8_t* wp, cons
     if (level == AVX512)
       return avx512::int8_code_rows(qp, dp, m, k, wp, row_scales, group_scales, group, yp, n, r0, r1);
     if (level == AVX2) return avx2::int8_code_rows(qp, dp, m, k, wp, row_scales, group_scales, group, yp, n, r0, r1);
+#elif REDLINE_ARM
+    if (level == NEON) return neon::int8_code_rows(qp, dp, m, k, wp, row_scales, group_scales, group, yp, n, r0, r1);
 #endif
     portable::int8_code_rows(qp, dp, m, k, wp, row_scales, group_scales, group, yp, n, r0, r1);
   });
@@ -342,6 +372,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 #if REDLINE_X86
       if (level == AVX512) return avx512::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
       if (level == AVX2) return avx2::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
+#elif REDLINE_ARM
+      if (level == NEON) return neon::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
 #endif
       portable::int8_rows(xp, m, k, wp, sp, yp, n, r0, r1);
     });
@@ -370,6 +402,8 @@ at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
 #if REDLINE_X86
       if (level == AVX512) return avx512::float_rows(xp, m, k, wp, yp, n, r0, r1);
       if (level == AVX2) return avx2::float_rows(xp, m, k, wp, yp, n, r0, r1);
+#elif REDLINE_ARM
+      if (level == NEON) return neon::float_rows(xp, m, k, wp, yp, n, r0, r1);
 #endif
       portable::float_rows(xp, m, k, wp, yp, n, r0, r1);
     });
@@ -413,6 +447,8 @@ at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& weight, cons
 #if REDLINE_X86
         if (level == AVX512) return avx512::int8_group_rows(xp, m, k, wp, sp, shift, yp, n, r0, r1);
         if (level == AVX2) return avx2::int8_group_rows(xp, m, k, wp, sp, shift, yp, n, r0, r1);
+#elif REDLINE_ARM
+        if (level == NEON) return neon::int8_group_rows(xp, m, k, wp, sp, shift, yp, n, r0, r1);
 #endif
         portable::int8_group_rows(xp, m, k, wp, sp, shift, yp, n, r0, r1);
       });
@@ -461,6 +497,8 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& weight, const at::
 #if REDLINE_X86
       if (level == AVX512) return avx512::int4_rows(qp, dp, gp, m, k, groups, wp, sp, yp, n, r0, r1);
       if (level == AVX2) return avx2::int4_rows(qp, dp, gp, m, k, groups, wp, sp, yp, n, r0, r1);
+#elif REDLINE_ARM
+      if (level == NEON) return neon::int4_rows(qp, dp, gp, m, k, groups, wp, sp, yp, n, r0, r1);
 #endif
       portable::int4_rows(qp, dp, gp, m, k, groups, wp, sp, yp, n, r0, r1);
     });
@@ -475,6 +513,8 @@ void attention_head_on(int64_t level, const float* q, const float* k, const floa
 #if REDLINE_X86
   if (level == AVX512) return avx512::attention_head(q, k, v, row, d, lo, hi, scale, scores, out);
   if (level == AVX2) return avx2::attention_head(q, k, v, row, d, lo, hi, scale, scores, out);
+#elif REDLINE_ARM
+  if (level == NEON) return neon::attention_head(q, k, v, row, d, lo, hi, scale, scores, out);
 #endif
   portable::attention_head(q, k, v, row, d, lo, hi, scale, scores, out);
 }
@@ -601,6 +641,7 @@ TORCH_LIBRARY(redline_cpu, m) {
   m.def("threads() -> int", threads);
   m.def("simd() -> int", simd);
   m.def("detected_simd() -> int", detected_simd);
+  m.def("simd_available(int level) -> bool", simd_available);
   m.def("force_simd(int level) -> int", force_simd);
 }
 

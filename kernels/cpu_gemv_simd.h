@@ -1,8 +1,10 @@
 // The bodies of Redline's CPU int8 / int4 kernels, written once for every instruction set: cpu_gemv.cpp includes this
-// file three times, each inside its own namespace and `#pragma GCC target` region, with REDLINE_SIMD set to
+// file once per instruction set the target has, each inside its own namespace (and on x86 its own `#pragma GCC
+// target` region), with REDLINE_SIMD set to
 //   0  portable C++ (one float at a time; any CPU),
 //   1  AVX2 + FMA + F16C (8 floats a register),
-//   2  AVX-512 F/BW/VL (16 floats a register).
+//   2  AVX-512 F/BW/VL (16 floats a register),
+//   3  ARM NEON (AArch64's Advanced SIMD, 4 floats a register).
 // Only the few helpers below differ between them; the loops are shared, so every path computes the same sums in the
 // same order per lane. The fp32 kernel keeps x in fp32: its products are the reference's to fp32 rounding. The int8
 // and int4 kernels read x as int16 codes per block of 32 inputs (integer multiply-adds on the widened codes, about
@@ -32,13 +34,6 @@ static inline float fsum(F a) { return _mm512_reduce_add_ps(a); }
 static inline F bytes_to_floats(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// 16 packed bytes: the low nibbles (inputs 0, 2, .., 30 of the 32) in lo[0], the high ones (1, 3, .., 31) in hi[0].
-static inline void nibbles_to_floats(const uint8_t* p, F* lo, F* hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(15);
-  lo[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
-  hi[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
-}
 static inline float half_to_float(const at::Half* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
@@ -67,16 +62,6 @@ static inline float fsum(F a) {
 static inline F bytes_to_floats(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// 16 packed bytes: low nibbles (inputs 0, 2, .., 30) in lo[0..1], high nibbles (1, 3, .., 31) in hi[0..1].
-static inline void nibbles_to_floats(const uint8_t* p, F* lo, F* hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(15);
-  const __m128i l = _mm_and_si128(b, mask), h = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  lo[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l));
-  lo[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)));
-  hi[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h));
-  hi[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(h, 8)));
-}
 static inline float half_to_float(const at::Half* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof(bits));
@@ -84,6 +69,27 @@ static inline float half_to_float(const at::Half* p) {
 }
 static inline F halves_to_floats(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+#elif REDLINE_SIMD == 3
+constexpr int64_t W = 4;
+typedef float32x4_t F;
+static inline F fzero() { return vdupq_n_f32(0.f); }
+static inline F fload(const float* p) { return vld1q_f32(p); }
+static inline F fset(float v) { return vdupq_n_f32(v); }
+static inline F ffma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+static inline F fmul(F a, F b) { return vmulq_f32(a, b); }
+static inline F fadd(F a, F b) { return vaddq_f32(a, b); }
+static inline float fsum(F a) { return vaddvq_f32(a); }
+static inline F bytes_to_floats(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof(four));
+  const int16x8_t wide = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));
+  return vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide)));
+}
+static inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }
+static inline F halves_to_floats(const at::Half* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
 }
 
 #else
@@ -97,12 +103,6 @@ static inline F fmul(F a, F b) { return a * b; }
 static inline F fadd(F a, F b) { return a + b; }
 static inline float fsum(F a) { return a; }
 static inline F bytes_to_floats(const int8_t* p) { return static_cast<float>(*p); }
-static inline void nibbles_to_floats(const uint8_t* p, F* lo, F* hi) {
-  for (int j = 0; j < 16; ++j) {
-    lo[j] = static_cast<float>(p[j] & 15);
-    hi[j] = static_cast<float>(p[j] >> 4);
-  }
-}
 static inline float half_to_float(const at::Half* p) { return static_cast<float>(*p); }
 static inline F halves_to_floats(const at::Half* p) { return static_cast<float>(*p); }
 #endif
@@ -198,7 +198,7 @@ static inline void int8_group_row(const float* x, int64_t k, const int8_t* w, co
 
 constexpr int64_t X_BLOCK_INPUTS = 32;
 
-#if REDLINE_SIMD >= 1
+#if REDLINE_SIMD == 1 || REDLINE_SIMD == 2
 // AVX2 for both x86 levels (a block is 16 bytes of weights: 32 int16 lanes fill two 256-bit registers).
 typedef __m256i Q;
 // 16 packed bytes as centred int16 (q - 8): the low nibbles (even inputs) in lo, the high ones (odd inputs) in hi.
@@ -230,6 +230,46 @@ static inline float qf_sum(QF a) {
   t = _mm_add_ss(t, _mm_movehdup_ps(t));
   return _mm_cvtss_f32(t);
 }
+#elif REDLINE_SIMD == 3
+// 16 int16 lanes in two registers.
+struct Q {
+  int16x8_t v[2];
+};
+static inline void widen(int8x16_t b, Q* q) {
+  q->v[0] = vmovl_s8(vget_low_s8(b));
+  q->v[1] = vmovl_s8(vget_high_s8(b));
+}
+static inline void nibbles_to_int16(const uint8_t* p, Q* lo, Q* hi) {
+  const uint8x16_t b = vld1q_u8(p);
+  const int8x16_t eight = vdupq_n_s8(8);
+  widen(vsubq_s8(vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(15))), eight), lo);
+  widen(vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(b, 4)), eight), hi);
+}
+static inline void bytes_to_int16(const int8_t* p, Q* lo, Q* hi) {
+  widen(vld1q_s8(p), lo);
+  widen(vld1q_s8(p + 16), hi);
+}
+// The block's products as 8 int32 partial sums of 4 products each (as on AVX2: exact in fp32, each below 2^24), as
+// two registers of floats.
+struct QF {
+  float32x4_t lo, hi;
+};
+static inline QF block_dot(const Q& lo, const Q& hi, const int16_t* xq) {
+  int32x4_t a = vdupq_n_s32(0), b = vdupq_n_s32(0);
+  const int16x8_t* halves[4] = {&lo.v[0], &lo.v[1], &hi.v[0], &hi.v[1]};
+  for (int h = 0; h < 4; ++h) {
+    const int16x8_t x = vld1q_s16(xq + 8 * h);
+    a = vmlal_s16(a, vget_low_s16(*halves[h]), vget_low_s16(x));
+    b = vmlal_high_s16(b, *halves[h], x);
+  }
+  return {vcvtq_f32_s32(a), vcvtq_f32_s32(b)};
+}
+static inline QF qf_zero() { return {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; }
+static inline QF qf_fma(QF a, float b, QF c) {
+  const float32x4_t s = vdupq_n_f32(b);
+  return {vfmaq_f32(c.lo, a.lo, s), vfmaq_f32(c.hi, a.hi, s)};
+}
+static inline float qf_sum(QF a) { return vaddvq_f32(vaddq_f32(a.lo, a.hi)); }
 #else
 struct Q {
   int16_t v[16];

@@ -47,7 +47,7 @@ EXTENSION_NAME = "redline_cpu_gemv"
 # build runs on any x86-64 CPU (and a cache shared between machines holds no instruction a CPU lacks).
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 # Instruction sets of redline_cpu::simd(), by level.
-SIMD_LEVELS = ("portable", "avx2", "avx512")
+SIMD_LEVELS = ("portable", "avx2", "avx512", "neon")
 # The builds this process has loaded, by name.
 LOADED: set[str] = set()
 
@@ -77,7 +77,7 @@ def cpu_ops() -> None:
 
 
 def simd() -> str:
-    """The instruction set the CPU kernels run now: "avx512", "avx2" or "portable"."""
+    """The instruction set the CPU kernels run now: "avx512", "avx2", "neon" or "portable"."""
     cpu_ops()
     return SIMD_LEVELS[torch.ops.redline_cpu.simd()]
 
@@ -88,15 +88,21 @@ def detected_simd() -> str:
     return SIMD_LEVELS[torch.ops.redline_cpu.detected_simd()]
 
 
+def available_simd() -> list[str]:
+    """The instruction sets this CPU runs the kernels on: the portable one, and the detected one with (on x86) every
+    lower one."""
+    cpu_ops()
+    return [name for level, name in enumerate(SIMD_LEVELS) if torch.ops.redline_cpu.simd_available(level)]
+
+
 @contextlib.contextmanager
 def forced_simd(name: str) -> Iterator[None]:
-    """Run the CPU kernels on instruction set `name` (one of SIMD_LEVELS, at most detected_simd()) inside the block:
-    the tests compare every path with the references this way. Process-wide, not per thread."""
+    """Run the CPU kernels on instruction set `name` (one of available_simd()) inside the block: the tests compare
+    every path with the references this way. Process-wide, not per thread."""
     if name not in SIMD_LEVELS:
         raise ValueError(f"unknown instruction set {name!r}; choose from {', '.join(SIMD_LEVELS)}")
-    cpu_ops()
-    if SIMD_LEVELS.index(name) > torch.ops.redline_cpu.detected_simd():
-        raise ValueError(f"this CPU lacks {name} (it has up to {detected_simd()})")
+    if name not in available_simd():
+        raise ValueError(f"this CPU lacks {name} (it runs {', '.join(available_simd())})")
     previous = torch.ops.redline_cpu.force_simd(SIMD_LEVELS.index(name))
     try:
         yield

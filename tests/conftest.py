@@ -578,6 +578,9 @@ def missing_prerequisites() -> list[str]:
         missing.append("Chromium and its WebDriver (the chat page test): apt-get install chromium chromium-driver")
     if not (shutil.which("c++") or shutil.which("g++")):
         missing.append("a C++ compiler (the CPU int8/int4 kernel): apt-get install g++")
+    if not shutil.which("aarch64-linux-gnu-g++") or not shutil.which("qemu-aarch64"):
+        missing.append("an AArch64 cross-compiler and qemu (the CPU kernel's NEON path, emulated): apt-get install "
+                       "g++-aarch64-linux-gnu qemu-user")
     return missing
 
 

@@ -282,11 +282,11 @@ def test_a_quantized_models_q8_0_head_reads_its_int8_form():
 
 
 def simd_paths() -> list:
-    """Every path of cpu_gemv.cpp as a parameter; those this CPU lacks are skipped (the AVX-512 one on an AVX2 CPU)."""
-    cpu_linear.cpu_ops()
-    have = cpu_linear.SIMD_LEVELS.index(cpu_linear.detected_simd())
-    return [pytest.param(name, marks=pytest.mark.skipif(level > have, reason=f"this CPU lacks {name}"))
-            for level, name in enumerate(cpu_linear.SIMD_LEVELS)]
+    """Every path of cpu_gemv.cpp as a parameter; those this CPU lacks are skipped (the AVX-512 one on an AVX2 CPU,
+    NEON on x86: tests/test_kernels_cpu_neon.py runs it under emulation)."""
+    have = cpu_linear.available_simd()
+    return [pytest.param(name, marks=pytest.mark.skipif(name not in have, reason=f"this CPU lacks {name}"))
+            for name in cpu_linear.SIMD_LEVELS]
 
 
 @pytest.fixture(params=simd_paths())
@@ -359,7 +359,7 @@ def test_simd_paths_agree_with_each_other():
     codes = torch.randint(-127, 128, (300, 1024), dtype=torch.int8)
     group_scales = (torch.rand(300, 32) * 0.01).half()
     scales16 = torch.rand(300, 64) * 0.01  # fp32 scales of groups of 16 (a Q6_K table's form)
-    have = cpu_linear.SIMD_LEVELS[:cpu_linear.SIMD_LEVELS.index(cpu_linear.detected_simd()) + 1]
+    have = cpu_linear.available_simd()
     outs = []
     for name in have:
         with cpu_linear.forced_simd(name):
@@ -375,10 +375,13 @@ def test_forcing_a_missing_or_unknown_simd_path_is_refused():
     with pytest.raises(ValueError, match="unknown instruction set 'sse9'"):
         with cpu_linear.forced_simd("sse9"):
             pass
-    if cpu_linear.detected_simd() != "avx512":
-        with pytest.raises(ValueError, match="this CPU lacks avx512"):
-            with cpu_linear.forced_simd("avx512"):
+    missing = [name for name in cpu_linear.SIMD_LEVELS if name not in cpu_linear.available_simd()]
+    assert missing  # no CPU is both x86 and ARM
+    for name in missing:
+        with pytest.raises(ValueError, match=f"this CPU lacks {name}"):
+            with cpu_linear.forced_simd(name):
                 pass
+    assert "portable" in cpu_linear.available_simd() and cpu_linear.detected_simd() in cpu_linear.available_simd()
     assert cpu_linear.simd() == cpu_linear.detected_simd()
 
 
