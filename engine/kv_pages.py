@@ -21,9 +21,10 @@ from redline.sampling import is_int
 # Share of the GPU memory free at start-up that the pool takes; the rest is left for activations and graphs.
 GPU_MEMORY_SHARE = 0.85
 # Besides, the decode graphs' memory grows with their rows: this many float32 logit rows of the vocabulary per row
-# of the largest step are left free too (512 rows of Llama-3-8B's 128k vocabulary: 4.2 GB; its 51 graphs took
-# 8.2 GB with the 15% above too small on an 80 GB H100).
-GRAPH_LOGIT_ROWS_PER_ROW = 16
+# of the largest step are left free too. Two captures measured about 31: Llama-3-8B's graphs of up to 512 rows took
+# 8.2 GB of graph pools (128k vocabulary, an 80 GB H100), Gemma-3-12B's of up to 256 rows 8.4 GB (262k vocabulary, an
+# H200, which ran out of memory with 16 here beside 13 GB that the process held outside PyTorch's allocator).
+GRAPH_LOGIT_ROWS_PER_ROW = 32
 # The penalty state's bytes per row and vocabulary id: int32 token counts and the prompt's presence (bool).
 PENALTY_BYTES_PER_ID = 5
 # Without max_kv_tokens on the CPU the pool holds this many full contexts, within this share of the memory available

@@ -105,3 +105,19 @@ def test_default_cpu_pool_fits_in_the_memory_available():
     assert 1 <= pages * page_bytes(args, 16, torch.bfloat16) <= available_memory() * CPU_MEMORY_SHARE
     # an explicit max_kv_tokens is taken as given
     assert pool_pages(args, 16, torch.bfloat16, torch.device("cpu"), 1 << 24) == (1 << 24) // 16
+
+
+def test_a_gpu_pool_leaves_room_for_the_decode_graphs_logits(monkeypatch):
+    """From free GPU memory: 85% of it, less 32 float32 vocabulary rows and the penalty tables per row of the largest
+    step (Gemma-3's 262k vocabulary at 256 rows: 8.6 GB; its graphs were measured to take 8.4)."""
+    from redline.engine.kv_pages import page_bytes
+
+    args = ModelArgs.from_name("Gemma-3-12B")
+    free = 100 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    pages = pool_pages(args, 16, torch.bfloat16, torch.device("cuda"), None, max_rows=256)
+    reserve = 256 * args.vocab_size * (32 * 4 + 5)
+    assert args.vocab_size == 262_208 and pages == int(free * 0.85 - reserve) // page_bytes(args, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="too little for one KV page"):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (reserve, 2 * free))
+        pool_pages(args, 16, torch.bfloat16, torch.device("cuda"), None, max_rows=256)
