@@ -9,11 +9,13 @@ threads=N).generate`, and its own stats. Default file: the demo model's Q4_1 GGU
 runs it as the native Q4_1 import (int4 g32, no re-quantizing) and as its float32 dequantization.
 
 Every round runs each engine once, greedy, --tokens new tokens from the same prompt (llama.cpp's prompt cache reset
-first; neither stops at the end of text, so both decode the same positions), and records decode tok/s (tokens after the first over the time after the first), prefill tok/s (prompt
-tokens over the time to the first token) and the 1-minute load average at that moment. Medians over the rounds.
+first; neither stops at the end of text, so both decode the same positions), and records decode tok/s (tokens after
+the first over the time after the first), prefill tok/s (prompt tokens over the time to the first token) and the
+1-minute load average at that moment. Medians over the rounds.
 --redline adds Redline checkpoints of the same model to the comparison (for example quantize.py's int8 of a Q8_0
-file's conversion). With --compiled, each Redline checkpoint also runs with its decode step compiled (LLM.load(..., compile=True):
-torch.compile's CPU backend; the compile happens in the warm-up, outside the rates, and its seconds are recorded).
+file's conversion). With --compiled, each Redline checkpoint also runs with its decode step compiled
+(LLM.load(..., compile=True): torch.compile's CPU backend; the compile happens in the warm-up, outside the rates, and
+its seconds are recorded).
 With --busy N, the rounds run again with N CPU-bound processes on the same cores, and the table adds each engine's
 decode rate there as a share of its own idle rate (the same run). --simd runs Redline's CPU kernels on a lower
 instruction set than the CPU's best (an AVX2 machine's paths on an AVX-512 one; give llama.cpp the same with a build
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from redline.benchmarks.bench_cpu import cpu_name
-from redline.kernels.cpu_linear import SIMD_LEVELS
+from redline.kernels import cpu_linear
 
 PROMPT = "The capital of France is"
 # The instruction sets the table names (from /proc/cpuinfo's flags).
@@ -123,16 +125,12 @@ def summary(runs: list[dict[str, float]]) -> dict[str, Any]:
 def run(gguf: Path, redline_paths: dict[str, Path], rounds_n: int, tokens: int, threads: int,
         busy: int, compiled: bool = False, simd: str | None = None) -> dict[str, Any]:
     """The rounds, idle and then (busy > 0) beside busy processes; simd: Redline's kernels' instruction set."""
-    from redline.kernels.cpu_linear import forced_simd
-
-    with forced_simd(simd) if simd else contextlib.nullcontext():
+    with cpu_linear.forced_simd(simd) if simd else contextlib.nullcontext():
         return measured(gguf, redline_paths, rounds_n, tokens, threads, busy, compiled)
 
 
 def measured(gguf: Path, redline_paths: dict[str, Path], rounds_n: int, tokens: int, threads: int,
              busy: int, compiled: bool) -> dict[str, Any]:
-    from redline.kernels.cpu_linear import simd
-
     runners = {"llama.cpp": llama_cpp_runner(gguf, threads, tokens)}
     runners.update({f"redline {name}": redline_runner(p, threads, tokens) for name, p in redline_paths.items()})
     if compiled:
@@ -142,7 +140,7 @@ def measured(gguf: Path, redline_paths: dict[str, Path], rounds_n: int, tokens: 
     warm_up = {name: once() for name, once in runners.items()}
     idle = {name: summary(r) for name, r in rounds(runners, rounds_n).items()}
     result: dict[str, Any] = {"gguf": str(gguf), "cpu": cpu_name(), "instruction_sets": cpu_instruction_sets(),
-                              "redline_simd": simd(), "llama_cpp_features": llama_cpp_features(),
+                              "redline_simd": cpu_linear.simd(), "llama_cpp_features": llama_cpp_features(),
                               "threads": threads, "new_tokens": tokens, "rounds": rounds_n, "prompt": PROMPT,
                               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "idle": idle,
                               "compile_s": {name: w["compile_s"] for name, w in warm_up.items() if "compile_s" in w}}
@@ -189,7 +187,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--redline", action="append", default=[], metavar="NAME=CHECKPOINT",
                    help="also run this Redline checkpoint under NAME (repeatable)")
     p.add_argument("--compiled", action="store_true", help="also run each Redline checkpoint with its decode compiled")
-    p.add_argument("--simd", choices=SIMD_LEVELS, default=None,
+    p.add_argument("--simd", choices=cpu_linear.SIMD_LEVELS, default=None,
                    help="run Redline's CPU kernels on this instruction set (default: the CPU's best)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ns = p.parse_args(argv)

@@ -110,8 +110,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         # The sampler runs eagerly (on the CPU inductor's code for it crashed or drew other tokens under torch 2.13;
         # on a GPU the graph holds it anyway).
-        dynamic = None  # the sizes mark_sizes_dynamic names
-        self.compiled = CompiledStep(decode_logits, device, graphs=False, dynamic=dynamic)
+        # dynamic=None: dynamic in the sizes mark_sizes_dynamic names, and only those.
+        self.compiled = CompiledStep(decode_logits, device, graphs=False, dynamic=None)
 
     def fits(self, rows: int) -> bool:
         return rows <= self.largest
